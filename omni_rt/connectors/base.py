@@ -1,0 +1,42 @@
+"""The narrow connector interface: put / get / cleanup / health.
+
+A connector moves payload bytes between stages. It never interprets what it carries;
+only the `Handle` it returns travels through the orchestrator's control queues.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from omni_rt.payloads import Handle, Payload
+
+
+class ConnectorError(RuntimeError):
+    """A handle that cannot be resolved (already consumed, cleaned up, foreign)."""
+
+
+class Connector(abc.ABC):
+    """Moves payloads between stages.
+
+    `readers` is how many `get` calls will be made for a handle; the payload is freed
+    after the last one. `cleanup(request_id)` frees whatever a request still holds
+    (abort, disconnect, eviction) and returns how many keys it freed.
+    """
+
+    name: str
+
+    @abc.abstractmethod
+    def put(self, request_id: str, key: str, payload: Payload, readers: int = 1) -> Handle: ...
+
+    @abc.abstractmethod
+    def get(self, handle: Handle) -> Payload: ...
+
+    @abc.abstractmethod
+    def cleanup(self, request_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def health(self) -> dict[str, Any]: ...
+
+    def close(self) -> None:
+        """Free everything (server shutdown)."""

@@ -1,0 +1,25 @@
+"""Prometheus metrics (one registry for the process; served at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+REQUESTS = Counter("omni_rt_requests_total", "Pipeline requests by final status", ["pipeline", "status"])
+STAGE_SECONDS = Histogram(
+    "omni_rt_stage_seconds",
+    "Wall time of one request on one stage",
+    ["pipeline", "stage"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+TTFP_SECONDS = Histogram(
+    "omni_rt_time_to_first_packet_seconds",
+    "Time from request to the first output chunk sent to the client",
+    ["api"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10),
+)
+AUDIO_SECONDS = Counter("omni_rt_audio_seconds_total", "Seconds of audio sent to clients", ["api"])
+DROPPED_STALE = Counter("omni_rt_dropped_stale_total", "Outputs dropped by a fence check", ["hop"])
+ENGINE_BATCH = Histogram(
+    "omni_rt_engine_batch_size", "Items per torch engine step", ["engine"], buckets=(1, 2, 4, 8, 16, 32, 64)
+)
+ENGINE_LOAD = Gauge("omni_rt_engine_load", "Requests queued or running per stage", ["stage"])

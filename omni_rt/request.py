@@ -1,0 +1,84 @@
+"""The client side of one orchestrator request.
+
+Protocol adapters (and tests) hold a `RequestStream`: they send entry-stage inputs,
+read outputs, and abort. Resolving handles into payloads happens here, on the client
+side, so the orchestrator itself never carries bytes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, AsyncIterator
+
+from omni_rt.orchestrator import DoneEvent, Event, OutputEvent
+from omni_rt.payloads import Payload
+from omni_rt.stage import StageError
+
+if TYPE_CHECKING:
+    from omni_rt.orchestrator import Orchestrator, _RequestState
+
+
+class RequestAborted(RuntimeError):
+    def __init__(self, reason: str | None) -> None:
+        super().__init__(f"request aborted ({reason or 'aborted'})")
+        self.reason = reason
+
+
+class RequestStream:
+    def __init__(self, orch: "Orchestrator", state: "_RequestState") -> None:
+        self._orch = orch
+        self._state = state
+        self._inputs = 0
+        self.done: DoneEvent | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    # ---- input ---------------------------------------------------------------------
+    def send_input(self, payload: Payload, connector: str = "inproc") -> bool:
+        """Feed the entry stage. Returns False when the request no longer takes input."""
+        conn = self._orch.connectors[connector]
+        handle = conn.put(self.request_id, f"input/{self._inputs}", payload)
+        self._inputs += 1
+        if not self._orch.push_input(self.request_id, handle):
+            conn.get(handle)  # consume it again so nothing is left behind
+            return False
+        return True
+
+    def end_input(self) -> None:
+        self._orch.end_input(self.request_id)
+
+    # ---- output --------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[Event]:
+        """Raw events: handles and the final DoneEvent."""
+        while self.done is None:
+            ev = await self._state.events.get()
+            if isinstance(ev, DoneEvent):
+                self.done = ev
+            yield ev
+
+    async def payloads(self) -> AsyncIterator[tuple[str, Payload, bool]]:
+        """(stage, payload, last) for every client output; raises if the request fails."""
+        async for ev in self.events():
+            if isinstance(ev, OutputEvent):
+                yield ev.stage, self._orch.connectors[ev.handle.connector].get(ev.handle), ev.last
+            elif ev.status == "failed":
+                raise StageError(ev.error or "request failed")
+            elif ev.status == "aborted":
+                raise RequestAborted(ev.reason)
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def abort(self, reason: str = "aborted") -> None:
+        await self._orch.abort(self.request_id, reason)
+
+    async def close(self) -> None:
+        """Finish with the request: abort it if it still runs, then free its keys."""
+        if self._state.status == "running":
+            await self._orch.abort(self.request_id, "client_closed")
+        self._orch.release(self.request_id)
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,142 @@
+"""Builds and owns the running pieces: connectors, engines, stage pools, orchestrator."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Callable, Mapping
+
+from omni_rt.connectors import Connector, make_connector
+from omni_rt.engines.base import Engine
+from omni_rt.orchestrator import Orchestrator
+from omni_rt.specs import AuxEngineSpec, ConnectorSpec, ProfileSpec, SpecError, StageSpec
+from omni_rt.stage import StageProcessor
+from omni_rt.stage_pool import Replica, StagePool
+
+log = logging.getLogger("omni_rt.runtime")
+
+ModelResolver = Callable[[str], str]
+
+
+def import_processor(path: str) -> type[StageProcessor]:
+    module, _, cls = path.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module), cls)
+    except (ImportError, AttributeError) as exc:
+        raise SpecError(f"processor {path!r} cannot be imported: {exc}") from None
+    if not (isinstance(obj, type) and issubclass(obj, StageProcessor)):
+        raise SpecError(f"processor {path!r} is not a StageProcessor")
+    return obj
+
+
+_TORCH_ARGS = {"max_batch", "max_wait_ms", "threads"}
+
+
+def build_engine(
+    kind: str, model: str | None, engine_args: Mapping[str, Any], processor: type[StageProcessor], role: str, name: str
+) -> Engine:
+    if kind == "vllm":
+        from omni_rt.engines.vllm import VllmEngine
+
+        if model is None:
+            raise SpecError(f"stage {name}: a vllm engine needs a model")
+        return VllmEngine(model, dict(engine_args), name=name)
+    if kind == "torch":
+        bad = set(engine_args) - _TORCH_ARGS
+        if bad:
+            raise SpecError(f"stage {name}: unknown torch engine_args {sorted(bad)}; known: {sorted(_TORCH_ARGS)}")
+        factory = getattr(processor, "torch_module", None)
+        if factory is None or model is None:
+            raise SpecError(f"stage {name}: a torch engine needs a model and a processor with torch_module()")
+        from omni_rt.engines.torch_engine import TorchEngine
+
+        return TorchEngine(factory(model, role), name=name, **engine_args)
+    if kind == "fake":
+        from omni_rt.engines.fake import FakeArEngine
+
+        return FakeArEngine(name=name, **engine_args)
+    raise SpecError(f"stage {name}: unknown engine {kind!r}")
+
+
+class Runtime:
+    def __init__(
+        self,
+        profiles: Mapping[str, ProfileSpec],
+        connectors: Mapping[str, ConnectorSpec],
+        resolve_model: ModelResolver = lambda m: m,
+    ) -> None:
+        self.profiles = dict(profiles)
+        self.connector_specs = dict(connectors)
+        self.resolve_model = resolve_model
+        self.connectors: dict[str, Connector] = {}
+        self.pools: dict[str, StagePool] = {}
+        self.orchestrator: Orchestrator | None = None
+
+    def _stage_specs(self) -> dict[str, StageSpec]:
+        """Stages of every served pipeline; a stage name shared by pipelines is one pool."""
+        stages: dict[str, StageSpec] = {}
+        for pname, profile in self.profiles.items():
+            for s in profile.stages:
+                prev = stages.get(s.name)
+                if prev is not None and prev != s:
+                    raise SpecError(f"pipeline {pname}: stage {s.name!r} is defined differently by another pipeline")
+                stages[s.name] = s
+        return stages
+
+    def _resolve(self, s: StageSpec) -> StageSpec:
+        aux = {
+            k: AuxEngineSpec(engine=a.engine, model=self.resolve_model(a.model), engine_args=a.engine_args)
+            for k, a in s.aux.items()
+        }
+        return s.model_copy(update={"model": self.resolve_model(s.model) if s.model else None, "aux": aux})
+
+    def build(self) -> None:
+        for name, cspec in self.connector_specs.items():
+            self.connectors[name] = make_connector(cspec.backend, name)
+        if "inproc" not in self.connectors:
+            self.connectors["inproc"] = make_connector("inproc")
+        for name, raw in self._stage_specs().items():
+            spec = self._resolve(raw)
+            proc_cls = import_processor(spec.processor)
+            replicas = []
+            for i in range(spec.replicas):
+                rname = f"{name}-{i}" if spec.replicas > 1 else name
+                engine = build_engine(spec.engine, spec.model, spec.engine_args, proc_cls, "main", rname)
+                aux = {
+                    k: build_engine(a.engine, a.model, a.engine_args, proc_cls, k, f"{rname}.{k}") for k, a in spec.aux.items()
+                }
+                replicas.append(Replica(i, engine, aux, proc_cls(spec, engine, aux)))
+            self.pools[name] = StagePool(spec, replicas)
+        self.orchestrator = Orchestrator(self.profiles, self.pools, self.connectors)
+
+    async def start(self) -> None:
+        if self.orchestrator is None:
+            self.build()
+        for name, pool in self.pools.items():
+            log.info("starting stage %s (%d replica(s), engine %s)", name, len(pool.replicas), pool.spec.engine)
+            await pool.start()
+
+    async def stop(self) -> None:
+        if self.orchestrator is not None:
+            for rid in self.orchestrator.running():
+                await self.orchestrator.abort(rid, "shutdown")
+        for pool in self.pools.values():
+            try:
+                await pool.stop()
+            except Exception:  # noqa: BLE001 - keep stopping the others
+                log.exception("stopping stage %s failed", pool.spec.name)
+        for conn in self.connectors.values():
+            conn.close()
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "stages": {
+                name: {
+                    "replicas": [
+                        {"engine": r.engine.health() if r.engine else None, "active": r.active} for r in pool.replicas
+                    ]
+                }
+                for name, pool in self.pools.items()
+            },
+            "connectors": {name: c.health() for name, c in self.connectors.items()},
+        }

@@ -1,0 +1,154 @@
+"""Composition root: reads the deploy overlay, builds the runtime, mounts the protocols."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import pipelines
+from omni_rt.runtime import Runtime
+from omni_rt.specs import DeployOverlay, PipelineOverlay, ProfileSpec, SpecError, apply_overlay
+from protocols.openai_http import (
+    APIError,
+    SpeechService,
+    api_error_handler,
+    build_router,
+    error_body,
+    validation_error_handler,
+)
+
+log = logging.getLogger("omni_rt.server")
+
+DEFAULT_MODELS_DIR = "~/.cache/omni-rt/models"
+TINY_PREFIX = "tiny:"
+
+
+def models_dir(overlay: DeployOverlay) -> Path:
+    raw = overlay.server.models_dir or os.environ.get("OMNI_RT_MODELS_DIR") or DEFAULT_MODELS_DIR
+    return Path(raw).expanduser()
+
+
+class ModelResolver:
+    """Maps a stage's `model` to a local directory; builds tiny checkpoints on demand."""
+
+    def __init__(self, root: Path, build: bool, source: str) -> None:
+        self.root = root
+        self.build = build
+        self.source = source
+        self._tiny: dict[str, Path] | None = None
+
+    def __call__(self, model: str) -> str:
+        if model.startswith(TINY_PREFIX):
+            name = model[len(TINY_PREFIX):]
+            if self._tiny is None:
+                from pipelines.tiny import build_tiny, tiny_status
+
+                if not self.build and not tiny_status(self.root):
+                    raise SpecError(
+                        f"{self.source}: tiny checkpoints are missing under {self.root} and server.build_tiny is false; "
+                        "run `omni-rt models build-tiny`"
+                    )
+                self._tiny = {k: Path(v) for k, v in build_tiny(self.root).items()}
+            if name not in self._tiny:
+                raise SpecError(f"{self.source}: unknown tiny checkpoint {model!r}; known: {sorted(self._tiny)}")
+            return str(self._tiny[name])
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise SpecError(f"{self.source}: model directory {model!r} does not exist (weights are loaded from local dirs)")
+        return str(path)
+
+
+def resolve_profiles(overlay: DeployOverlay, source: str) -> tuple[dict[str, ProfileSpec], dict[str, Any]]:
+    specs = pipelines.load_all()
+    for name in overlay.pipelines:
+        if name not in specs:
+            raise SpecError(f"{source}: pipelines.{name}: unknown pipeline; known: {sorted(specs)}")
+    profiles: dict[str, ProfileSpec] = {}
+    enabled: dict[str, Any] = {}
+    for name, spec in specs.items():
+        if not overlay.pipelines.get(name, PipelineOverlay()).enabled:
+            continue
+        profiles[name] = apply_overlay(spec, overlay, source)
+        enabled[name] = spec
+    return profiles, enabled
+
+
+def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overlay") -> FastAPI:
+    """Validate everything and build (not start) the runtime; raises SpecError on bad config."""
+    overlay = overlay or DeployOverlay()
+    profiles, specs = resolve_profiles(overlay, source)
+    runtime = Runtime(profiles, overlay.connectors, ModelResolver(models_dir(overlay), overlay.server.build_tiny, source))
+    runtime.build()
+    assert runtime.orchestrator is not None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        import torch
+
+        torch.set_num_threads(overlay.server.torch_threads)
+        await runtime.start()
+        log.info("omni-rt ready: pipelines %s", ", ".join(profiles) or "(none)")
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    app = FastAPI(title="omni-rt", lifespan=lifespan)
+    app.state.runtime = runtime
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+    api_key = overlay.server.api_key
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Any) -> Response:
+        if api_key and request.url.path.startswith("/v1/"):
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse(
+                    error_body("Incorrect or missing API key.", "invalid_request_error", None, "invalid_api_key"),
+                    status_code=401,
+                )
+        return await call_next(request)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(
+            error_body(f"Unknown path {request.url.path}", "invalid_request_error", None, "not_found"), status_code=404
+        )
+
+    @app.exception_handler(405)
+    async def bad_method(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(
+            error_body(f"Method {request.method} is not allowed on {request.url.path}", "invalid_request_error", None, "method_not_allowed"),
+            status_code=405,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body("Internal server error.", "server_error", None, "internal_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "pipelines": sorted(profiles), **runtime.health()}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    speech = None
+    if "tts" in profiles:
+        speech = SpeechService(runtime.orchestrator, specs["tts"], overlay.server.max_input_chars)
+    model_ids = [(m, name) for name, spec in specs.items() for m in spec.models]
+    app.include_router(build_router(speech, model_ids))
+    return app

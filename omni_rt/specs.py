@@ -1,0 +1,360 @@
+"""Pipeline topology and deploy overlays (pydantic, validated at load).
+
+Two layers: a pipeline file (frozen topology: stages, edges, final-output set, one or
+more profiles) and a deploy overlay that changes placement, replicas, connectors,
+edge modes, chunking and model paths without touching the pipeline. Every default
+lives here, once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from omni_rt.payloads import PayloadKind
+
+
+class SpecError(ValueError):
+    """A pipeline file or deploy overlay that cannot be used. The message names file and key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChunkingSpec(_Strict):
+    """How a chunk edge slices a stream of frames for the consumer.
+
+    Frames are the source's natural unit (a codec frame = 7 codes = 2048 samples for
+    SNAC 24 kHz). `left_context_frames` and `lookahead_frames` are decoded again around
+    each chunk and trimmed, so a non-causal decoder gives the same samples as a
+    one-shot decode of the whole sequence (invariant 6).
+    """
+
+    first_chunk_frames: int = Field(2, ge=1, le=4096, description="frames in the first chunk (time to first audio)")
+    chunk_frames: int = Field(8, ge=1, le=4096, description="frames in every later chunk")
+    left_context_frames: int = Field(4, ge=0, le=4096, description="already-emitted frames decoded again on the left")
+    lookahead_frames: int = Field(3, ge=0, le=4096, description="future frames a chunk waits for (right context)")
+
+
+class EdgeSpec(_Strict):
+    src: str
+    dst: str
+    payload: PayloadKind
+    mode: Literal["chunk", "batch"] = Field("chunk", description="chunk: stream as produced; batch: hand over when src finishes")
+    connector: str = Field("inproc", description="name of a connector declared by the deployment (inproc, shm)")
+    chunking: ChunkingSpec = ChunkingSpec()
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+class AuxEngineSpec(_Strict):
+    """An extra engine owned by a stage (a fused talker owning its decoder)."""
+
+    engine: Literal["vllm", "torch"]
+    model: str
+    engine_args: dict[str, Any] = {}
+
+
+class StageSpec(_Strict):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    kind: Literal["ar", "generation", "diffusion"]
+    engine: Literal["vllm", "torch", "fake"]
+    processor: str = Field(pattern=r"^[\w.]+:\w+$", description="'module:Class' of the stage's processor")
+    model: str | None = Field(None, description="local checkpoint dir, or 'tiny:<name>' for a built tiny checkpoint")
+    engine_args: dict[str, Any] = {}
+    processor_args: dict[str, Any] = {}
+    aux: dict[str, AuxEngineSpec] = {}
+    replicas: int = Field(1, ge=1, le=64)
+    routing: Literal["least_queue", "round_robin"] = "least_queue"
+    input: PayloadKind | None = Field(None, description="payload the entry stage takes from the client")
+
+
+class ProfileSpec(_Strict):
+    entry: str
+    stages: list[StageSpec]
+    edges: list[EdgeSpec] = []
+    final_outputs: list[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> "ProfileSpec":
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate stage names in {names}")
+        known = set(names)
+        if self.entry not in known:
+            raise ValueError(f"entry stage {self.entry!r} is not one of the stages {sorted(known)}")
+        for e in self.edges:
+            for end in (e.src, e.dst):
+                if end not in known:
+                    raise ValueError(f"edge {e.name!r} names unknown stage {end!r}")
+            if e.dst == self.entry:
+                raise ValueError(f"edge {e.name!r} points into the entry stage")
+        if len({e.name for e in self.edges}) != len(self.edges):
+            raise ValueError("duplicate edges")
+        for f in self.final_outputs:
+            if f not in known:
+                raise ValueError(f"final output {f!r} is not a stage")
+        # Acyclic and every stage reachable from the entry.
+        order = _topo_order(names, [(e.src, e.dst) for e in self.edges])
+        if order is None:
+            raise ValueError("the stage graph has a cycle")
+        reach = {self.entry}
+        for n in order:
+            if n in reach:
+                reach.update(e.dst for e in self.edges if e.src == n)
+        unreachable = known - reach
+        if unreachable:
+            raise ValueError(f"stages not reachable from entry {self.entry!r}: {sorted(unreachable)}")
+        return self
+
+    def stage(self, name: str) -> StageSpec:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def out_edges(self, stage: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.src == stage]
+
+    def in_edges(self, stage: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.dst == stage]
+
+    def order(self) -> list[str]:
+        order = _topo_order([s.name for s in self.stages], [(e.src, e.dst) for e in self.edges])
+        assert order is not None
+        return order
+
+
+class PipelineSpec(_Strict):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    description: str = ""
+    models: list[str] = Field(min_length=1, description="model ids this pipeline answers to (first is canonical)")
+    voices: dict[str, str] = Field({}, description="accepted voice name -> voice the model speaks")
+    default_profile: str
+    profiles: dict[str, ProfileSpec]
+
+    @model_validator(mode="after")
+    def _check_profile(self) -> "PipelineSpec":
+        if self.default_profile not in self.profiles:
+            raise ValueError(f"default_profile {self.default_profile!r} is not one of {sorted(self.profiles)}")
+        return self
+
+
+# ---- deploy overlay --------------------------------------------------------------------
+
+
+class ChunkingOverlay(_Strict):
+    first_chunk_frames: int | None = Field(None, ge=1, le=4096)
+    chunk_frames: int | None = Field(None, ge=1, le=4096)
+    left_context_frames: int | None = Field(None, ge=0, le=4096)
+    lookahead_frames: int | None = Field(None, ge=0, le=4096)
+
+
+class EdgeOverlay(_Strict):
+    mode: Literal["chunk", "batch"] | None = None
+    connector: str | None = None
+    chunking: ChunkingOverlay | None = None
+
+
+class StageOverlay(_Strict):
+    model: str | None = None
+    replicas: int | None = Field(None, ge=1, le=64)
+    routing: Literal["least_queue", "round_robin"] | None = None
+    engine_args: dict[str, Any] = Field({}, description="merged over the pipeline's engine_args")
+    processor_args: dict[str, Any] = Field({}, description="merged over the pipeline's processor_args")
+    aux: dict[str, dict[str, Any]] = Field({}, description="per aux engine: model / engine_args overrides")
+
+
+class PipelineOverlay(_Strict):
+    enabled: bool = True
+    profile: str | None = None
+    stages: dict[str, StageOverlay] = {}
+    edges: dict[str, EdgeOverlay] = {}
+
+
+class ConnectorSpec(_Strict):
+    backend: Literal["inproc", "shm"]
+
+
+class ServerSpec(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    models_dir: str | None = Field(None, description="where tiny checkpoints are built (default ~/.cache/omni-rt/models)")
+    build_tiny: bool = Field(True, description="build missing tiny checkpoints at start-up")
+    api_key: str | None = Field(None, description="if set, requests need 'Authorization: Bearer <key>'")
+    max_input_chars: int = Field(4096, ge=1)
+    torch_threads: int = Field(1, ge=1, le=256, description="intra-op threads for torch engines in this process")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class DeployOverlay(_Strict):
+    server: ServerSpec = ServerSpec()
+    connectors: dict[str, ConnectorSpec] = Field(
+        {"inproc": ConnectorSpec(backend="inproc"), "shm": ConnectorSpec(backend="shm")},
+        description="named connectors that edges refer to",
+    )
+    pipelines: dict[str, PipelineOverlay] = {}
+
+
+# ---- loading ---------------------------------------------------------------------------
+
+
+def _topo_order(nodes: list[str], edges: list[tuple[str, str]]) -> list[str] | None:
+    indeg = {n: 0 for n in nodes}
+    for _, d in edges:
+        indeg[d] += 1
+    ready = [n for n in nodes if indeg[n] == 0]
+    out: list[str] = []
+    while ready:
+        n = ready.pop(0)
+        out.append(n)
+        for s, d in edges:
+            if s == n:
+                indeg[d] -= 1
+                if indeg[d] == 0:
+                    ready.append(d)
+    return out if len(out) == len(nodes) else None
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{source}: {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise SpecError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return {} if data is None else data
+
+
+def parse_pipeline(data: Any, source: str) -> PipelineSpec:
+    try:
+        return PipelineSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation(err, source)) from None
+
+
+def load_pipeline(path: str | Path) -> PipelineSpec:
+    p = Path(path)
+    return parse_pipeline(_read_yaml(p), str(p))
+
+
+def parse_overlay(data: Any, source: str) -> DeployOverlay:
+    try:
+        return DeployOverlay.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_format_validation(err, source)) from None
+
+
+def load_overlay(path: str | Path | None) -> DeployOverlay:
+    if path is None:
+        return DeployOverlay()
+    p = Path(path)
+    return parse_overlay(_read_yaml(p), str(p))
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    out.update(over)
+    return out
+
+
+def apply_overlay(pipeline: PipelineSpec, overlay: DeployOverlay, source: str = "deploy overlay") -> ProfileSpec:
+    """The profile a deployment runs: the pipeline's chosen profile with overrides applied.
+
+    Names in the overlay that match nothing (a stage, edge or profile that does not
+    exist, a connector that is not declared) are errors naming the key.
+    """
+    po = overlay.pipelines.get(pipeline.name, PipelineOverlay())
+    base_key = f"{source}: pipelines.{pipeline.name}"
+    profile_name = po.profile or pipeline.default_profile
+    if profile_name not in pipeline.profiles:
+        raise SpecError(f"{base_key}.profile: unknown profile {profile_name!r}; known: {sorted(pipeline.profiles)}")
+    profile = pipeline.profiles[profile_name]
+    stage_names = {s.name for s in profile.stages}
+    for name in po.stages:
+        if name not in stage_names:
+            raise SpecError(f"{base_key}.stages.{name}: no such stage in profile {profile_name!r}; known: {sorted(stage_names)}")
+    edge_names = {e.name for e in profile.edges}
+    for name in po.edges:
+        if name not in edge_names:
+            raise SpecError(f"{base_key}.edges.{name}: no such edge in profile {profile_name!r}; known: {sorted(edge_names)}")
+
+    stages = []
+    for s in profile.stages:
+        so = po.stages.get(s.name)
+        if so is None:
+            stages.append(s)
+            continue
+        aux = dict(s.aux)
+        for aux_name, aux_over in so.aux.items():
+            if aux_name not in aux:
+                raise SpecError(f"{base_key}.stages.{s.name}.aux.{aux_name}: no such aux engine; known: {sorted(aux)}")
+            bad = set(aux_over) - {"model", "engine_args"}
+            if bad:
+                raise SpecError(f"{base_key}.stages.{s.name}.aux.{aux_name}.{sorted(bad)[0]}: unknown key")
+            cur = aux[aux_name]
+            aux[aux_name] = cur.model_copy(
+                update={
+                    "model": aux_over.get("model", cur.model),
+                    "engine_args": _merge(cur.engine_args, aux_over.get("engine_args", {})),
+                }
+            )
+        stages.append(
+            s.model_copy(
+                update={
+                    "model": so.model if so.model is not None else s.model,
+                    "replicas": so.replicas or s.replicas,
+                    "routing": so.routing or s.routing,
+                    "engine_args": _merge(s.engine_args, so.engine_args),
+                    "processor_args": _merge(s.processor_args, so.processor_args),
+                    "aux": aux,
+                }
+            )
+        )
+    edges = []
+    for e in profile.edges:
+        eo = po.edges.get(e.name)
+        if eo is None:
+            edges.append(e)
+            continue
+        chunking = e.chunking
+        if eo.chunking is not None:
+            chunking = chunking.model_copy(update=eo.chunking.model_dump(exclude_none=True))
+        edges.append(
+            e.model_copy(
+                update={"mode": eo.mode or e.mode, "connector": eo.connector or e.connector, "chunking": chunking}
+            )
+        )
+    for e in edges:
+        if e.connector not in overlay.connectors:
+            raise SpecError(
+                f"{base_key}.edges.{e.name}.connector: connector {e.connector!r} is not declared; "
+                f"known: {sorted(overlay.connectors)}"
+            )
+    try:
+        return ProfileSpec.model_validate(
+            {"entry": profile.entry, "stages": stages, "edges": edges, "final_outputs": profile.final_outputs}
+        )
+    except ValidationError as err:
+        raise SpecError(_format_validation(err, base_key)) from None

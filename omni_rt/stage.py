@@ -1,0 +1,173 @@
+"""The stage side of a request: processors, their inputs and their outputs.
+
+A `StageProcessor` is pipeline code (in `pipelines/`) that turns input payloads into
+output payloads with the help of its replica's engine(s). It sees payloads; the
+orchestrator only sees the handles that `StageContext.emit` publishes. The byte work
+(connector put/get) happens here, in the stage worker, never in the orchestrator.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
+
+from omni_rt.connectors.base import Connector
+from omni_rt.engines.base import Engine
+from omni_rt.payloads import Fence, Handle, Payload
+from omni_rt.specs import ChunkingSpec, StageSpec
+
+if TYPE_CHECKING:
+    from omni_rt.orchestrator import _Group, _RequestState
+
+
+class StageError(RuntimeError):
+    """A stage failed in a way the client should hear about (message is user-safe)."""
+
+
+_EOS = object()
+
+
+@dataclass(frozen=True, slots=True)
+class InputItem:
+    handle: Handle
+
+
+class StageInput:
+    """One input of a stage for one request: a stream of payloads ending at EOS.
+
+    `mode` is the edge's mode (`chunk` or `batch`, or `client` for the entry stage's
+    input from the client); `chunking` is the edge's chunking spec.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        mode: str,
+        chunking: ChunkingSpec,
+        connectors: Mapping[str, Connector],
+        current_fence: Callable[[], Fence | None],
+    ) -> None:
+        self.name = name
+        self.mode = mode
+        self.chunking = chunking
+        self._connectors = connectors
+        self._current_fence = current_fence
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.closed = False
+        self.dropped_stale = 0
+
+    # -- orchestrator side (handles only) --
+    def feed(self, handle: Handle) -> None:
+        self._queue.put_nowait(InputItem(handle))
+
+    def end(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait(_EOS)
+
+    # -- stage side (payloads) --
+    def __aiter__(self) -> AsyncIterator[Payload]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Payload]:
+        while True:
+            item = await self._queue.get()
+            if item is _EOS:
+                return
+            handle = item.handle
+            payload = self._connectors[handle.connector].get(handle)
+            current = self._current_fence()
+            # Fence check at the connector-get hop: a chunk from an older epoch never
+            # reaches the stage's model.
+            if current is not None and payload.fence.is_stale_against(current):
+                self.dropped_stale += 1
+                continue
+            yield payload
+
+    async def read_all(self) -> list[Payload]:
+        return [p async for p in self]
+
+
+class StageContext:
+    """What a processor gets for one request on one stage."""
+
+    def __init__(
+        self,
+        state: "_RequestState",
+        stage: StageSpec,
+        inputs: dict[str, StageInput],
+        connectors: Mapping[str, Connector],
+        groups: "list[_Group]",
+        route: Callable[["_Group", Handle, bool], None],
+    ) -> None:
+        self._state = state
+        self.stage = stage
+        self.inputs = inputs
+        self._connectors = connectors
+        self._groups = groups
+        self._route = route
+        self.emitted = 0
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    @property
+    def fence(self) -> Fence:
+        return self._state.fence
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        return self._state.params
+
+    def add_usage(self, **counts: int) -> None:
+        """Count usage (tokens, frames) reported with the request's completion."""
+        usage = self._state.usage
+        for k, v in counts.items():
+            usage[k] = usage.get(k, 0) + int(v)
+
+    def input(self, name: str | None = None) -> StageInput:
+        if name is None:
+            if len(self.inputs) != 1:
+                raise KeyError(f"stage {self.stage.name} has inputs {sorted(self.inputs)}; name one")
+            return next(iter(self.inputs.values()))
+        return self.inputs[name]
+
+    async def emit(self, payload: Payload, *, last: bool = False) -> None:
+        """Publish one output chunk to every consumer (client and/or next stages).
+
+        One connector put per connector in use; the orchestrator gets only handles.
+        """
+        if payload.fence != self._state.fence:
+            raise StageError(f"stage {self.stage.name} emitted a payload with a foreign fence")
+        key = f"{self.stage.name}/{self.emitted}"
+        for group in self._groups:
+            handle = self._connectors[group.connector].put(
+                self._state.request_id, key, payload, readers=len(group.consumers)
+            )
+            self._route(group, handle, last)
+        self.emitted += 1
+        # Yield to the loop between chunks so one busy stream never starves others.
+        await asyncio.sleep(0)
+
+
+class StageProcessor(abc.ABC):
+    """Pipeline code for one stage, one instance per replica."""
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.aux = aux
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Called once after the replica's engines started (load tokenizers, warm up)."""
+
+    @abc.abstractmethod
+    async def run(self, ctx: StageContext) -> None:
+        """Consume `ctx.inputs`, `await ctx.emit(...)` outputs; return when done.
+
+        Cancellation (abort, disconnect) arrives as CancelledError and must free any
+        engine work the processor started (engines' generators do this themselves).
+        """

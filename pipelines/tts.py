@@ -1,0 +1,349 @@
+"""The `tts` pipeline: talker (codec LM on vLLM) -> code2wav (SNAC decoder on torch).
+
+Split profile: two stages joined by a `codes` edge (chunk or batch). Fused profile: one
+stage whose talker owns the decoder. Both use the same pieces below, so they produce
+the same audio for the same seed.
+
+Token layout is Orpheus's (7 codec tokens per SNAC frame), so real Orpheus + SNAC
+weights drop in by pointing the stages' `model` at their directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+
+import numpy as np
+import torch
+
+from omni_rt.engines.base import Engine
+from omni_rt.engines.torch_engine import TorchEngine
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.specs import ChunkingSpec, StageSpec
+from omni_rt.stage import StageContext, StageError, StageProcessor
+from pipelines.codec import CodecLayout, FrameAssembler, load_snac
+
+SAMPLE_RATE = 24_000
+SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: hop 512 x vq stride 4
+
+
+# ---- talker ---------------------------------------------------------------------------
+
+
+def split_text(text: str, max_chars: int) -> list[str]:
+    """Split long input at sentence (then word) boundaries into segments <= max_chars.
+
+    A codec LM is trained on utterance-length prompts and its context is bounded, so
+    long input is spoken segment by segment rather than cut off.
+    """
+    text = " ".join(text.split())
+    if len(text) <= max_chars:
+        return [text] if text else []
+    sentences = re.split(r"(?<=[.!?;:])\s+", text)
+    segments: list[str] = []
+    cur = ""
+    for sent in sentences:
+        while len(sent) > max_chars:
+            cut = sent.rfind(" ", 0, max_chars)
+            cut = cut if cut > 0 else max_chars
+            head, sent = sent[:cut].strip(), sent[cut:].strip()
+            if cur:
+                segments.append(cur)
+                cur = ""
+            segments.append(head)
+        if cur and len(cur) + 1 + len(sent) > max_chars:
+            segments.append(cur)
+            cur = sent
+        else:
+            cur = f"{cur} {sent}".strip()
+    if cur:
+        segments.append(cur)
+    return segments
+
+
+class CodecTalker:
+    """Prompt building and codec-frame generation over a vLLM engine."""
+
+    DEFAULTS: dict[str, Any] = {
+        # Orpheus's recommended sampling.
+        "temperature": 0.6,
+        "top_p": 0.8,
+        "repetition_penalty": 1.3,
+        # Upper bound on generated tokens: per input character plus a base, capped. A
+        # trained model stops at end-of-speech long before; a random one never does.
+        "tokens_per_char": 7,
+        "base_tokens": 28,
+        "max_tokens": 2800,
+        "max_chars_per_segment": 300,
+        "publish_frames": 1,
+    }
+
+    def __init__(self, model_dir: str, args: Mapping[str, Any]) -> None:
+        unknown = set(args) - set(self.DEFAULTS) - {"chunking"}
+        if unknown:
+            raise ValueError(f"unknown talker processor_args: {sorted(unknown)}")
+        self.args = {**self.DEFAULTS, **args}
+        self.model_dir = model_dir
+        self.layout = CodecLayout.load(model_dir)
+        self.tokenizer: Any = None
+        lay = self.layout
+        self._allowed = list(range(lay.audio_token_offset, lay.audio_token_offset + lay.codes_per_frame * lay.codebook_size))
+        self._allowed.append(lay.end_of_speech)
+
+    def load(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+
+    def prompt_ids(self, text: str, voice: str) -> list[int]:
+        lay = self.layout
+        ids = list(self.tokenizer(f"{voice}: {text}")["input_ids"])
+        return [lay.start_of_human, *ids, lay.end_of_text, lay.end_of_human, lay.start_of_ai, lay.start_of_speech]
+
+    def sampling(self, text: str, params: Mapping[str, Any], segment: int) -> dict[str, Any]:
+        a = self.args
+        max_tokens = min(int(a["max_tokens"]), int(a["base_tokens"]) + int(a["tokens_per_char"]) * len(text))
+        s: dict[str, Any] = {
+            "temperature": a["temperature"],
+            "top_p": a["top_p"],
+            "repetition_penalty": a["repetition_penalty"],
+            "max_tokens": max_tokens,
+            "stop_token_ids": [self.layout.end_of_speech],
+            "allowed_token_ids": self._allowed,
+        }
+        if params.get("seed") is not None:
+            s["seed"] = int(params["seed"]) + segment
+        return s
+
+    async def frames(self, ctx: StageContext, engine: Engine | None, text: str) -> AsyncIterator[np.ndarray]:
+        """Yield int32 code frames [k, 7] as the engine produces them."""
+        request_id, params = ctx.request_id, ctx.params
+        gen = getattr(engine, "generate", None)
+        if gen is None:
+            raise StageError("talker stage needs an AR engine with generate()")
+        voice = str(params.get("voice", "tara"))
+        publish = max(1, int(self.args["publish_frames"]))
+        for i, segment in enumerate(split_text(text, int(self.args["max_chars_per_segment"]))):
+            assembler = FrameAssembler(self.layout)
+            pending: list[np.ndarray] = []
+            n_pending = 0
+            prompt = self.prompt_ids(segment, voice)
+            ctx.add_usage(input_tokens=len(prompt))
+            async for toks in gen(f"{request_id}-s{i}", prompt_token_ids=prompt, sampling=self.sampling(segment, params, i)):
+                ctx.add_usage(output_tokens=len(toks))
+                frames = assembler.push(toks)
+                if len(frames):
+                    pending.append(frames)
+                    n_pending += len(frames)
+                    if n_pending >= publish:
+                        yield np.concatenate(pending).astype(np.int32)
+                        pending, n_pending = [], 0
+            if pending:
+                yield np.concatenate(pending).astype(np.int32)
+
+
+async def _input_text(ctx: StageContext) -> str:
+    parts = [p.text or "" for p in await ctx.input().read_all()]
+    text = " ".join(t for t in parts if t).strip()
+    if not text:
+        raise StageError("empty input text")
+    return text
+
+
+class TalkerProcessor(StageProcessor):
+    """Split profile, stage 1: text -> codec frames (published as CODES chunks)."""
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        assert spec.model is not None
+        self.talker = CodecTalker(spec.model, spec.processor_args)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.talker.load)
+
+    async def run(self, ctx: StageContext) -> None:
+        text = await _input_text(ctx)
+        start = 0
+        async for frames in self.talker.frames(ctx, self.engine, text):  # type: ignore[arg-type]
+            await ctx.emit(Payload(PayloadKind.CODES, ctx.fence, arrays={"frames": frames}, meta={"frame_start": start}))
+            start += len(frames)
+
+
+# ---- code2wav ---------------------------------------------------------------------------
+
+
+class SnacFrameDecoder(torch.nn.Module):
+    """Batched frames [B, F, 7] (Orpheus order) -> audio [B, F * 2048] float32."""
+
+    def __init__(self, snac: torch.nn.Module) -> None:
+        super().__init__()
+        self.snac = snac
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        f = frames.long()
+        b, n, _ = f.shape
+        level0 = f[:, :, 0]
+        level1 = f[:, :, [1, 4]].reshape(b, 2 * n)
+        level2 = f[:, :, [2, 3, 5, 6]].reshape(b, 4 * n)
+        audio = self.snac.decode([level0, level1, level2])  # [B, 1, T]
+        return audio[:, 0, :].float()
+
+
+class StreamingDecoder:
+    """Turns a growing frame sequence into audio chunks.
+
+    With `chunking` (chunk edge): the first chunk is `first_chunk_frames`, later ones
+    `chunk_frames`; each window also decodes `left_context_frames` already-emitted
+    frames and waits for `lookahead_frames` future frames, and only the chunk's own
+    samples are kept. With enough context on both sides (the decoder's receptive
+    field) this equals decoding everything at once. Without chunking (batch edge):
+    one decode at the end.
+    """
+
+    def __init__(self, decode: Callable[[np.ndarray], Awaitable[np.ndarray]], chunking: ChunkingSpec | None) -> None:
+        self._decode = decode
+        self.chunking = chunking
+        self._frames: list[np.ndarray] = []
+        self._buf = np.zeros((0, 7), dtype=np.int32)
+        self._base = 0  # absolute index of _buf[0]
+        self.total = 0  # frames received
+        self.emitted = 0  # frames whose audio has been produced
+
+    def _append(self, frames: np.ndarray) -> None:
+        self._buf = np.concatenate([self._buf, frames.astype(np.int32, copy=False)])
+        self.total += len(frames)
+
+    async def _window(self, start: int, end: int, keep_from: int, keep_to: int) -> np.ndarray:
+        lo, hi = start - self._base, end - self._base
+        audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]))
+        a = (keep_from - start) * SAMPLES_PER_FRAME
+        b = (keep_to - start) * SAMPLES_PER_FRAME
+        return audio[a:b]
+
+    def _trim(self) -> None:
+        if self.chunking is None:
+            return
+        keep = max(0, self.emitted - self.chunking.left_context_frames)
+        drop = keep - self._base
+        if drop > 0:
+            self._buf = self._buf[drop:]
+            self._base = keep
+
+    async def push(self, frames: np.ndarray) -> list[np.ndarray]:
+        self._append(frames)
+        out: list[np.ndarray] = []
+        c = self.chunking
+        if c is None:
+            return out
+        while True:
+            size = c.first_chunk_frames if self.emitted == 0 else c.chunk_frames
+            end = self.emitted + size
+            if self.total < end + c.lookahead_frames:
+                break
+            start = max(0, self.emitted - c.left_context_frames)
+            out.append(await self._window(start, end + c.lookahead_frames, self.emitted, end))
+            self.emitted = end
+            self._trim()
+        return out
+
+    async def finish(self) -> list[np.ndarray]:
+        if self.emitted >= self.total:
+            return []
+        left = self.chunking.left_context_frames if self.chunking is not None else 0
+        start = max(0, self.emitted - left)
+        audio = await self._window(start, self.total, self.emitted, self.total)
+        self.emitted = self.total
+        return [audio]
+
+
+def _audio_payload(ctx: StageContext, audio: np.ndarray, start_sample: int) -> Payload:
+    return Payload(
+        PayloadKind.AUDIO,
+        ctx.fence,
+        arrays={"pcm": np.ascontiguousarray(audio, dtype=np.float32)},
+        meta={"sample_rate": SAMPLE_RATE, "start_sample": start_sample},
+    )
+
+
+class _Emitter:
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.samples = 0
+
+    async def __call__(self, chunks: list[np.ndarray]) -> None:
+        for audio in chunks:
+            if len(audio):
+                await self.ctx.emit(_audio_payload(self.ctx, audio, self.samples))
+                self.samples += len(audio)
+
+
+def _snac_module(model_dir: str) -> Callable[[], torch.nn.Module]:
+    return lambda: SnacFrameDecoder(load_snac(model_dir))
+
+
+class Code2WavProcessor(StageProcessor):
+    """Split profile, stage 2: codec frames -> PCM chunks."""
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
+        return _snac_module(model_dir)
+
+    async def run(self, ctx: StageContext) -> None:
+        if not isinstance(self.engine, TorchEngine):
+            raise StageError("code2wav needs a torch engine")
+        inp = ctx.input()
+        dec = StreamingDecoder(self.engine.run, inp.chunking if inp.mode == "chunk" else None)
+        emit = _Emitter(ctx)
+        async for payload in inp:
+            await emit(await dec.push(payload.arrays["frames"]))
+        await emit(await dec.finish())
+
+
+class FusedTalkerProcessor(StageProcessor):
+    """Fused profile: one stage; the talker owns a streaming decoder (aux engine 'decoder').
+
+    Generation and decoding run as two tasks joined by a queue, so the talker keeps
+    consuming tokens while a chunk is being decoded.
+    """
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        assert spec.model is not None
+        args = dict(spec.processor_args)
+        self.chunking = ChunkingSpec.model_validate(args.pop("chunking", {}))
+        self.talker = CodecTalker(spec.model, args)
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
+        return _snac_module(model_dir)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.talker.load)
+
+    async def run(self, ctx: StageContext) -> None:
+        decoder = self.aux.get("decoder")
+        if not isinstance(decoder, TorchEngine):
+            raise StageError("fused talker needs a torch aux engine named 'decoder'")
+        text = await _input_text(ctx)
+        queue: asyncio.Queue[np.ndarray | None] = asyncio.Queue()
+
+        async def produce() -> None:
+            try:
+                async for frames in self.talker.frames(ctx, self.engine, text):  # type: ignore[arg-type]
+                    queue.put_nowait(frames)
+            finally:
+                queue.put_nowait(None)  # wake the decoder loop on success and failure alike
+
+        producer = asyncio.get_running_loop().create_task(produce())
+        try:
+            dec = StreamingDecoder(decoder.run, self.chunking)
+            emit = _Emitter(ctx)
+            while (frames := await queue.get()) is not None:
+                await emit(await dec.push(frames))
+            await producer  # re-raise a talker failure
+            await emit(await dec.finish())
+        finally:
+            if not producer.done():
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)

@@ -1,0 +1,108 @@
+"""Shared test harness: build an orchestrator over fake stage processors in one call."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any, Mapping
+
+import numpy as np
+
+from omni_rt.connectors.base import Connector
+from omni_rt.connectors.inproc import InprocConnector
+from omni_rt.engines.fake import FakeArEngine
+from omni_rt.orchestrator import Orchestrator
+from omni_rt.payloads import Handle, Payload, PayloadKind
+from omni_rt.specs import ProfileSpec
+from omni_rt.stage import StageContext, StageError, StageProcessor
+from omni_rt.stage_pool import Replica, StagePool
+
+
+class CountingConnector(Connector):
+    """Wraps a connector and records which module called put/get (invariant 1)."""
+
+    def __init__(self, inner: Connector) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.callers: list[tuple[str, str]] = []
+        self.bytes_moved = 0
+
+    def _caller(self, op: str) -> None:
+        self.callers.append((op, sys._getframe(2).f_globals.get("__name__", "?")))
+
+    def put(self, request_id: str, key: str, payload: Payload, readers: int = 1) -> Handle:
+        self._caller("put")
+        self.bytes_moved += payload.nbytes
+        return self.inner.put(request_id, key, payload, readers)
+
+    def get(self, handle: Handle) -> Payload:
+        self._caller("get")
+        return self.inner.get(handle)
+
+    def cleanup(self, request_id: str) -> int:
+        return self.inner.cleanup(request_id)
+
+    def health(self) -> dict[str, Any]:
+        return self.inner.health()
+
+
+class EmitN(StageProcessor):
+    """Entry stage: reads client inputs (each an int count in meta) and emits that many
+    TOKENS chunks per input, `delay` seconds apart, through the fake engine."""
+
+    delay = 0.0
+
+    async def run(self, ctx: StageContext) -> None:
+        async for p in ctx.input():
+            n = int(p.meta.get("n", 3))
+            assert isinstance(self.engine, FakeArEngine)
+            async for toks in self.engine.generate(
+                f"{ctx.request_id}:{self.spec.name}", prompt_token_ids=[n], sampling={"max_tokens": n, "seed": n}
+            ):
+                await ctx.emit(Payload(PayloadKind.TOKENS, ctx.fence, arrays={"t": np.asarray(toks, np.int64)}))
+
+
+class Double(StageProcessor):
+    """Consumes token chunks, emits them doubled; records when it started."""
+
+    started_after: list[set[str]] = []
+    delay = 0.0
+
+    async def run(self, ctx: StageContext) -> None:
+        type(self).started_after.append(set(ctx._state.done))
+        async for p in ctx.input():
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            await ctx.emit(Payload(PayloadKind.TOKENS, ctx.fence, arrays={"t": p.arrays["t"] * 2}))
+
+
+class Fail(StageProcessor):
+    async def run(self, ctx: StageContext) -> None:
+        async for _ in ctx.input():
+            raise StageError("boom in stage")
+
+
+def make_orchestrator(
+    profile: ProfileSpec, processors: Mapping[str, type[StageProcessor]], *, step_ms: float = 0.0
+) -> tuple[Orchestrator, dict[str, FakeArEngine], CountingConnector]:
+    conn = CountingConnector(InprocConnector())
+    engines: dict[str, FakeArEngine] = {}
+    pools = {}
+    for s in profile.stages:
+        eng = FakeArEngine(name=s.name, step_ms=step_ms)
+        engines[s.name] = eng
+        pools[s.name] = StagePool(s, [Replica(0, eng, {}, processors[s.name](s, eng, {}))])
+    return Orchestrator({"p": profile}, pools, {"inproc": conn}), engines, conn
+
+
+def profile(stages: list[tuple[str, str]], edges: list[dict[str, Any]], finals: list[str]) -> ProfileSpec:
+    return ProfileSpec.model_validate(
+        {
+            "entry": stages[0][0],
+            "stages": [
+                {"name": n, "kind": "ar", "engine": "fake", "processor": f"tests.harness:{proc}"} for n, proc in stages
+            ],
+            "edges": [{"payload": "tokens", **e} for e in edges],
+            "final_outputs": finals,
+        }
+    )
