@@ -91,10 +91,11 @@ class Runtime:
         return s.model_copy(update={"model": self.resolve_model(s.model) if s.model else None, "aux": aux})
 
     def build(self) -> None:
-        for name, cspec in self.connector_specs.items():
-            self.connectors[name] = make_connector(cspec.backend, name)
-        if "inproc" not in self.connectors:
-            self.connectors["inproc"] = make_connector("inproc")
+        # Only connectors some edge uses are created (plus inproc for client I/O).
+        used = {"inproc"} | {e.connector for p in self.profiles.values() for e in p.edges}
+        for name in sorted(used):
+            cspec = self.connector_specs.get(name)
+            self.connectors[name] = make_connector(cspec.backend if cspec else name, name)
         for name, raw in self._stage_specs().items():
             spec = self._resolve(raw)
             proc_cls = import_processor(spec.processor)

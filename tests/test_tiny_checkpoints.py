@@ -1,0 +1,147 @@
+"""Tiny reference checkpoints (talker + SNAC code2wav) and the codec helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.codec import (
+    SAMPLES_PER_FRAME,
+    CodecLayout,
+    FrameAssembler,
+    codes_to_frames,
+    decode_window,
+    frames_to_codes,
+    load_snac,
+    orpheus_prompt_ids,
+    tokens_to_frames,
+)
+from pipelines.tiny import build_tiny
+
+
+def _digest(directory: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir())
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def test_build_is_deterministic_and_idempotent(tiny: dict[str, Path], tmp_path: Path) -> None:
+    again = build_tiny(tmp_path)
+    for key in ("talker", "code2wav"):
+        first, second = _digest(tiny[key]), _digest(again[key])
+        assert first == second, key
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "codec_layout.json"} <= set(_digest(tiny["talker"]))
+    assert {"pytorch_model.bin", "config.json"} <= set(_digest(tiny["code2wav"]))
+    # complete -> reused, not rebuilt
+    mtime = (again["talker"] / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny(tmp_path) == again
+    assert (again["talker"] / "model.safetensors").stat().st_mtime_ns == mtime
+    # no temp dirs left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in again.values())
+
+
+def test_talker_tokenizer_and_layout(tiny: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny["talker"]), local_files_only=True)
+    layout = CodecLayout.load(tiny["talker"])
+    assert layout != CodecLayout()  # the tiny ids, not Orpheus defaults
+    config = json.loads((tiny["talker"] / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["vocab_size"] >= layout.audio_token_end
+    assert layout.audio_token_end - layout.audio_token_offset == 7 * 4096
+    # every control id is a real special token of the tokenizer, below the audio range
+    for name in ("start_of_human", "end_of_text", "end_of_human", "start_of_ai",
+                 "start_of_speech", "end_of_speech"):
+        tid = getattr(layout, name)
+        assert tid < layout.audio_token_offset
+        assert tok.convert_ids_to_tokens(tid).startswith("<|")
+    text = "tara: Hello there, how are you?"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    prompt = orpheus_prompt_ids(tok, "Hello there", layout, voice="tara")
+    assert prompt[0] == layout.start_of_human
+    assert prompt[-4:] == [layout.end_of_text, layout.end_of_human, layout.start_of_ai, layout.start_of_speech]
+
+
+def test_codec_layout_defaults_are_orpheus(tmp_path: Path) -> None:
+    layout = CodecLayout.load(tmp_path)  # no codec_layout.json
+    assert layout.audio_token_offset == 128266 and layout.codebook_size == 4096
+    assert (layout.start_of_human, layout.end_of_text, layout.end_of_human) == (128259, 128009, 128260)
+    assert (layout.start_of_ai, layout.start_of_speech, layout.end_of_speech) == (128261, 128257, 128258)
+    custom = CodecLayout(audio_token_offset=10)
+    custom.save(tmp_path)
+    assert CodecLayout.load(tmp_path) == custom
+
+
+def test_snac_decode(tiny: dict[str, Path]) -> None:
+    model = load_snac(tiny["code2wav"])
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    frames = np.random.default_rng(0).integers(0, 4096, size=(10, 7))
+    audio = decode_window(model, frames)
+    assert audio.shape == (1, 10 * SAMPLES_PER_FRAME) == (1, 20480)
+    assert audio.dtype == np.float32
+    assert np.isfinite(audio).all()
+    assert 0.01 < float(np.sqrt(np.mean(audio**2))) < 0.5
+    # deterministic (no noise blocks), batch == one by one
+    np.testing.assert_array_equal(decode_window(model, frames), audio)
+    batch = decode_window(model, np.stack([frames, frames[::-1]]))
+    assert batch.shape == (2, 20480)
+    np.testing.assert_allclose(batch[0], audio[0], atol=1e-5)
+
+
+def test_frames_to_codes_follows_orpheus_layout() -> None:
+    # frame f = (c0..c6) -> l0[f]=c0; l1[2f]=c1, l1[2f+1]=c4; l2[4f..4f+3]=c2,c3,c5,c6
+    frames = np.array([[0, 1, 2, 3, 4, 5, 6], [10, 11, 12, 13, 14, 15, 16]])
+    l0, l1, l2 = frames_to_codes(frames)
+    assert l0.dtype == l1.dtype == l2.dtype == torch.int64
+    assert l0.tolist() == [[0, 10]]
+    assert l1.tolist() == [[1, 4, 11, 14]]
+    assert l2.tolist() == [[2, 3, 5, 6, 12, 13, 15, 16]]
+    np.testing.assert_array_equal(codes_to_frames([l0, l1, l2])[0], frames)
+
+
+def test_tokens_to_frames_and_assembler() -> None:
+    layout = CodecLayout()  # Orpheus ids
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 4096, size=(5, 7))
+    # Orpheus encoding: offset + slot * 4096 + code
+    tokens = [layout.audio_token_offset + slot * 4096 + int(c) for row in codes for slot, c in enumerate(row)]
+    stream = [layout.start_of_speech] + tokens[:10] + [layout.end_of_text] + tokens[10:] + [layout.end_of_speech]
+    frames, leftover = tokens_to_frames(stream, layout)
+    np.testing.assert_array_equal(frames, codes)
+    assert leftover == 0
+    frames, leftover = tokens_to_frames(stream[:-4], layout)  # drop eos + 3 codes
+    np.testing.assert_array_equal(frames, codes[:4])
+    assert leftover == 4
+    # a token in the "wrong" slot still maps to a valid code
+    frames, _ = tokens_to_frames([layout.audio_token_offset + 3 * 4096 + 7] * 7, layout)
+    assert frames.tolist() == [[7] * 7]
+
+    whole = FrameAssembler(layout).push(stream)
+    asm = FrameAssembler(layout)
+    parts = []
+    cuts = [0, 1, 4, 11, 12, 13, 20, 27, len(stream)]
+    for a, b in zip(cuts, cuts[1:]):
+        parts.append(asm.push(stream[a:b]))
+        assert parts[-1].shape[1:] == (7,)
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+    np.testing.assert_array_equal(whole, codes)
+    assert asm.pending == 0 and asm.frames_emitted == 5
+    asm.push(tokens[:3])
+    assert asm.pending == 3

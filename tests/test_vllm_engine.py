@@ -1,0 +1,151 @@
+"""VllmEngine on the tiny talker: streaming deltas, constraints, seeds, cancel, embeds.
+
+One engine for the whole module (start costs ~20-40 s and ~2 GB on a CPU box).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import torch
+
+from omni_rt.engines.base import EngineError
+from omni_rt.engines.vllm import VllmEngine
+from pipelines.codec import CodecLayout
+from pipelines.tiny import build_tiny
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest.fixture(scope="module")
+def talker_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny(tmp_path_factory.mktemp("tiny"))["talker"])
+
+
+@pytest.fixture(scope="module")
+def layout(talker_dir: str) -> CodecLayout:
+    return CodecLayout.load(talker_dir)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(talker_dir: str) -> AsyncIterator[VllmEngine]:
+    eng = VllmEngine(talker_dir, {"enable_prompt_embeds": True}, name="talker")
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.stop()
+
+
+def _prompt(layout: CodecLayout) -> list[int]:
+    # [SOH] BOS some text [EOT EOH SOA SOS], ids below the audio range
+    return [layout.start_of_human, 0, 40, 41, 42, layout.end_of_text, layout.end_of_human,
+            layout.start_of_ai, layout.start_of_speech]
+
+
+async def _collect(engine: VllmEngine, rid: str, **kw: object) -> list[list[int]]:
+    return [delta async for delta in engine.generate(rid, **kw)]  # type: ignore[arg-type]
+
+
+async def _wait_idle(engine: VllmEngine, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while engine.engine_unfinished_requests() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+
+
+async def test_streams_deltas_within_allowed_tokens(engine: VllmEngine, layout: CodecLayout) -> None:
+    allowed = layout.audio_token_ids()  # excludes every EOS / stop id
+    sampling = {"max_tokens": 40, "allowed_token_ids": allowed, "seed": 1, "temperature": 1.0}
+    deltas = await _collect(engine, "allowed", prompt_token_ids=_prompt(layout), sampling=sampling)
+    tokens = [t for d in deltas for t in d]
+    assert len(tokens) == 40
+    assert len(deltas) > 1  # streamed, not one final blob
+    assert all(layout.audio_token_offset <= t < layout.audio_token_end for t in tokens)
+    assert engine.load() == 0
+
+
+async def test_same_seed_same_tokens(engine: VllmEngine, layout: CodecLayout) -> None:
+    sampling = {"max_tokens": 30, "seed": 1234, "temperature": 1.0, "top_p": 0.95,
+                "allowed_token_ids": layout.audio_token_ids()}
+    runs = await asyncio.gather(
+        *[_collect(engine, f"seed-{i}", prompt_token_ids=_prompt(layout), sampling=sampling) for i in range(2)]
+    )
+    a, b = ([t for d in run for t in d] for run in runs)
+    assert a == b and len(a) == 30
+    other = await _collect(engine, "seed-x", prompt_token_ids=_prompt(layout), sampling={**sampling, "seed": 99})
+    assert [t for d in other for t in d] != a
+
+
+async def test_cancel_consumer_aborts_request(engine: VllmEngine, layout: CodecLayout) -> None:
+    sampling = {"max_tokens": 2000, "ignore_eos": True}
+    # 1) consumer breaks out and closes the stream
+    gen = engine.generate("brk", prompt_token_ids=_prompt(layout), sampling=sampling)
+    async for _ in gen:
+        assert engine.load() == 1 and engine.running_requests() == {"brk"}
+        break
+    await gen.aclose()  # type: ignore[attr-defined]
+    assert engine.load() == 0
+    await _wait_idle(engine)
+    assert engine.engine_unfinished_requests() == 0
+
+    # 2) the consuming task is cancelled mid-stream
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for delta in engine.generate("cnl", prompt_token_ids=_prompt(layout), sampling=sampling):
+            got.extend(delta)
+
+    task = asyncio.create_task(consume())
+    while len(got) < 5:
+        await asyncio.sleep(0.01)
+    assert engine.running_requests() == {"cnl"}
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert engine.load() == 0
+    await _wait_idle(engine)
+    assert engine.engine_unfinished_requests() == 0
+    assert len(got) < 2000
+
+
+async def test_abort_ends_stream(engine: VllmEngine, layout: CodecLayout) -> None:
+    got: list[int] = []
+
+    async def consume() -> None:
+        async for delta in engine.generate("ab", prompt_token_ids=_prompt(layout),
+                                           sampling={"max_tokens": 2000, "ignore_eos": True}):
+            got.extend(delta)
+
+    task = asyncio.create_task(consume())
+    while len(got) < 3:
+        await asyncio.sleep(0.01)
+    await engine.abort("ab")
+    await asyncio.wait_for(task, 10)  # ends normally, no exception
+    assert engine.load() == 0 and len(got) < 2000
+    await _wait_idle(engine)
+    assert engine.engine_unfinished_requests() == 0
+    await engine.abort("never-existed")  # ignored
+
+
+async def test_prompt_embeds(engine: VllmEngine, layout: CodecLayout) -> None:
+    emb = torch.randn(6, engine.hidden_size, generator=torch.Generator().manual_seed(0))
+    sampling = {"max_tokens": 12, "allowed_token_ids": layout.audio_token_ids(), "seed": 5}
+    tokens = [t for d in await _collect(engine, "emb", prompt_embeds=emb, sampling=sampling) for t in d]
+    assert len(tokens) == 12
+    assert all(layout.is_audio(t) for t in tokens)
+    with pytest.raises(EngineError):
+        await _collect(engine, "emb-bad", prompt_embeds=torch.randn(3, engine.hidden_size + 1), sampling=sampling)
+
+
+async def test_bad_requests_are_clear_errors(engine: VllmEngine, layout: CodecLayout) -> None:
+    with pytest.raises(EngineError, match="sampling"):
+        await _collect(engine, "bad1", prompt_token_ids=_prompt(layout), sampling={"n": 2})
+    with pytest.raises(EngineError, match="vocabulary"):
+        await _collect(engine, "bad2", prompt_token_ids=[10**7], sampling={"max_tokens": 2})
+    with pytest.raises(EngineError, match="exactly one"):
+        await _collect(engine, "bad3", sampling={"max_tokens": 2})
+    assert engine.load() == 0
+    assert engine.health()["ok"]
