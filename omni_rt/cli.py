@@ -43,10 +43,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     overlay, source = _overlay(args)
-    from omni_rt.server import resolve_profiles
+    from omni_rt.server import create_app
 
-    profiles, _ = resolve_profiles(overlay, source)
-    print(json.dumps({name: p.model_dump(mode="json") for name, p in profiles.items()}, indent=2))
+    # Builds (without starting) the whole runtime: model paths, processors, engine args.
+    runtime = create_app(overlay, source).state.runtime
+    print(json.dumps({name: p.model_dump(mode="json") for name, p in runtime.profiles.items()}, indent=2))
     return 0
 
 

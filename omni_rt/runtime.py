@@ -15,7 +15,8 @@ from omni_rt.stage_pool import Replica, StagePool
 
 log = logging.getLogger("omni_rt.runtime")
 
-ModelResolver = Callable[[str], str]
+# (model, config key) -> local directory; raises SpecError naming the key.
+ModelResolver = Callable[[str, str], str]
 
 
 def import_processor(path: str) -> type[StageProcessor]:
@@ -63,7 +64,7 @@ class Runtime:
         self,
         profiles: Mapping[str, ProfileSpec],
         connectors: Mapping[str, ConnectorSpec],
-        resolve_model: ModelResolver = lambda m: m,
+        resolve_model: ModelResolver = lambda model, key: model,
     ) -> None:
         self.profiles = dict(profiles)
         self.connector_specs = dict(connectors)
@@ -72,23 +73,25 @@ class Runtime:
         self.pools: dict[str, StagePool] = {}
         self.orchestrator: Orchestrator | None = None
 
-    def _stage_specs(self) -> dict[str, StageSpec]:
+    def _stage_specs(self) -> dict[str, tuple[str, StageSpec]]:
         """Stages of every served pipeline; a stage name shared by pipelines is one pool."""
-        stages: dict[str, StageSpec] = {}
+        stages: dict[str, tuple[str, StageSpec]] = {}
         for pname, profile in self.profiles.items():
             for s in profile.stages:
                 prev = stages.get(s.name)
-                if prev is not None and prev != s:
-                    raise SpecError(f"pipeline {pname}: stage {s.name!r} is defined differently by another pipeline")
-                stages[s.name] = s
+                if prev is not None and prev[1] != s:
+                    raise SpecError(f"pipeline {pname}: stage {s.name!r} is defined differently by pipeline {prev[0]}")
+                stages[s.name] = (pname, s)
         return stages
 
-    def _resolve(self, s: StageSpec) -> StageSpec:
+    def _resolve(self, pipeline: str, s: StageSpec) -> StageSpec:
+        key = f"pipelines.{pipeline}.stages.{s.name}"
         aux = {
-            k: AuxEngineSpec(engine=a.engine, model=self.resolve_model(a.model), engine_args=a.engine_args)
+            k: AuxEngineSpec(engine=a.engine, model=self.resolve_model(a.model, f"{key}.aux.{k}.model"), engine_args=a.engine_args)
             for k, a in s.aux.items()
         }
-        return s.model_copy(update={"model": self.resolve_model(s.model) if s.model else None, "aux": aux})
+        model = self.resolve_model(s.model, f"{key}.model") if s.model else None
+        return s.model_copy(update={"model": model, "aux": aux})
 
     def build(self) -> None:
         # Only connectors some edge uses are created (plus inproc for client I/O).
@@ -96,8 +99,8 @@ class Runtime:
         for name in sorted(used):
             cspec = self.connector_specs.get(name)
             self.connectors[name] = make_connector(cspec.backend if cspec else name, name)
-        for name, raw in self._stage_specs().items():
-            spec = self._resolve(raw)
+        for name, (pipeline, raw) in self._stage_specs().items():
+            spec = self._resolve(pipeline, raw)
             proc_cls = import_processor(spec.processor)
             replicas = []
             for i in range(spec.replicas):

@@ -46,7 +46,7 @@ class ModelResolver:
         self.source = source
         self._tiny: dict[str, Path] | None = None
 
-    def __call__(self, model: str) -> str:
+    def __call__(self, model: str, key: str) -> str:
         if model.startswith(TINY_PREFIX):
             name = model[len(TINY_PREFIX):]
             if self._tiny is None:
@@ -59,11 +59,11 @@ class ModelResolver:
                     )
                 self._tiny = {k: Path(v) for k, v in build_tiny(self.root).items()}
             if name not in self._tiny:
-                raise SpecError(f"{self.source}: unknown tiny checkpoint {model!r}; known: {sorted(self._tiny)}")
+                raise SpecError(f"{self.source}: {key}: unknown tiny checkpoint {model!r}; known: {sorted(self._tiny)}")
             return str(self._tiny[name])
         path = Path(model).expanduser()
         if not path.is_dir():
-            raise SpecError(f"{self.source}: model directory {model!r} does not exist (weights are loaded from local dirs)")
+            raise SpecError(f"{self.source}: {key}: model directory {model!r} does not exist (weights load from local directories)")
         return str(path)
 
 

@@ -494,7 +494,8 @@ def _child_get(conn_name: str, handles: Any, out: Any, hold: Any) -> None:
         except ConnectorError as exc:
             out.put(("error", str(exc)))
             continue
-        out.put(("ok", {k: (v.tolist(), v.dtype.str, v.flags.writeable) for k, v in got.arrays.items()}, got.text, got.meta))
+        arrays = {k: (v.tolist(), v.dtype.str, v.flags.writeable) for k, v in got.arrays.items()}
+        out.put(("ok", arrays, got.text, got.meta))
         if hold is not None:  # keep the views alive until killed
             hold.set()
             signal.pause()

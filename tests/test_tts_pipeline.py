@@ -37,7 +37,7 @@ async def synth(models_dir, overlay: dict, text: str, seed: int = 7) -> tuple[np
     from pipelines.tiny import build_tiny
 
     tiny = build_tiny(models_dir)
-    rt = Runtime({"tts": profile}, ov.connectors, lambda m: str(tiny[m.split(":", 1)[1]]) if m.startswith("tiny:") else m)
+    rt = Runtime({"tts": profile}, ov.connectors, lambda m, key: str(tiny[m.split(":", 1)[1]]) if m.startswith("tiny:") else m)
     await rt.start()
     try:
         fence = Fence("s")

@@ -67,6 +67,25 @@ async def test_streams_deltas_within_allowed_tokens(engine: VllmEngine, layout: 
     assert engine.load() == 0
 
 
+async def test_allowed_token_ranges(engine: VllmEngine, layout: CodecLayout) -> None:
+    # Our logits processor: same constraint as allowed_token_ids, O(1) per request.
+    lo = layout.audio_token_offset
+    ranges = [[lo, lo + 4096], [lo + 6 * 4096, layout.audio_token_end]]  # slots 0 and 6
+    sampling = {"max_tokens": 40, "allowed_token_ranges": ranges, "seed": 2}
+    tokens = [t for d in await _collect(engine, "ranges", prompt_token_ids=_prompt(layout), sampling=sampling)
+              for t in d]
+    assert len(tokens) == 40
+    assert all(lo <= t < lo + 4096 or lo + 6 * 4096 <= t < layout.audio_token_end for t in tokens)
+    assert any(t >= lo + 6 * 4096 for t in tokens) and any(t < lo + 4096 for t in tokens)
+    # rows of finished constrained requests must not leak into unconstrained ones
+    free = [t for d in await _collect(engine, "free", prompt_token_ids=_prompt(layout),
+                                      sampling={"max_tokens": 40, "seed": 3, "ignore_eos": True}) for t in d]
+    assert any(not layout.is_audio(t) for t in free)
+    with pytest.raises(EngineError, match="allowed_token_ranges"):
+        await _collect(engine, "ranges-bad", prompt_token_ids=_prompt(layout),
+                       sampling={"max_tokens": 2, "allowed_token_ranges": [[5, 5]]})
+
+
 async def test_same_seed_same_tokens(engine: VllmEngine, layout: CodecLayout) -> None:
     sampling = {"max_tokens": 30, "seed": 1234, "temperature": 1.0, "top_p": 0.95,
                 "allowed_token_ids": layout.audio_token_ids()}

@@ -18,7 +18,8 @@ segment by unlinking (or renaming, below) its name: a second get of the handle f
 With several, the header counts the gets still due; each get decrements it under an OFD
 lock, so readers in different processes count correctly, and the last one frees the
 segment, in whichever process it runs. Mappings stay valid after the unlink. A get of a
-consumed or cleaned-up handle raises ``ConnectorError``.
+consumed or cleaned-up handle raises ``ConnectorError``. ``cleanup`` and ``close`` never
+touch segments of connectors with another name, nor ``close`` those of other processes.
 
 Recycling. Writing into fresh tmpfs pages is slow (page allocation and zeroing: 1-2 GB/s
 on the dev box, against 8-25 GB/s for memcpy), so the connector that created a segment
@@ -27,10 +28,12 @@ renames the segment to ``omnirt-<conn>-<token>-free-<id>`` instead of unlinking 
 ``cleanup`` of the finished request leaves it alone), and every reader holds a shared
 ``flock`` on it for as long as its numpy views live. The creator reuses a free segment
 only when it gets the exclusive lock, i.e. when no process maps it any more (a killed
-reader's lock goes with it), and renames it for the new request: a stale handle names a
-file that no longer exists. Free segments beyond ``pool_bytes`` are unlinked, ``close()``
-unlinks all of them, and free segments of a dead creator are unlinked by the next
-connector of that name that starts. ``pool_bytes=0``: no recycling, the last get unlinks.
+reader's lock goes with it), renames it for the new request and bumps the generation in
+its header: a stale handle names a file that no longer exists, and a get that opened the
+file just before fails on the rename (one reader) or on the generation (several). Free
+segments beyond ``pool_bytes`` are unlinked, ``close()`` unlinks all of them, and free
+segments of a dead creator are unlinked by the next connector of that name that starts.
+``pool_bytes=0``: no recycling, the last get unlinks.
 """
 
 from __future__ import annotations
@@ -386,7 +389,9 @@ class ShmConnector(Connector):
     def get(self, handle: Handle) -> Payload:
         loc = handle.locator
         if handle.connector != self.name or not isinstance(loc, Mapping) or "segment" not in loc:
-            raise ConnectorError(f"handle {handle.request_id}/{handle.key} does not belong to shm connector {self.name!r}")
+            raise ConnectorError(
+                f"handle {handle.request_id}/{handle.key} does not belong to shm connector {self.name!r}"
+            )
         name, free = loc["segment"], loc.get("free")
         if not isinstance(name, str) or not _SEGMENT_RE.fullmatch(name):
             raise ConnectorError(f"handle {handle.request_id}/{handle.key} names no shm segment ({name!r})")
@@ -563,40 +568,45 @@ class ShmConnector(Connector):
 
 
 def _bench() -> None:
-    """put+get against np.copyto into a preallocated buffer: python -m omni_rt.connectors.shm"""
+    """put+get vs np.copyto into a preallocated buffer: python -m omni_rt.connectors.shm
+
+    The three are timed in turn within each round, so that load from other processes
+    hits them alike; medians over the rounds."""
     import time
+    from statistics import median
 
     from omni_rt.payloads import Fence, PayloadKind
 
-    def quartile(fn: Any, n: int) -> float:
-        fn()
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return sorted(times)[len(times) // 4]  # lower quartile: dev boxes are shared
-
-    print("put+get+release of one uint8 array; ratio = memcpy time / cycle time")
-    print(f"{'size':>8} {'memcpy GB/s':>12} {'pooled GB/s':>12} {'ratio':>6} {'fresh GB/s':>11} {'ratio':>6}")
-    for size in (1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
-        src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
-        dst = np.empty_like(src)
-        n = 300 if size <= 1 << 20 else 40
-        memcpy = quartile(lambda: np.copyto(dst, src), n)
-        row = [f"{size >> 10:>6}Ki", f"{size / memcpy / 1e9:>12.2f}"]
-        for pool in (256 << 20, 0):
-            conn = ShmConnector(f"bench{pool}", pool_bytes=pool)
+    print("median of put+get (+ release of the views), one uint8 array; ratio = memcpy time / put+get time")
+    print(f"{'size':>8} {'memcpy GB/s':>12} {'pooled GB/s':>12} {'ratio':>6} {'unpooled GB/s':>14} {'ratio':>6}")
+    conns = (ShmConnector("bench", pool_bytes=256 << 20), ShmConnector("bench", pool_bytes=0))
+    try:
+        for size in (1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20):
+            src = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+            dst = np.empty_like(src)
             payload = Payload(PayloadKind.HIDDEN, Fence("bench"), {"x": src})
-
-            def cycle() -> None:
-                got = conn.get(conn.put("r", "k", payload))
-                assert got.arrays["x"].nbytes == size
-
-            t = quartile(cycle, n)
+            times: list[list[float]] = [[], [], []]
+            rounds = 300 if size <= 1 << 20 else 40
+            for i in range(rounds + 3):
+                t0 = time.perf_counter()
+                np.copyto(dst, src)
+                laps = [time.perf_counter() - t0]
+                for conn in conns:
+                    t0 = time.perf_counter()
+                    got = conn.get(conn.put(f"bench-{i}", "x", payload))
+                    del got
+                    laps.append(time.perf_counter() - t0)
+                if i >= 3:  # warm-up rounds fault in dst and fill the pool
+                    for lap, t in zip(times, laps):
+                        lap.append(t)
+            memcpy, pooled, unpooled = (median(t) for t in times)
+            print(
+                f"{size >> 10:>6}Ki {size / memcpy / 1e9:>12.2f} {size / pooled / 1e9:>12.2f} {memcpy / pooled:>6.2f}"
+                f" {size / unpooled / 1e9:>14.2f} {memcpy / unpooled:>6.2f}"
+            )
+    finally:
+        for conn in conns:
             conn.close()
-            row += [f"{size / t / 1e9:>12.2f}" if pool else f"{size / t / 1e9:>11.2f}", f"{memcpy / t:>6.2f}"]
-        print(" ".join(row))
 
 
 if __name__ == "__main__":

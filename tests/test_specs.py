@@ -1,0 +1,111 @@
+"""Pipeline specs and deploy overlays: validation, clear errors, CLI behaviour."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import pipelines
+from omni_rt.specs import DeployOverlay, SpecError, apply_overlay, load_overlay, parse_overlay, parse_pipeline
+from tests.conftest import REPO
+
+TTS = pipelines.load_builtin("tts")
+
+
+def overlay_error(tmp_path, text: str) -> str:
+    f = tmp_path / "deploy.yaml"
+    f.write_text(text)
+    with pytest.raises(SpecError) as exc:
+        apply_overlay(TTS, load_overlay(f), str(f))
+    return str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("server:\n  prot: 1\n", "server.prot: unknown key"),
+        ("server:\n  port: 99999\n", "server.port"),
+        ("pipelines:\n  tts:\n    edges:\n      talker->code2wav: {mode: stream}\n", "pipelines.tts.edges.talker->code2wav.mode"),
+        ("pipelines:\n  tts:\n    edges:\n      talker->code2wav: {chunking: {chunk_frames: 0}}\n", "chunking.chunk_frames"),
+        ("pipelines:\n  tts:\n    edges:\n      talker->nowhere: {mode: batch}\n", "pipelines.tts.edges.talker->nowhere: no such edge"),
+        ("pipelines:\n  tts:\n    stages:\n      thinker: {replicas: 2}\n", "pipelines.tts.stages.thinker: no such stage"),
+        ("pipelines:\n  tts:\n    stages:\n      talker: {replicas: 0}\n", "pipelines.tts.stages.talker.replicas"),
+        ("pipelines:\n  tts:\n    profile: turbo\n", "pipelines.tts.profile: unknown profile 'turbo'"),
+        ("pipelines:\n  tts:\n    edges:\n      talker->code2wav: {connector: redis9}\n", "connector 'redis9' is not declared"),
+        ("connectors:\n  fast: {backend: rdma}\n", "connectors.fast.backend"),
+    ],
+)
+def test_overlay_errors_name_file_and_key(tmp_path, text, key):
+    msg = overlay_error(tmp_path, text)
+    assert str(tmp_path / "deploy.yaml") in msg
+    assert key in msg
+
+
+def test_overlay_applies_modes_chunking_replicas_and_args():
+    ov = parse_overlay(
+        {
+            "pipelines": {
+                "tts": {
+                    "edges": {"talker->code2wav": {"mode": "batch", "connector": "shm", "chunking": {"chunk_frames": 4}}},
+                    "stages": {"code2wav": {"replicas": 3, "engine_args": {"max_batch": 8}}},
+                }
+            }
+        },
+        "x",
+    )
+    p = apply_overlay(TTS, ov)
+    e = p.edges[0]
+    assert (e.mode, e.connector, e.chunking.chunk_frames) == ("batch", "shm", 4)
+    assert e.chunking.first_chunk_frames == TTS.profiles["split"].edges[0].chunking.first_chunk_frames  # untouched keys stay
+    c2w = p.stage("code2wav")
+    assert c2w.replicas == 3 and c2w.engine_args["max_batch"] == 8 and c2w.engine_args["max_wait_ms"] == 1.0
+    fused = apply_overlay(TTS, parse_overlay({"pipelines": {"tts": {"profile": "fused"}}}, "x"))
+    assert [s.name for s in fused.stages] == ["talker_fused"] and "decoder" in fused.stage("talker_fused").aux
+
+
+def test_pipeline_graph_errors():
+    base = TTS.model_dump(mode="json")
+    prof = base["profiles"]["split"]
+    cyc = dict(base, profiles={"split": dict(prof, edges=prof["edges"] + [{"src": "code2wav", "dst": "talker", "payload": "codes"}])})
+    with pytest.raises(SpecError, match="entry stage|cycle"):
+        parse_pipeline(cyc, "p.yaml")
+    bad_final = dict(base, profiles={"split": dict(prof, final_outputs=["nope"])})
+    with pytest.raises(SpecError, match="final output 'nope'"):
+        parse_pipeline(bad_final, "p.yaml")
+    bad_default = dict(base, default_profile="zzz")
+    with pytest.raises(SpecError, match="default_profile"):
+        parse_pipeline(bad_default, "p.yaml")
+
+
+def test_defaults_are_valid():
+    ov = DeployOverlay()
+    assert ov.server.port == 8000 and ov.server.host == "127.0.0.1"
+    assert set(ov.connectors) == {"inproc", "shm"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni_rt.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_cli_broken_overlay_exits_with_message_no_traceback(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("pipelines:\n  tts:\n    edges:\n      talker->code2wav: {mode: stream}\n")
+    for cmd in (["check", "--deploy", str(f)], ["serve", "--deploy", str(f), "--port", "0"]):
+        r = _cli(*cmd)
+        assert r.returncode == 2
+        assert "Traceback" not in r.stderr
+        assert str(f) in r.stderr and "pipelines.tts.edges.talker->code2wav.mode" in r.stderr
+    f.write_text("a: [\n")
+    r = _cli("check", "--deploy", str(f))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("check", "--deploy", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "cannot read" in r.stderr
+
+
+def test_cli_missing_model_dir_names_key(tmp_path, models_dir):
+    f = tmp_path / "d.yaml"
+    f.write_text(f"server: {{models_dir: {models_dir}}}\npipelines:\n  tts:\n    stages:\n      talker: {{model: /nonexistent/orpheus}}\n")
+    r = _cli("check", "--deploy", str(f))
+    assert r.returncode == 2 and "pipelines.tts.stages.talker.model" in r.stderr and "Traceback" not in r.stderr
