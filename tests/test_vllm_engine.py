@@ -72,15 +72,18 @@ async def test_allowed_token_ranges(engine: VllmEngine, layout: CodecLayout) -> 
     lo = layout.audio_token_offset
     ranges = [[lo, lo + 4096], [lo + 6 * 4096, layout.audio_token_end]]  # slots 0 and 6
     sampling = {"max_tokens": 40, "allowed_token_ranges": ranges, "seed": 2}
-    tokens = [t for d in await _collect(engine, "ranges", prompt_token_ids=_prompt(layout), sampling=sampling)
-              for t in d]
+    # An unconstrained request that strongly prefers text token 5 runs in the same
+    # batch: if a constrained row's mask leaked onto it, it would emit audio tokens.
+    free_sampling = {"max_tokens": 40, "ignore_eos": True, "logit_bias": {5: 100.0}}
+    constrained, free = await asyncio.gather(
+        _collect(engine, "ranges", prompt_token_ids=_prompt(layout), sampling=sampling),
+        _collect(engine, "free", prompt_token_ids=_prompt(layout)[:4], sampling=free_sampling),
+    )
+    tokens = [t for d in constrained for t in d]
     assert len(tokens) == 40
     assert all(lo <= t < lo + 4096 or lo + 6 * 4096 <= t < layout.audio_token_end for t in tokens)
     assert any(t >= lo + 6 * 4096 for t in tokens) and any(t < lo + 4096 for t in tokens)
-    # rows of finished constrained requests must not leak into unconstrained ones
-    free = [t for d in await _collect(engine, "free", prompt_token_ids=_prompt(layout),
-                                      sampling={"max_tokens": 40, "seed": 3, "ignore_eos": True}) for t in d]
-    assert any(not layout.is_audio(t) for t in free)
+    assert [t for d in free for t in d] == [5] * 40
     with pytest.raises(EngineError, match="allowed_token_ranges"):
         await _collect(engine, "ranges-bad", prompt_token_ids=_prompt(layout),
                        sampling={"max_tokens": 2, "allowed_token_ranges": [[5, 5]]})
