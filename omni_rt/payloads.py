@@ -98,4 +98,4 @@ class Handle:
     readers: int = 1
     # Backend-specific locator (e.g. shm segment name and array layout). Opaque to
     # everyone but the connector that made the handle.
-    locator: Mapping[str, Any] | None = None
+    locator: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)

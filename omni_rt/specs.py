@@ -34,8 +34,8 @@ class ChunkingSpec(_Strict):
     one-shot decode of the whole sequence (invariant 6).
     """
 
-    first_chunk_frames: int = Field(2, ge=1, le=4096, description="frames in the first chunk (time to first audio)")
-    chunk_frames: int = Field(8, ge=1, le=4096, description="frames in every later chunk")
+    first_chunk_frames: int = Field(1, ge=1, le=4096, description="frames in the first chunk (time to first audio)")
+    chunk_frames: int = Field(16, ge=1, le=4096, description="frames in every later chunk")
     left_context_frames: int = Field(3, ge=0, le=4096, description="already-emitted frames decoded again on the left")
     lookahead_frames: int = Field(3, ge=0, le=4096, description="future frames a chunk waits for (right context)")
 

@@ -30,7 +30,7 @@ TALKER_DIRNAME = "tiny-orpheus-talker"
 CODE2WAV_DIRNAME = "tiny-snac-24khz"
 MARKER = ".complete"
 # Bump when what the builders write changes, so stale caches get rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 6
 
 # --- talker sizes ---------------------------------------------------------------
 TEXT_VOCAB_SIZE = 1024  # byte alphabet (256) + up to 768 BPE merges
@@ -47,11 +47,17 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|pad|>",
     "<|reserved_0|>",
 )
-CODEBOOK_SIZE = 4096  # same as real SNAC
+# Real SNAC and Orpheus use 4096 codes per codebook; the tiny pair uses 1024 (the
+# layout is read from codec_layout.json / SNAC's config.json, so nothing else
+# changes). The LM head over 7 x codebook tokens dominates the talker's per-token
+# cost on CPU: with 4096 (vocab 29.6k) and 4 layers a decode step took ~11 ms at
+# batch 1 and ~40 ms at batch 32, too slow for 8 real-time streams on 2 cores; with
+# 1024 (vocab 8k) and 2 layers, ~6 ms and ~16 ms (measured with vLLM 0.32 CPU).
+CODEBOOK_SIZE = 1024
 TALKER_CONFIG = {
     "hidden_size": 256,
     "intermediate_size": 512,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
@@ -69,7 +75,7 @@ SNAC_CONFIG = {
     "encoder_dim": 16,
     "encoder_rates": [2, 4, 8, 8],
     "latent_dim": None,
-    "decoder_dim": 128,  # 128: ~25-30 ms per 1 s of audio on one thread; 256: ~50-75 ms
+    "decoder_dim": 32,  # one thread, per 1 s of audio: 32: ~9 ms, 64: ~16 ms, 128: ~30-45 ms, 256: ~50-75 ms
     "decoder_rates": [8, 8, 4, 2],
     "attn_window_size": None,
     "codebook_size": CODEBOOK_SIZE,
@@ -256,10 +262,20 @@ def _fill_talker(out: Path) -> None:
     model.eval()
     model.save_pretrained(str(out), safe_serialization=True)
     # The talker stops on end_of_speech (the pipeline also passes it as a stop id).
+    # Sampling defaults travel with the checkpoint (the talker reads them): Orpheus's
+    # temperature, but no top-p/top-k and no repetition penalty. On vLLM's CPU
+    # sampler top-p/top-k sort the whole vocabulary (decode step at batch 8: 6 ->
+    # 12-14 ms) and the penalty costs ~6 ms per step at batch 32 on the tiny model;
+    # random weights gain nothing from either.
     GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=[layout.end_of_speech],
         pad_token_id=config.pad_token_id,
+        do_sample=True,
+        temperature=0.6,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
     ).save_pretrained(str(out))
     layout.save(out)
 

