@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator
 
+from omni_rt import metrics
 from omni_rt.orchestrator import DoneEvent, Event, OutputEvent
 from omni_rt.payloads import Payload
 from omni_rt.stage import StageError
@@ -28,6 +29,7 @@ class RequestStream:
         self._orch = orch
         self._state = state
         self._inputs = 0
+        self.dropped_stale = 0
         self.done: DoneEvent | None = None
 
     @property
@@ -61,7 +63,15 @@ class RequestStream:
         """(stage, payload, last) for every client output; raises if the request fails."""
         async for ev in self.events():
             if isinstance(ev, OutputEvent):
-                yield ev.stage, self._orch.connectors[ev.handle.connector].get(ev.handle), ev.last
+                payload = self._orch.connectors[ev.handle.connector].get(ev.handle)
+                current = self._state.current_fence()
+                # Last fence check before the client: the epoch may have advanced
+                # since the orchestrator routed this chunk.
+                if current is not None and payload.fence.is_stale_against(current):
+                    self.dropped_stale += 1
+                    metrics.DROPPED_STALE.labels(hop="client").inc()
+                    continue
+                yield ev.stage, payload, ev.last
             elif ev.status == "failed":
                 raise StageError(ev.error or "request failed")
             elif ev.status == "aborted":

@@ -30,7 +30,7 @@ def import_processor(path: str) -> type[StageProcessor]:
     return obj
 
 
-_TORCH_ARGS = {"max_batch", "max_wait_ms", "threads"}
+_TORCH_ARGS = {"max_batch", "max_wait_ms", "threads", "device"}
 
 
 def build_engine(

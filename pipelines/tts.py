@@ -24,10 +24,15 @@ from omni_rt.engines.torch_engine import TorchEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import ChunkingSpec, StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
-from pipelines.codec import CodecLayout, FrameAssembler, load_snac
-
-SAMPLE_RATE = 24_000
-SAMPLES_PER_FRAME = 2048  # SNAC 24 kHz: hop 512 x vq stride 4
+from pipelines.codec import (
+    SAMPLE_RATE,
+    SAMPLES_PER_FRAME,
+    CodecLayout,
+    FrameAssembler,
+    frames_to_codes,
+    load_snac,
+    orpheus_prompt_ids,
+)
 
 
 # ---- talker ---------------------------------------------------------------------------
@@ -120,9 +125,7 @@ class CodecTalker:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
 
     def prompt_ids(self, text: str, voice: str) -> list[int]:
-        lay = self.layout
-        ids = list(self.tokenizer(f"{voice}: {text}")["input_ids"])
-        return [lay.start_of_human, *ids, lay.end_of_text, lay.end_of_human, lay.start_of_ai, lay.start_of_speech]
+        return orpheus_prompt_ids(self.tokenizer, text, self.layout, voice)
 
     def sampling(self, text: str, params: Mapping[str, Any], segment: int) -> dict[str, Any]:
         a = self.args
@@ -202,12 +205,8 @@ class SnacFrameDecoder(torch.nn.Module):
         self.snac = snac
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
-        f = frames.long()
-        b, n, _ = f.shape
-        level0 = f[:, :, 0]
-        level1 = f[:, :, [1, 4]].reshape(b, 2 * n)
-        level2 = f[:, :, [2, 3, 5, 6]].reshape(b, 4 * n)
-        audio = self.snac.decode([level0, level1, level2])  # [B, 1, T]
+        codes = [c.to(frames.device) for c in frames_to_codes(frames.cpu().numpy())]
+        audio = self.snac.decode(codes)  # [B, 1, T]
         return audio[:, 0, :].float()
 
 

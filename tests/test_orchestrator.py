@@ -265,3 +265,19 @@ async def test_replica_affinity_is_sticky_and_least_queue_spreads():
     assert pool.pick().index == 2  # least loaded
     rr = StagePool(spec.model_copy(update={"routing": "round_robin"}), pool.replicas)
     assert [rr.pick().index for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+async def test_client_hop_drops_chunks_that_went_stale_after_routing():
+    current = {"fence": Fence("s1", epoch=0)}
+    orch, _, conn = make_orchestrator(two_stage("chunk"), {"a": EmitN, "b": Double})
+    fence = Fence("s1", epoch=0)
+    stream = orch.submit("p", fence=fence, fence_source=lambda: current["fence"])
+    stream.send_input(text_input(fence, 5))
+    stream.end_input()
+    await stream._state.finished.wait()  # everything routed to the client queue
+    current["fence"] = Fence("s1", epoch=1)  # barge-in before the client read anything
+    got = [p async for p in stream.payloads()]
+    assert got == [] and stream.dropped_stale == 5
+    assert stream.done.status == "completed"
+    await stream.close()
+    assert conn.inner.live_keys() == 0

@@ -46,6 +46,7 @@ class TorchEngine(Engine):
         max_batch: int = 32,
         max_wait_ms: float = 2.0,
         threads: int | None = None,
+        device: str = "cpu",
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -54,6 +55,7 @@ class TorchEngine(Engine):
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
         self.threads = threads
+        self.device = torch.device(device)
         self.module: torch.nn.Module | None = None
         self._queue: asyncio.PriorityQueue[_Item] | None = None
         self._seq = itertools.count()
@@ -71,7 +73,7 @@ class TorchEngine(Engine):
             if self.threads is not None:
                 torch.set_num_threads(self.threads)
             m = self._factory()
-            m.eval()
+            m.to(self.device).eval()
             return m
 
         self.module = await loop.run_in_executor(self._executor, _load)
@@ -155,7 +157,7 @@ class TorchEngine(Engine):
     def _forward(self, xs: list[np.ndarray]) -> list[np.ndarray]:
         assert self.module is not None
         with torch.inference_mode():
-            batch = torch.from_numpy(np.stack(xs))
+            batch = torch.from_numpy(np.stack(xs)).to(self.device)
             y = self.module(batch)
             out = y.detach().cpu().numpy()
         return [out[i] for i in range(len(xs))]

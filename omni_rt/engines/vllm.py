@@ -311,7 +311,8 @@ class VllmEngine(Engine):
     def health(self) -> dict[str, Any]:
         llm = self._llm
         ok = llm is not None and not llm.errored
-        return {"ok": ok, "load": self.load(), "started": llm is not None}
+        unfinished = llm.get_num_unfinished_requests() if llm is not None else 0
+        return {"ok": ok, "load": self.load(), "started": llm is not None, "unfinished": unfinished}
 
     def engine_unfinished_requests(self) -> int:
         """Requests vLLM itself still tracks (tests: nothing leaks after an abort)."""
