@@ -162,13 +162,18 @@ class EdgeOverlay(_Strict):
     chunking: ChunkingOverlay | None = None
 
 
+class AuxOverlay(_Strict):
+    model: str | None = None
+    engine_args: dict[str, Any] = Field({}, description="merged over the aux engine's engine_args")
+
+
 class StageOverlay(_Strict):
     model: str | None = None
     replicas: int | None = Field(None, ge=1, le=64)
     routing: Literal["least_queue", "round_robin"] | None = None
     engine_args: dict[str, Any] = Field({}, description="merged over the pipeline's engine_args")
     processor_args: dict[str, Any] = Field({}, description="merged over the pipeline's processor_args")
-    aux: dict[str, dict[str, Any]] = Field({}, description="per aux engine: model / engine_args overrides")
+    aux: dict[str, AuxOverlay] = Field({}, description="per aux engine: model / engine_args overrides")
 
 
 class PipelineOverlay(_Strict):
@@ -310,14 +315,11 @@ def apply_overlay(pipeline: PipelineSpec, overlay: DeployOverlay, source: str = 
         for aux_name, aux_over in so.aux.items():
             if aux_name not in aux:
                 raise SpecError(f"{base_key}.stages.{s.name}.aux.{aux_name}: no such aux engine; known: {sorted(aux)}")
-            bad = set(aux_over) - {"model", "engine_args"}
-            if bad:
-                raise SpecError(f"{base_key}.stages.{s.name}.aux.{aux_name}.{sorted(bad)[0]}: unknown key")
             cur = aux[aux_name]
             aux[aux_name] = cur.model_copy(
                 update={
-                    "model": aux_over.get("model", cur.model),
-                    "engine_args": _merge(cur.engine_args, aux_over.get("engine_args", {})),
+                    "model": aux_over.model if aux_over.model is not None else cur.model,
+                    "engine_args": _merge(cur.engine_args, aux_over.engine_args),
                 }
             )
         stages.append(

@@ -109,3 +109,17 @@ def test_cli_missing_model_dir_names_key(tmp_path, models_dir):
     f.write_text(f"server: {{models_dir: {models_dir}}}\npipelines:\n  tts:\n    stages:\n      talker: {{model: /nonexistent/orpheus}}\n")
     r = _cli("check", "--deploy", str(f))
     assert r.returncode == 2 and "pipelines.tts.stages.talker.model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fused_aux_overlay():
+    ov = parse_overlay(
+        {"pipelines": {"tts": {"profile": "fused", "stages": {"talker_fused": {"aux": {"decoder": {"engine_args": {"max_batch": 2}}}}}}}},
+        "x",
+    )
+    aux = apply_overlay(TTS, ov).stage("talker_fused").aux["decoder"]
+    assert aux.engine_args["max_batch"] == 2 and aux.engine_args["max_wait_ms"] == 1.0 and aux.model == "tiny:code2wav"
+    with pytest.raises(SpecError, match="aux.decoder.colour: unknown key"):
+        parse_overlay({"pipelines": {"tts": {"stages": {"talker_fused": {"aux": {"decoder": {"colour": 1}}}}}}}, "x")
+    bad = parse_overlay({"pipelines": {"tts": {"profile": "fused", "stages": {"talker_fused": {"aux": {"vocoder": {}}}}}}}, "x")
+    with pytest.raises(SpecError, match="no such aux engine"):
+        apply_overlay(TTS, bad)
