@@ -21,7 +21,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from omni_rt import metrics
 from omni_rt.connectors.base import Connector
@@ -29,6 +29,9 @@ from omni_rt.payloads import Fence, Handle, Payload
 from omni_rt.specs import ChunkingSpec, EdgeSpec, ProfileSpec
 from omni_rt.stage import StageContext, StageError, StageInput
 from omni_rt.stage_pool import Replica, StagePool
+
+if TYPE_CHECKING:
+    from omni_rt.request import RequestStream
 
 log = logging.getLogger("omni_rt.orchestrator")
 
@@ -86,7 +89,6 @@ class _RequestState:
     groups: dict[str, list[_Group]] = field(default_factory=dict)
     batch_buffers: dict[str, list[Handle]] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
-    seq: dict[str, int] = field(default_factory=dict)
     status: str = "running"
     started_at: float = field(default_factory=time.monotonic)
     stage_started: dict[str, float] = field(default_factory=dict)

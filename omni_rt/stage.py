@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
 
 from omni_rt.connectors.base import Connector
@@ -27,11 +26,6 @@ class StageError(RuntimeError):
 
 
 _EOS = object()
-
-
-@dataclass(frozen=True, slots=True)
-class InputItem:
-    handle: Handle
 
 
 class StageInput:
@@ -60,7 +54,7 @@ class StageInput:
 
     # -- orchestrator side (handles only) --
     def feed(self, handle: Handle) -> None:
-        self._queue.put_nowait(InputItem(handle))
+        self._queue.put_nowait(handle)
 
     def end(self) -> None:
         if not self.closed:
@@ -76,7 +70,7 @@ class StageInput:
             item = await self._queue.get()
             if item is _EOS:
                 return
-            handle = item.handle
+            handle: Handle = item
             payload = self._connectors[handle.connector].get(handle)
             current = self._current_fence()
             # Fence check at the connector-get hop: a chunk from an older epoch never

@@ -224,7 +224,6 @@ class StreamingDecoder:
     def __init__(self, decode: Callable[[np.ndarray, int], Awaitable[np.ndarray]], chunking: ChunkingSpec | None) -> None:
         self._decode = decode
         self.chunking = chunking
-        self._frames: list[np.ndarray] = []
         self._buf = np.zeros((0, 7), dtype=np.int32)
         self._base = 0  # absolute index of _buf[0]
         self.total = 0  # frames received

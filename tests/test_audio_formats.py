@@ -15,7 +15,7 @@ from protocols.audio_formats import (
     content_type,
 )
 
-av = pytest.importorskip("av")
+import av  # noqa: E402 - a required dependency: missing means failure, not a skip
 
 SR = 24000
 AVAILABLE = available_formats()
