@@ -23,3 +23,36 @@ ENGINE_BATCH = Histogram(
     "omni_rt_engine_batch_size", "Items per torch engine step", ["engine"], buckets=(1, 2, 4, 8, 16, 32, 64)
 )
 ENGINE_LOAD = Gauge("omni_rt_engine_load", "Requests queued or running per stage", ["stage"])
+
+# ---- requests --------------------------------------------------------------------------
+TTFT_SECONDS = Histogram(
+    "omni_rt_time_to_first_token_seconds",
+    "Time from request to the first text token sent to the client",
+    ["api"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10),
+)
+E2E_SECONDS = Histogram(
+    "omni_rt_request_e2e_seconds",
+    "Time from request to its last byte sent to the client",
+    ["api"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+
+# ---- sessions --------------------------------------------------------------------------
+SESSIONS_ACTIVE = Gauge("omni_rt_sessions_active", "Sessions held by this node (active, detached or closing)", ["kind"])
+SESSIONS_ADMITTED = Counter("omni_rt_sessions_admitted_total", "Sessions admitted", ["kind"])
+SESSIONS_REJECTED = Counter(
+    "omni_rt_sessions_rejected_total", "Sessions refused: reason is the full cap (total/kind/principal) or store_unavailable", ["kind", "reason"]
+)
+SESSIONS_EVICTED = Counter(
+    "omni_rt_sessions_evicted_total", "Sessions ended by the server: idle_timeout, disconnect_grace_expired, evicted (pressure)", ["kind", "reason"]
+)
+SESSIONS_ENDED = Counter("omni_rt_sessions_ended_total", "Sessions ended, by reason", ["kind", "reason"])
+SESSION_EVENTS_DROPPED = Counter(
+    "omni_rt_session_events_dropped_total", "Events dropped from a detached session's bounded replay buffer", ["kind"]
+)
+ADMISSION_SECONDS = Histogram(
+    "omni_rt_session_admission_seconds",
+    "Time to admit a session (cap check in the store)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+)

@@ -162,12 +162,18 @@ class Orchestrator:
                 state.groups[name] = self._plan_groups(state, name)
         # Entry stage and every stage fed by a chunk edge start now; batch-fed stages
         # start when all their batch sources have finished.
-        for name in profile.order():
-            if name not in state.active:
-                continue
-            in_edges = [e for e in profile.in_edges(name) if e.src in state.active]
-            if name == profile.entry or any(e.mode == "chunk" for e in in_edges):
-                self._start_stage(state, name)
+        try:
+            for name in profile.order():
+                if name not in state.active:
+                    continue
+                in_edges = [e for e in profile.in_edges(name) if e.src in state.active]
+                if name == profile.entry or any(e.mode == "chunk" for e in in_edges):
+                    self._start_stage(state, name)
+        except BaseException:
+            # Nothing may stay registered for a request its caller never got.
+            self._finish(state, "failed", error="request could not start")
+            self.release(rid)
+            raise
         return RequestStream(self, state)
 
     def _plan_groups(self, state: _RequestState, stage: str) -> list[_Group]:
@@ -280,6 +286,10 @@ class Orchestrator:
         if inp is None or inp.closed:
             self.stats["dropped_inputs"] += 1
             return False
+        current = state.current_fence()
+        if current is not None and handle.fence.is_stale_against(current):
+            self.stats["dropped_inputs"] += 1
+            return False
         state.connectors_used.add(handle.connector)
         inp.feed(handle)
         return True
@@ -346,6 +356,19 @@ class Orchestrator:
         self._tombstones[request_id] = status
         while len(self._tombstones) > self._tombstone_limit:
             self._tombstones.popitem(last=False)
+
+    def release_session(self, session_id: str) -> None:
+        """A session ended: stages drop what they keep for it, replicas forget its
+        affinity, and connector keys stored under the session id are freed."""
+        for pool in self.pools.values():
+            pool.release_affinity(session_id)
+            for replica in pool.replicas:
+                try:
+                    replica.processor.release_session(session_id)
+                except Exception:  # noqa: BLE001 - free the rest regardless
+                    log.exception("stage %s: release_session(%s) failed", pool.spec.name, session_id)
+        for conn in self.connectors.values():
+            conn.cleanup(session_id)
 
     # ---- introspection ---------------------------------------------------------------
 

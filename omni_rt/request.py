@@ -31,10 +31,15 @@ class RequestStream:
         self._inputs = 0
         self.dropped_stale = 0
         self.done: DoneEvent | None = None
+        self.closed = False
 
     @property
     def request_id(self) -> str:
         return self._state.request_id
+
+    @property
+    def running(self) -> bool:
+        return self._state.status == "running"
 
     # ---- input ---------------------------------------------------------------------
     def send_input(self, payload: Payload, connector: str = "inproc") -> bool:
@@ -86,6 +91,7 @@ class RequestStream:
         if self._state.status == "running":
             await self._orch.abort(self.request_id, "client_closed")
         self._orch.release(self.request_id)
+        self.closed = True
 
     async def __aenter__(self) -> "RequestStream":
         return self

@@ -187,19 +187,73 @@ class ConnectorSpec(_Strict):
     backend: Literal["inproc", "shm"]
 
 
+class ApiKeySpec(_Strict):
+    key: str = Field(min_length=8, description="the secret the client sends (Bearer or Api-Key)")
+    principal: str = Field(min_length=1, max_length=128, description="who the key belongs to (per-principal caps)")
+    admin: bool = Field(False, description="may list and close every session (/v1/sessions)")
+
+
 class ServerSpec(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     models_dir: str | None = Field(None, description="where tiny checkpoints are built (default ~/.cache/omni-rt/models)")
     build_tiny: bool = Field(True, description="build missing tiny checkpoints at start-up")
-    api_key: str | None = Field(None, description="if set, requests need 'Authorization: Bearer <key>'")
+    api_key: str | None = Field(
+        None, min_length=8, description="one admin key (principal 'default'): 'Authorization: Bearer <key>' or 'Api-Key <key>'"
+    )
+    api_keys: list[ApiKeySpec] = Field([], description="keys mapped to principals; any key set turns auth on")
     max_input_chars: int = Field(4096, ge=1)
     torch_threads: int = Field(1, ge=1, le=256, description="intra-op threads for torch engines in this process")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
 
+SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "video")
+
+
+class SessionsSpec(_Strict):
+    """Admission caps, leases and the session store (deploy key `sessions`)."""
+
+    max_total: int = Field(256, ge=1, description="sessions admitted at once, all kinds together (cluster-wide with redis)")
+    max_per_kind: dict[str, int] = Field({}, description="cap per session kind, e.g. {realtime: 32, oneshot: 200}")
+    max_per_principal: int | None = Field(None, ge=1, description="cap per principal (API key owner); none = no cap")
+    idle_ttl_s: float = Field(600.0, gt=0, description="an attached session with no activity and no running request expires")
+    disconnect_grace_s: float = Field(30.0, ge=0, description="a detached session stays resumable this long")
+    reaper_interval_s: float = Field(1.0, gt=0, le=60, description="how often leases are checked and renewed")
+    evict_detached_under_pressure: bool = Field(
+        False, description="when a cap is hit, evict the longest-detached session (same scope) to admit a new one"
+    )
+    retry_after_s: int = Field(1, ge=1, le=3600, description="retry-after sent with a session_limit rejection")
+    replay_buffer_events: int = Field(256, ge=0, le=1_000_000, description="events kept for a detached session")
+    store: Literal["memory", "redis"] = Field("memory", description="memory: one process; redis: caps shared by nodes")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when store is redis")
+    redis_prefix: str = Field("omni-rt", pattern=r"^[\w.:-]+$", description="key prefix; nodes sharing caps use the same one")
+    redis_timeout_s: float = Field(1.0, gt=0, le=30, description="per-command timeout; a slower Redis counts as lost")
+    slot_lease_ttl_s: float = Field(
+        15.0, gt=0, description="redis: a slot not renewed this long is returned (a node that died gives capacity back)"
+    )
+    node_id: str | None = Field(None, pattern=r"^[\w.:-]+$", description="this node's name in the directory (default host:pid)")
+    advertise_url: str | None = Field(None, description="URL other nodes give clients whose session lives here")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SessionsSpec":
+        for kind, cap in self.max_per_kind.items():
+            if kind not in SESSION_KINDS:
+                raise ValueError(f"max_per_kind.{kind}: unknown session kind; known: {', '.join(SESSION_KINDS)}")
+            if cap < 1:
+                raise ValueError(
+                    f"max_per_kind.{kind}: cap must be at least 1, got {cap} (to turn a workload off, disable its pipeline)"
+                )
+        if self.store == "redis" and self.slot_lease_ttl_s < 3 * self.reaper_interval_s:
+            raise ValueError(
+                f"slot_lease_ttl_s ({self.slot_lease_ttl_s}) must be at least 3 x reaper_interval_s "
+                f"({self.reaper_interval_s}) so live nodes renew their slots in time"
+            )
+        return self
+
+
 class DeployOverlay(_Strict):
     server: ServerSpec = ServerSpec()
+    sessions: SessionsSpec = SessionsSpec()
     connectors: dict[str, ConnectorSpec] = Field(
         {"inproc": ConnectorSpec(backend="inproc"), "shm": ConnectorSpec(backend="shm")},
         description="named connectors that edges refer to",

@@ -12,6 +12,7 @@ import abc
 import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
 
+from omni_rt import metrics
 from omni_rt.connectors.base import Connector
 from omni_rt.engines.base import Engine
 from omni_rt.payloads import Fence, Handle, Payload
@@ -136,6 +137,13 @@ class StageContext:
         """
         if payload.fence != self._state.fence:
             raise StageError(f"stage {self.stage.name} emitted a payload with a foreign fence")
+        if self._state.status != "running":
+            return  # finished or aborted: nothing would read it, so store nothing
+        current = self._state.current_fence()
+        if current is not None and payload.fence.is_stale_against(current):
+            # Engine-output hop: the turn was cancelled; do not even store the bytes.
+            metrics.DROPPED_STALE.labels(hop="engine").inc()
+            return
         key = f"{self.stage.name}/{self.emitted}"
         for group in self._groups:
             handle = self._connectors[group.connector].put(
@@ -157,6 +165,10 @@ class StageProcessor(abc.ABC):
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Called once after the replica's engines started (load tokenizers, warm up)."""
+
+    def release_session(self, session_id: str) -> None:  # noqa: B027 - optional hook
+        """A session ended: drop any state this replica keeps for it (KV prefixes,
+        latent buffers, episode state). Called once per session per replica."""
 
     @abc.abstractmethod
     async def run(self, ctx: StageContext) -> None:

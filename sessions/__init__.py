@@ -1,0 +1,41 @@
+"""Sessions: the centre of omni-rt. Every workload is a session that is admitted,
+leased, fenced and freed by one `SessionManager` (see `sessions.manager`)."""
+
+from sessions.errors import (
+    IllegalTransition,
+    InvalidResumeToken,
+    SessionElsewhere,
+    SessionError,
+    SessionGone,
+    SessionLimit,
+    SessionNotFound,
+    StaleFence,
+    StoreUnavailable,
+    UnknownPipeline,
+)
+from sessions.manager import SessionManager, make_store
+from sessions.session import SIGNALS, Session, SessionEvent, SessionState
+from sessions.store import Limits, MemoryStore, SessionStore, Slot
+
+__all__ = [
+    "IllegalTransition",
+    "InvalidResumeToken",
+    "Limits",
+    "MemoryStore",
+    "SIGNALS",
+    "Session",
+    "SessionElsewhere",
+    "SessionError",
+    "SessionEvent",
+    "SessionGone",
+    "SessionLimit",
+    "SessionManager",
+    "SessionNotFound",
+    "SessionState",
+    "SessionStore",
+    "Slot",
+    "StaleFence",
+    "StoreUnavailable",
+    "UnknownPipeline",
+    "make_store",
+]

@@ -106,3 +106,42 @@ def profile(stages: list[tuple[str, str]], edges: list[dict[str, Any]], finals: 
             "final_outputs": finals,
         }
     )
+
+
+class LateEmitter(StageProcessor):
+    """Entry stage whose "engine" keeps flushing chunks after it is cancelled, the way
+    an engine thread delivers outputs it had already computed. Every chunk carries
+    meta {"turn": fence.turn, "i": index}. `late_emits` counts the chunks it tried to
+    emit after the cancel; `released` records release_session calls."""
+
+    delay = 0.01
+    late = 5
+    late_emits = 0
+    released: list[str] = []
+
+    async def run(self, ctx: StageContext) -> None:
+        i = 0
+
+        def chunk() -> Payload:
+            return Payload(PayloadKind.TOKENS, ctx.fence, arrays={"t": np.asarray([i], np.int64)}, meta={"turn": ctx.fence.turn, "i": i})
+
+        try:
+            async for p in ctx.input():
+                for _ in range(int(p.meta.get("n", 3))):
+                    await asyncio.sleep(self.delay)
+                    await ctx.emit(chunk())
+                    i += 1
+        except asyncio.CancelledError:
+            async def flush() -> None:
+                nonlocal i
+                for _ in range(self.late):
+                    await asyncio.sleep(0.001)
+                    type(self).late_emits += 1
+                    await ctx.emit(chunk())
+                    i += 1
+
+            asyncio.get_running_loop().create_task(flush())
+            raise
+
+    def release_session(self, session_id: str) -> None:
+        type(self).released.append(session_id)

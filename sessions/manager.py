@@ -1,0 +1,360 @@
+"""SessionManager: admits, leases, fences and frees every session.
+
+Every workload is a session: a voice call, a robot episode, a world-model rollout, a
+one-shot HTTP request. The manager is the one place that
+
+- admits a session against the caps (total, per kind, per principal) through the
+  store, atomically, and gives its slot back exactly once, after everything it held
+  is freed (a closing session keeps its slot until then);
+- leases it: an attached session expires after `idle_ttl_s` without activity (and no
+  running request), a detached one after `disconnect_grace_s`; a reaper checks both
+  and renews this node's slot leases in the store;
+- optionally evicts the longest-detached session of the full scope to admit a new one;
+- frees everything on close, expiry or eviction: running requests aborted (connector
+  keys cleaned), stage-held state and affinity released, session-scoped connector
+  keys, finalizers (latent buffers, KV prefixes), and the attached client hears a
+  `session.expired` / `session.closed` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from omni_rt import metrics
+from omni_rt.specs import SESSION_KINDS, SessionsSpec
+from sessions.errors import (
+    IllegalTransition,
+    InvalidResumeToken,
+    SessionElsewhere,
+    SessionGone,
+    SessionLimit,
+    SessionNotFound,
+    StoreUnavailable,
+    UnknownPipeline,
+)
+from sessions.session import Session, SessionState, hash_token
+from sessions.store import Limits, MemoryStore, SessionStore, Slot
+
+if TYPE_CHECKING:
+    from omni_rt.orchestrator import Orchestrator
+    from omni_rt.request import RequestStream
+
+log = logging.getLogger("sessions")
+
+# Why a session ended → the event its client hears.
+EXPIRY_REASONS = frozenset({"idle_timeout", "disconnect_grace_expired", "evicted", "operator", "shutdown"})
+
+
+def make_store(spec: SessionsSpec) -> SessionStore:
+    if spec.store == "redis":
+        from sessions.redis_store import RedisStore
+
+        return RedisStore(
+            spec.redis_url,
+            prefix=spec.redis_prefix,
+            lease_ttl_s=spec.slot_lease_ttl_s,
+            timeout_s=spec.redis_timeout_s,
+            kinds=SESSION_KINDS,
+        )
+    return MemoryStore()
+
+
+class SessionManager:
+    def __init__(
+        self,
+        spec: SessionsSpec | None = None,
+        orchestrator: "Orchestrator | None" = None,
+        store: SessionStore | None = None,
+        *,
+        node_id: str | None = None,
+        gone_limit: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.clock = clock  # leases are measured on this clock (tests drive it by hand)
+        self.spec = spec or SessionsSpec()
+        self.orchestrator = orchestrator
+        self.store = store or make_store(self.spec)
+        self.node_id = node_id or self.spec.node_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.limits = Limits(
+            self.spec.max_total, dict(self.spec.max_per_kind), self.spec.max_per_principal, self.spec.retry_after_s
+        )
+        self._sessions: dict[str, Session] = {}
+        self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
+        self._gone_limit = gone_limit
+        self._closing: dict[str, asyncio.Task[None]] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self.stats = {"admitted": 0, "rejected": 0, "closed": 0, "expired": 0, "evicted": 0, "slots_released": 0, "lapsed_leases": 0}
+
+    # ---- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.store.connect()
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="session-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
+        await asyncio.gather(*(self._end(s, "shutdown") for s in list(self._sessions.values())), return_exceptions=True)
+        await self.store.close()
+
+    # ---- admission -------------------------------------------------------------------
+    async def open(
+        self,
+        kind: str,
+        pipeline: str | None = None,
+        params: Mapping[str, Any] | None = None,
+        principal: str = "anonymous",
+    ) -> Session:
+        """Admit a new session or raise SessionLimit / StoreUnavailable."""
+        if kind not in SESSION_KINDS:
+            raise ValueError(f"unknown session kind {kind!r}; known: {', '.join(SESSION_KINDS)}")
+        if pipeline is not None and self.orchestrator is not None and pipeline not in self.orchestrator.pipelines:
+            raise UnknownPipeline(f"Pipeline '{pipeline}' is not served here; served: {', '.join(sorted(self.orchestrator.pipelines))}.")
+        t0 = time.perf_counter()
+        sid = f"sess_{secrets.token_hex(12)}"
+        slot = Slot(sid, kind, principal)
+        evicted: set[str] = set()
+        while True:
+            try:
+                await self.store.acquire(slot, self.limits)
+                break
+            except SessionLimit as exc:
+                victim = self._eviction_victim(exc, slot, evicted) if self.spec.evict_detached_under_pressure else None
+                if victim is None:
+                    self.stats["rejected"] += 1
+                    metrics.SESSIONS_REJECTED.labels(kind=kind, reason=exc.scope).inc()
+                    raise
+                evicted.add(victim.id)
+                log.info("session %s evicted under pressure to admit a %s session", victim.id, kind)
+                await self._end(victim, "evicted")
+            except StoreUnavailable:
+                self.stats["rejected"] += 1
+                metrics.SESSIONS_REJECTED.labels(kind=kind, reason="store_unavailable").inc()
+                raise
+        session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events)
+        self._sessions[sid] = session
+        session._transition(SessionState.ACTIVE, "open")
+        self.stats["admitted"] += 1
+        metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
+        metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
+        metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
+        await self._publish(session)
+        return session
+
+    def _eviction_victim(self, exc: SessionLimit, slot: Slot, skip: set[str]) -> Session | None:
+        """Longest-detached local session whose slot would make room in the full scope."""
+        candidates = [
+            s
+            for s in self._sessions.values()
+            if s.state == SessionState.DETACHED
+            and s.id not in skip
+            and (exc.scope == "total" or (exc.scope == "kind" and s.kind == slot.kind) or (exc.scope == "principal" and s.principal == slot.principal))
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda s: s.detached_at or 0.0)
+
+    # ---- lookup ----------------------------------------------------------------------
+    def get(self, session_id: str) -> Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            if session_id in self._gone:
+                raise SessionGone(session_id, self._gone[session_id])
+            raise SessionNotFound(session_id)
+        return s
+
+    def sessions(self, principal: str | None = None) -> list[Session]:
+        return [s for s in self._sessions.values() if principal is None or s.principal == principal]
+
+    async def locate(self, session_id: str) -> dict[str, Any] | None:
+        """The directory entry for a session on any node (None if unknown)."""
+        return await self.store.lookup(session_id)
+
+    # ---- detach / resume -------------------------------------------------------------
+    async def detach(self, session_id: str) -> Session:
+        """The client went away: keep the session resumable for `disconnect_grace_s`."""
+        s = self.get(session_id)
+        s._transition(SessionState.DETACHED, "detach")
+        s.detached_at = self.clock()
+        s._end_attachment()
+        s._trim_replay()
+        await self._publish(s)
+        return s
+
+    async def resume(self, session_id: str, token: str | None, principal: str | None = None) -> Session:
+        """Re-attach with the session's resume token. An attached session is taken over
+        (the old attachment's event stream ends)."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            if session_id in self._gone:
+                raise SessionGone(session_id, self._gone[session_id])
+            rec = await self.store.lookup(session_id)
+            if rec is None:
+                raise SessionNotFound(session_id)
+            if not token or rec.get("token_hash") is None or not _hash_eq(rec["token_hash"], token):
+                raise InvalidResumeToken(session_id, missing=not token)
+            raise SessionElsewhere(session_id, str(rec.get("node")), rec.get("url"))
+        if not token:
+            raise InvalidResumeToken(session_id, missing=True)
+        if not s.token_matches(token) or (principal is not None and principal != s.principal):
+            raise InvalidResumeToken(session_id)
+        if s.state == SessionState.ACTIVE:
+            s._transition(SessionState.DETACHED, "take over")
+            s._end_attachment()
+        s._transition(SessionState.ACTIVE, "resume")
+        s.detached_at = None
+        s.touch()
+        await self._publish(s)
+        return s
+
+    # ---- close / expire --------------------------------------------------------------
+    async def close(self, session_id: str, *, token: str | None = None, require_token: bool = False, reason: str = "closed") -> None:
+        """End a session. Outside callers (`require_token`) must present its token."""
+        s = self.get(session_id)
+        if require_token and not s.token_matches(token):
+            raise InvalidResumeToken(session_id, missing=not token)
+        if s.state in (SessionState.CLOSING, SessionState.CLOSED):
+            raise IllegalTransition(session_id, s.state.value, "close")
+        await self._end(s, reason)
+
+    async def expire(self, session_id: str, reason: str = "idle_timeout") -> None:
+        await self._end(self.get(session_id), reason)
+
+    async def _end(self, s: Session, reason: str) -> None:
+        """closing → free everything → return the slot once → closed. Idempotent:
+        concurrent callers wait for the one that is already ending the session."""
+        task = self._closing.get(s.id)
+        if task is None:
+            if s.state == SessionState.CLOSED:
+                return
+            task = asyncio.get_running_loop().create_task(self._do_end(s, reason))
+            self._closing[s.id] = task
+        await asyncio.shield(task)
+
+    async def _do_end(self, s: Session, reason: str) -> None:
+        try:
+            s._transition(SessionState.CLOSING, "close")
+            s.close_reason = reason
+            event = "session.expired" if reason in EXPIRY_REASONS else "session.closed"
+            s.emit(event, {"session_id": s.id, "reason": reason})
+            await s._release_resources(reason)
+            if self.orchestrator is not None:
+                self.orchestrator.release_session(s.id)
+        finally:
+            # The slot goes back only now that nothing is held any more.
+            try:
+                if await self.store.release(Slot(s.id, s.kind, s.principal)):
+                    self.stats["slots_released"] += 1
+                else:
+                    log.warning("session %s: its slot had already lapsed in the store", s.id)
+            except StoreUnavailable as exc:
+                log.warning("session %s: slot not returned (%s); it lapses with its lease", s.id, exc)
+            try:
+                await self.store.unpublish(s.id)
+            except StoreUnavailable:
+                pass
+            s.state = SessionState.CLOSED
+            s._wakeup.set()
+            s.closed.set()
+            self._sessions.pop(s.id, None)
+            self._closing.pop(s.id, None)
+            self._gone[s.id] = reason
+            while len(self._gone) > self._gone_limit:
+                self._gone.popitem(last=False)
+            key = "evicted" if reason == "evicted" else "expired" if reason in ("idle_timeout", "disconnect_grace_expired") else "closed"
+            self.stats[key] += 1
+            metrics.SESSIONS_ACTIVE.labels(kind=s.kind).dec()
+            metrics.SESSIONS_ENDED.labels(kind=s.kind, reason=reason).inc()
+            if reason in ("idle_timeout", "disconnect_grace_expired", "evicted"):
+                metrics.SESSIONS_EVICTED.labels(kind=s.kind, reason=reason).inc()
+
+    # ---- leases ----------------------------------------------------------------------
+    async def reap(self) -> list[str]:
+        """One reaper pass: expire idle and detached-too-long sessions, renew leases."""
+        now = self.clock()
+        ended: list[tuple[Session, str]] = []
+        for s in list(self._sessions.values()):
+            if s.state == SessionState.DETACHED and s.detached_at is not None:
+                if now - s.detached_at >= self.spec.disconnect_grace_s:
+                    ended.append((s, "disconnect_grace_expired"))
+            elif s.state == SessionState.ACTIVE and now - s.last_active >= self.spec.idle_ttl_s and not s.running_requests():
+                ended.append((s, "idle_timeout"))
+        for s, why in ended:
+            log.info("session %s (%s) expired: %s", s.id, s.kind, why)
+            await self._end(s, why)
+        live = [s for s in self._sessions.values() if s.state != SessionState.CLOSED]
+        try:
+            lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])
+            if lapsed:
+                self.stats["lapsed_leases"] += lapsed
+                log.warning("%d slot lease(s) of this node had lapsed in the store and were renewed", lapsed)
+            await self.store.publish_many([self._record(s) for s in live])
+        except StoreUnavailable as exc:
+            log.warning("session store unreachable during lease renewal: %s", exc)
+        return [s.id for s, _ in ended]
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.reaper_interval_s)
+            try:
+                await self.reap()
+            except Exception:  # noqa: BLE001 - the reaper must survive anything
+                log.exception("session reaper pass failed")
+
+    async def issue_resume_token(self, s: Session) -> str:
+        """A fresh resume token for `s` (earlier ones stop working); only its hash is
+        kept, locally and in the directory."""
+        token = s.issue_resume_token()
+        await self._publish(s)
+        return token
+
+    async def _publish(self, s: Session) -> None:
+        try:
+            await self.store.publish(self._record(s))
+        except StoreUnavailable as exc:
+            log.warning("session %s: directory not updated: %s", s.id, exc)
+
+    def _record(self, s: Session) -> dict[str, Any]:
+        if s.state == SessionState.DETACHED and s.detached_at is not None:
+            lease_left = self.spec.disconnect_grace_s - (self.clock() - s.detached_at)
+        else:
+            lease_left = self.spec.idle_ttl_s - (self.clock() - s.last_active)
+        return {
+            "session_id": s.id,
+            "node": self.node_id,
+            "url": self.spec.advertise_url,
+            "kind": s.kind,
+            "principal": s.principal,
+            "state": s.state.value,
+            "lease_expires_at": round(time.time() + max(0.0, lease_left), 3),
+            "token_hash": s.token_hash,
+        }
+
+    # ---- used by Session -------------------------------------------------------------
+    def orchestrator_submit(self, pipeline: str, **kw: Any) -> "RequestStream":
+        if self.orchestrator is None:
+            raise RuntimeError("this session manager has no orchestrator")
+        return self.orchestrator.submit(pipeline, **kw)
+
+    async def counts(self) -> dict[str, Any]:
+        return await self.store.counts()
+
+    def health(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        for s in self._sessions.values():
+            by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
+        return {"node": self.node_id, "store": self.store.health(), "local": len(self._sessions), "by_state": by_state}
+
+
+def _hash_eq(stored_hash: str, token: str) -> bool:
+    return hmac.compare_digest(stored_hash, hash_token(token))

@@ -1,0 +1,302 @@
+"""One session: its state machine, fence, requests, event stream and owned state.
+
+A session is what a client holds across turns. It submits orchestrator requests under
+its current fence, owns everything that must outlive one request (conversation
+history, KV-prefix handles, latent buffers, episode state: `data`, plus finalizers for
+anything that must be freed), and carries an event stream to the attached client
+that drops any event from a cancelled turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import hmac
+import inspect
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping
+
+from omni_rt import metrics
+from omni_rt.payloads import Fence, Payload
+from sessions.errors import IllegalTransition, StaleFence
+
+if TYPE_CHECKING:
+    from omni_rt.request import RequestStream
+    from sessions.manager import SessionManager
+
+log = logging.getLogger("sessions")
+
+
+class SessionState(str, enum.Enum):
+    OPENING = "opening"
+    ACTIVE = "active"
+    DETACHED = "detached"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
+    SessionState.OPENING: frozenset({SessionState.ACTIVE, SessionState.CLOSING}),
+    SessionState.ACTIVE: frozenset({SessionState.DETACHED, SessionState.CLOSING}),
+    SessionState.DETACHED: frozenset({SessionState.ACTIVE, SessionState.CLOSING}),
+    SessionState.CLOSING: frozenset({SessionState.CLOSED}),
+    SessionState.CLOSED: frozenset(),
+}
+
+# Signals a client may send. cancel / barge_in / clear advance the epoch.
+SIGNALS = ("commit", "cancel", "barge_in", "clear")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEvent:
+    """One event for the attached client. `fence` is set for events of a turn."""
+
+    type: str
+    data: Mapping[str, Any] = field(default_factory=dict)
+    fence: Fence | None = None
+    seq: int = 0
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+Finalizer = Callable[[], Awaitable[None] | None]
+
+
+class Session:
+    def __init__(
+        self,
+        manager: "SessionManager",
+        session_id: str,
+        kind: str,
+        pipeline: str | None,
+        params: Mapping[str, Any],
+        principal: str,
+        replay_limit: int,
+    ) -> None:
+        self._manager = manager
+        self.id = session_id
+        self.kind = kind
+        self.pipeline = pipeline
+        self.params = dict(params)
+        self.principal = principal
+        self.state = SessionState.OPENING
+        self.epoch = 0
+        self.turn = 0
+        self.created_at = time.time()
+        self.last_active = manager.clock()
+        self.detached_at: float | None = None
+        self.close_reason: str | None = None
+        # State that outlives a request: history, KV-prefix handles, latents, episode.
+        self.data: dict[str, Any] = {}
+        self._finalizers: list[Finalizer] = []
+        self._requests: dict[str, "RequestStream"] = {}
+        self._token_hash: str | None = None
+        self._events: deque[SessionEvent] = deque()
+        self._wakeup = asyncio.Event()
+        self._attach_gen = 0
+        self._seq = 0
+        self._replay_limit = replay_limit
+        self.dropped_events = 0
+        self.closed = asyncio.Event()
+
+    # ---- state machine ---------------------------------------------------------------
+    def _transition(self, to: SessionState, action: str) -> None:
+        if to not in TRANSITIONS[self.state]:
+            raise IllegalTransition(self.id, self.state.value, action)
+        self.state = to
+
+    @property
+    def is_open(self) -> bool:
+        return self.state in (SessionState.ACTIVE, SessionState.DETACHED)
+
+    def _require_open(self, action: str) -> None:
+        if not self.is_open:
+            raise IllegalTransition(self.id, self.state.value, action)
+
+    def touch(self) -> None:
+        """Client activity: restarts the idle lease."""
+        self.last_active = self._manager.clock()
+
+    # ---- resume tokens (only the hash is kept) ---------------------------------------
+    def issue_resume_token(self) -> str:
+        """A fresh resume token; any earlier one stops working."""
+        token = secrets.token_urlsafe(24)
+        self._token_hash = hash_token(token)
+        return token
+
+    def token_matches(self, token: str | None) -> bool:
+        if self._token_hash is None or not token:
+            return False
+        return hmac.compare_digest(self._token_hash, hash_token(token))
+
+    @property
+    def token_hash(self) -> str | None:
+        return self._token_hash
+
+    # ---- fences ----------------------------------------------------------------------
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.id, self.epoch, self.turn)
+
+    def check_fence(self, fence: Fence) -> None:
+        """Reject an input that belongs to a cancelled or cleared turn."""
+        if fence.session_id != self.id:
+            raise StaleFence(f"input fence belongs to session '{fence.session_id}', not '{self.id}'")
+        if fence.is_stale_against(self.fence):
+            raise StaleFence(
+                f"input is from epoch {fence.epoch}, but session '{self.id}' is at epoch {self.epoch} (the turn was cancelled)"
+            )
+
+    def advance_epoch(self) -> Fence:
+        self.epoch += 1
+        return self.fence
+
+    # ---- requests --------------------------------------------------------------------
+    def submit(
+        self,
+        params: Mapping[str, Any] | None = None,
+        *,
+        pipeline: str | None = None,
+        outputs: set[str] | None = None,
+    ) -> "RequestStream":
+        """Start the next turn: an orchestrator request fenced by this session."""
+        self._require_open("submit a request")
+        name = pipeline or self.pipeline
+        if name is None:
+            raise ValueError(f"session {self.id} has no pipeline to submit to")
+        self.turn += 1
+        self.touch()
+        fence = self.fence
+        stream = self._manager.orchestrator_submit(
+            name,
+            fence=fence,
+            params={**self.params, **(params or {})},
+            request_id=f"{self.id}.t{self.turn}",
+            outputs=outputs,
+            affinity=self.id,
+            fence_source=lambda: self.fence,
+        )
+        self._prune()
+        self._requests[stream.request_id] = stream
+        return stream
+
+    def send_input(self, stream: "RequestStream", payload: Payload) -> bool:
+        """Feed a request of this session. Inputs with an old fence are refused."""
+        self._require_open("take input")
+        self.check_fence(payload.fence)
+        self.touch()
+        return stream.send_input(payload)
+
+    def running_requests(self) -> list["RequestStream"]:
+        return [s for s in self._requests.values() if s.running]
+
+    def _prune(self) -> None:
+        for rid in [rid for rid, s in self._requests.items() if s.closed]:
+            del self._requests[rid]
+
+    async def abort_requests(self, reason: str) -> int:
+        """Abort every running request and wait for its stages to stop."""
+        running = self.running_requests()
+        await asyncio.gather(*(s.abort(reason) for s in running), return_exceptions=True)
+        return len(running)
+
+    async def signal(self, name: str) -> Fence:
+        """commit ends the running requests' input; cancel, barge_in and clear advance
+        the epoch (so every hop drops the old turn's output) and abort them."""
+        if name not in SIGNALS:
+            raise ValueError(f"unknown signal {name!r}; known: {', '.join(SIGNALS)}")
+        self._require_open(name)
+        self.touch()
+        if name == "commit":
+            for s in self.running_requests():
+                s.end_input()
+            return self.fence
+        fence = self.advance_epoch()
+        await self.abort_requests("turn_detected" if name == "barge_in" else "cancelled" if name == "cancel" else "cleared")
+        return fence
+
+    # ---- owned state -----------------------------------------------------------------
+    def add_finalizer(self, fn: Finalizer) -> None:
+        """Run `fn` when the session ends (free a latent buffer, a KV prefix, a file)."""
+        self._finalizers.append(fn)
+
+    async def _release_resources(self, reason: str) -> None:
+        await self.abort_requests(reason)
+        for s in list(self._requests.values()):
+            await s.close()
+        self._requests.clear()
+        for fn in reversed(self._finalizers):
+            try:
+                res = fn()
+                if inspect.isawaitable(res):
+                    await res
+            except Exception:  # noqa: BLE001 - free the rest regardless
+                log.exception("session %s: finalizer failed", self.id)
+        self._finalizers.clear()
+        self.data.clear()
+
+    # ---- event stream ----------------------------------------------------------------
+    def emit(self, type: str, data: Mapping[str, Any] | None = None, *, fence: Fence | None = None) -> bool:
+        """Queue an event for the client. Events of a cancelled turn are dropped here
+        (the session hop of the fence checks). False when dropped."""
+        if self.state in (SessionState.CLOSED, SessionState.OPENING):
+            return False
+        if fence is not None and fence.is_stale_against(self.fence):
+            metrics.DROPPED_STALE.labels(hop="session").inc()
+            return False
+        self._seq += 1
+        self._events.append(SessionEvent(type, dict(data or {}), fence, self._seq))
+        if self.state == SessionState.DETACHED:
+            self._trim_replay()
+        self._wakeup.set()
+        return True
+
+    def _trim_replay(self) -> None:
+        while len(self._events) > self._replay_limit:
+            self._events.popleft()
+            self.dropped_events += 1
+            metrics.SESSION_EVENTS_DROPPED.labels(kind=self.kind).inc()
+
+    def _end_attachment(self) -> None:
+        self._attach_gen += 1
+        self._wakeup.set()
+
+    async def events(self) -> AsyncIterator[SessionEvent]:
+        """Events for the attached client, in order. Ends when the session detaches or
+        ends (after its final `session.closed` / `session.expired` event)."""
+        gen = self._attach_gen
+        while True:
+            while self._events and gen == self._attach_gen:
+                yield self._events.popleft()
+            if gen != self._attach_gen or self.state == SessionState.CLOSED:
+                return
+            self._wakeup.clear()
+            if self._events or gen != self._attach_gen or self.state == SessionState.CLOSED:
+                continue
+            await self._wakeup.wait()
+
+    # ---- introspection ---------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        now = self._manager.clock()
+        return {
+            "id": self.id,
+            "object": "session",
+            "kind": self.kind,
+            "pipeline": self.pipeline,
+            "principal": self.principal,
+            "state": self.state.value,
+            "created_at": int(self.created_at),
+            "idle_s": round(now - self.last_active, 3),
+            "detached_s": round(now - self.detached_at, 3) if self.detached_at is not None else None,
+            "epoch": self.epoch,
+            "turn": self.turn,
+            "running_requests": len(self.running_requests()),
+            "node": self._manager.node_id,
+        }

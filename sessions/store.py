@@ -1,0 +1,130 @@
+"""Session stores: where admission slots and the session directory live.
+
+A store answers three questions atomically: may this session take a slot (caps:
+total, per kind, per principal), give this slot back (exactly once), and where does
+a session live (the directory). `memory` serves one process; `redis` (in
+`sessions.redis_store`) shares slots and the directory between server processes.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from sessions.errors import SessionLimit
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_total: int
+    max_per_kind: Mapping[str, int] = field(default_factory=dict)
+    max_per_principal: int | None = None
+    retry_after_s: int = 1
+
+    def caps_for(self, kind: str) -> tuple[int, int | None, int | None]:
+        return self.max_total, self.max_per_kind.get(kind), self.max_per_principal
+
+
+@dataclass(frozen=True)
+class Slot:
+    session_id: str
+    kind: str
+    principal: str
+
+
+class SessionStore(abc.ABC):
+    name = "store"
+
+    async def connect(self) -> None:  # noqa: B027 - optional hook
+        """Check the backend is reachable; raise StoreUnavailable if not."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    @abc.abstractmethod
+    async def acquire(self, slot: Slot, limits: Limits) -> None:
+        """Take a slot or raise SessionLimit (StoreUnavailable if the backend is gone)."""
+
+    @abc.abstractmethod
+    async def release(self, slot: Slot) -> bool:
+        """Give a slot back. True if it was held; False if it was already returned."""
+
+    @abc.abstractmethod
+    async def renew(self, slots: list[Slot]) -> int:
+        """Extend the leases of slots this node still holds; returns how many had lapsed."""
+
+    @abc.abstractmethod
+    async def counts(self) -> dict[str, Any]:
+        """{"total": n, "kinds": {kind: n}} over every node sharing the store."""
+
+    @abc.abstractmethod
+    async def publish(self, record: Mapping[str, Any]) -> None:
+        """Write a session's directory entry (session → node, state, lease expiry)."""
+
+    async def publish_many(self, records: list[Mapping[str, Any]]) -> None:
+        for r in records:
+            await self.publish(r)
+
+    @abc.abstractmethod
+    async def unpublish(self, session_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def lookup(self, session_id: str) -> dict[str, Any] | None: ...
+
+    def health(self) -> dict[str, Any]:
+        return {"backend": self.name}
+
+
+class MemoryStore(SessionStore):
+    """One process. `acquire` has no await point, so concurrent opens cannot race."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self._slots: dict[str, Slot] = {}
+        self._per_kind: dict[str, int] = {}
+        self._per_principal: dict[str, int] = {}
+        self._directory: dict[str, dict[str, Any]] = {}
+
+    async def acquire(self, slot: Slot, limits: Limits) -> None:
+        total, per_kind, per_principal = limits.caps_for(slot.kind)
+        if slot.session_id in self._slots:
+            raise ValueError(f"session {slot.session_id} already holds a slot")
+        checks = (
+            ("total", total, len(self._slots)),
+            ("kind", per_kind, self._per_kind.get(slot.kind, 0)),
+            ("principal", per_principal, self._per_principal.get(slot.principal, 0)),
+        )
+        for scope, cap, used in checks:
+            if cap is not None and used >= cap:
+                raise SessionLimit(scope, slot.kind, cap, limits.retry_after_s)
+        self._slots[slot.session_id] = slot
+        self._per_kind[slot.kind] = self._per_kind.get(slot.kind, 0) + 1
+        self._per_principal[slot.principal] = self._per_principal.get(slot.principal, 0) + 1
+
+    async def release(self, slot: Slot) -> bool:
+        held = self._slots.pop(slot.session_id, None)
+        if held is None:
+            return False
+        for counter, key in ((self._per_kind, held.kind), (self._per_principal, held.principal)):
+            counter[key] -= 1
+            if counter[key] == 0:
+                del counter[key]
+        return True
+
+    async def renew(self, slots: list[Slot]) -> int:
+        return 0  # memory slots have no lease: the process that holds them is this one
+
+    async def counts(self) -> dict[str, Any]:
+        return {"total": len(self._slots), "kinds": dict(self._per_kind), "principals": dict(self._per_principal)}
+
+    async def publish(self, record: Mapping[str, Any]) -> None:
+        self._directory[str(record["session_id"])] = dict(record)
+
+    async def unpublish(self, session_id: str) -> None:
+        self._directory.pop(session_id, None)
+
+    async def lookup(self, session_id: str) -> dict[str, Any] | None:
+        rec = self._directory.get(session_id)
+        return dict(rec) if rec is not None else None
