@@ -45,6 +45,8 @@ check: $(STAMP)
 bench: $(STAMP)
 	mkdir -p bench-out
 	$(PY) -m latency_bench connectors --json bench-out/connectors.json
+	$(PY) -m latency_bench sessions --store memory --json bench-out/sessions-memory.json
+	$(PY) -m latency_bench sessions --store redis --json bench-out/sessions-redis.json
 	$(PY) -m latency_bench tts --compare --concurrency 1,8,32 --json bench-out/tts-compare.json
 
 clean:

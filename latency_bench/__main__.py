@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions} ...``."""
 
 from __future__ import annotations
 
@@ -62,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--backend", default="shm", choices=BACKENDS,
                    help="connector to compare with memcpy (default shm); inproc is always reported too")
     k.add_argument("--json", help="write results here (JSON)")
+
+    s = sub.add_parser(
+        "sessions",
+        help="session open+close throughput and admission latency (memory or Redis store)",
+        description="C workers loop open -> close on a SessionManager (no pipeline) until N cycles are done.",
+    )
+    s.add_argument("--store", default="memory", choices=("memory", "redis"))
+    s.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    s.add_argument("--concurrency", "-c", default="1,16", help="comma-separated levels (default 1,16)")
+    s.add_argument("--cycles", "-n", type=int, default=20000, help="open+close cycles per level (default 20000)")
+    s.add_argument("--warmup", type=int, default=200, help="untimed cycles before each level (default 200)")
+    s.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
@@ -84,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.connectors import main_connectors
 
         return main_connectors(args)
+    if args.cmd == "sessions":
+        from latency_bench.sessions import main_sessions
+
+        return main_sessions(args)
     return 2
 
 

@@ -8,25 +8,92 @@ import logging
 import sys
 from typing import Sequence
 
-from omni_rt.specs import DeployOverlay, SpecError, load_overlay
+from omni_rt.specs import DeployOverlay, SpecError, load_overlay, parse_overlay
+
+
+def _kv_caps(items: list[str] | None) -> dict[str, int] | None:
+    if not items:
+        return None
+    caps: dict[str, int] = {}
+    for item in items:
+        kind, sep, n = item.partition("=")
+        if not sep or not n.strip().lstrip("-").isdigit():
+            raise SpecError(f"command line: --max-sessions-per-kind: expected KIND=N, got {item!r}")
+        caps[kind.strip()] = int(n)
+    return caps
+
+
+def _api_keys_file(path: str | None) -> list[dict[str, object]] | None:
+    """A YAML list of {key, principal, admin} (the same shape as server.api_keys)."""
+    if path is None:
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load(open(path, encoding="utf-8"))
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read API keys file: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    if isinstance(data, dict) and "api_keys" in data:
+        data = data["api_keys"]
+    if not isinstance(data, list):
+        raise SpecError(f"{path}: expected a list of {{key, principal, admin}} entries")
+    return data
 
 
 def _overlay(args: argparse.Namespace) -> tuple[DeployOverlay, str]:
+    """The deploy overlay with command-line flags applied on top (flags win)."""
     overlay = load_overlay(args.deploy)
     source = args.deploy or "deploy overlay"
-    server = overlay.server.model_copy(
-        update={
-            k: v
-            for k, v in {
-                "host": getattr(args, "host", None),
-                "port": getattr(args, "port", None),
-                "models_dir": getattr(args, "models_dir", None),
-                "log_level": getattr(args, "log_level", None),
-            }.items()
-            if v is not None
-        }
+    server_flags = {
+        "host": getattr(args, "host", None),
+        "port": getattr(args, "port", None),
+        "models_dir": getattr(args, "models_dir", None),
+        "log_level": getattr(args, "log_level", None),
+        "api_key": getattr(args, "api_key", None),
+    }
+    keys = _api_keys_file(getattr(args, "api_keys_file", None))
+    session_flags = {
+        "max_total": getattr(args, "max_sessions", None),
+        "max_per_kind": _kv_caps(getattr(args, "max_sessions_per_kind", None)),
+        "max_per_principal": getattr(args, "max_sessions_per_principal", None),
+        "idle_ttl_s": getattr(args, "idle_ttl", None),
+        "disconnect_grace_s": getattr(args, "disconnect_grace", None),
+        "reaper_interval_s": getattr(args, "reaper_interval", None),
+        "evict_detached_under_pressure": getattr(args, "evict_detached_under_pressure", None),
+        "store": getattr(args, "session_store", None),
+        "redis_url": getattr(args, "redis_url", None),
+    }
+    data = overlay.model_dump(mode="json", exclude_unset=True)
+    server = {**data.get("server", {}), **{k: v for k, v in server_flags.items() if v is not None}}
+    if keys is not None:
+        server["api_keys"] = [*server.get("api_keys", []), *keys]
+    sessions = {**data.get("sessions", {}), **{k: v for k, v in session_flags.items() if v is not None}}
+    data.update(server=server, sessions=sessions)
+    if not args.deploy:
+        source = "command line"
+    return parse_overlay(data, source), source
+
+
+def _add_session_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sessions and auth (deploy keys sessions.* and server.api_key(s))")
+    g.add_argument("--api-key", help="require this key (admin, principal 'default'): Bearer or Api-Key")
+    g.add_argument("--api-keys-file", metavar="FILE", help="YAML list of {key, principal, admin}")
+    g.add_argument("--max-sessions", type=int, help="sessions open at once, all kinds (default 256)")
+    g.add_argument("--max-sessions-per-kind", action="append", metavar="KIND=N", help="cap for one kind (repeatable)")
+    g.add_argument("--max-sessions-per-principal", type=int, help="cap per principal (default none)")
+    g.add_argument("--idle-ttl", type=float, metavar="S", help="idle lease of an attached session (default 600)")
+    g.add_argument("--disconnect-grace", type=float, metavar="S", help="how long a detached session is resumable (default 30)")
+    g.add_argument("--reaper-interval", type=float, metavar="S", help="lease check / renewal period (default 1)")
+    g.add_argument(
+        "--evict-detached-under-pressure",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="evict the longest-detached session to admit a new one (default off)",
     )
-    return overlay.model_copy(update={"server": server}), source
+    g.add_argument("--session-store", choices=["memory", "redis"], help="memory (default, one process) or redis")
+    g.add_argument("--redis-url", help="Redis for the redis store (default redis://127.0.0.1:6379/0)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -71,10 +138,12 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--deploy", metavar="FILE", help="deploy overlay YAML")
     serve.add_argument("--models-dir", help="tiny checkpoint cache (deploy key server.models_dir)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    _add_session_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check", help="validate a deploy overlay and print the resolved pipelines")
     check.add_argument("--deploy", metavar="FILE")
+    _add_session_flags(check)
     check.set_defaults(func=cmd_check)
 
     models = sub.add_parser("models", help="model utilities")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import weakref
+from typing import Any, Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 REQUESTS = Counter("omni_rt_requests_total", "Pipeline requests by final status", ["pipeline", "status"])
 STAGE_SECONDS = Histogram(
@@ -56,3 +60,35 @@ ADMISSION_SECONDS = Histogram(
     "Time to admit a session (cap check in the store)",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
 )
+
+
+# ---- stages (read at scrape time) -------------------------------------------------------
+
+
+class _StageCollector:
+    """Per-stage in-flight requests and engine queue depth of every live runtime."""
+
+    def __init__(self) -> None:
+        self.runtimes: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        inflight = GaugeMetricFamily("omni_rt_stage_inflight_requests", "Requests placed on a stage's replicas", labels=["stage"])
+        queued = GaugeMetricFamily(
+            "omni_rt_stage_queue_depth", "Work items waiting in a stage's engines (engines that report it)", labels=["stage"]
+        )
+        for rt in list(self.runtimes):
+            for name, pool in rt.pools.items():
+                inflight.add_metric([name], sum(r.active for r in pool.replicas))
+                depths = [r.engine.queue_depth() for r in pool.replicas if r.engine is not None]
+                known = [d for d in depths if d is not None]
+                if known:
+                    queued.add_metric([name], sum(known))
+        yield inflight
+        yield queued
+
+    def describe(self) -> list[Any]:
+        return []
+
+
+STAGES = _StageCollector()
+REGISTRY.register(STAGES)  # type: ignore[arg-type]

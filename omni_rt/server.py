@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import os
 from pathlib import Path
@@ -15,8 +14,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pipelines
+from omni_rt import metrics
 from omni_rt.runtime import Runtime
-from omni_rt.specs import DeployOverlay, PipelineOverlay, ProfileSpec, SpecError, apply_overlay
+from omni_rt.specs import DeployOverlay, PipelineOverlay, ProfileSpec, SessionsSpec, SpecError, apply_overlay
+from protocols.auth import AuthMiddleware, KeyRing
 from protocols.openai_http import (
     APIError,
     SpeechService,
@@ -25,6 +26,8 @@ from protocols.openai_http import (
     error_body,
     validation_error_handler,
 )
+from protocols.sessions_api import build_sessions_router
+from sessions import SessionManager
 
 log = logging.getLogger("omni_rt.server")
 
@@ -82,43 +85,74 @@ def resolve_profiles(overlay: DeployOverlay, source: str) -> tuple[dict[str, Pro
     return profiles, enabled
 
 
+def key_ring(overlay: DeployOverlay, source: str) -> KeyRing:
+    entries = [(k.key, k.principal, k.admin) for k in overlay.server.api_keys]
+    if overlay.server.api_key:
+        entries.append((overlay.server.api_key, "default", True))
+    try:
+        return KeyRing(entries)
+    except ValueError as exc:
+        raise SpecError(f"{source}: server.api_keys: {exc}") from None
+
+
+def check_redis(spec: SessionsSpec, source: str) -> None:
+    """Refuse to start when Redis was asked for and cannot be reached (no silent
+    fallback to the memory store)."""
+    import redis
+
+    from sessions.redis_store import redact
+
+    client = redis.Redis.from_url(spec.redis_url, socket_timeout=spec.redis_timeout_s, socket_connect_timeout=spec.redis_timeout_s)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        raise SpecError(
+            f"{source}: sessions.redis_url: the session store Redis at {redact(spec.redis_url)} is unreachable ({exc}); "
+            "start Redis, fix the URL, or set sessions.store: memory"
+        ) from None
+    finally:
+        client.close()
+
+
 def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overlay") -> FastAPI:
     """Validate everything and build (not start) the runtime; raises SpecError on bad config."""
     overlay = overlay or DeployOverlay()
     profiles, specs = resolve_profiles(overlay, source)
+    keys = key_ring(overlay, source)
+    if overlay.sessions.store == "redis":
+        check_redis(overlay.sessions, source)
     runtime = Runtime(profiles, overlay.connectors, ModelResolver(models_dir(overlay), overlay.server.build_tiny, source))
     runtime.build()
     assert runtime.orchestrator is not None
+    sessions = SessionManager(overlay.sessions, runtime.orchestrator)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         import torch
 
         torch.set_num_threads(overlay.server.torch_threads)
-        await runtime.start()
-        log.info("omni-rt ready: pipelines %s", ", ".join(profiles) or "(none)")
+        await sessions.start()
         try:
+            await runtime.start()
+            metrics.STAGES.runtimes.add(runtime)
+            log.info(
+                "omni-rt ready: pipelines %s; sessions: store %s, max_total %d",
+                ", ".join(profiles) or "(none)",
+                overlay.sessions.store,
+                overlay.sessions.max_total,
+            )
             yield
         finally:
+            await sessions.stop()
             await runtime.stop()
+            metrics.STAGES.runtimes.discard(runtime)
 
     app = FastAPI(title="omni-rt", lifespan=lifespan)
     app.state.runtime = runtime
+    app.state.sessions = sessions
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
-
-    api_key = overlay.server.api_key
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Response:
-        if api_key and request.url.path.startswith("/v1/"):
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                return JSONResponse(
-                    error_body("Incorrect or missing API key.", "invalid_request_error", None, "invalid_api_key"),
-                    status_code=401,
-                )
-        return await call_next(request)
+    app.add_middleware(AuthMiddleware, keys=keys)
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
@@ -139,12 +173,14 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
         return JSONResponse(error_body("Internal server error.", "server_error", None, "internal_error"), status_code=500)
 
     @app.get("/health")
+    @app.get("/healthz")
     async def health() -> dict[str, Any]:
         assert runtime.orchestrator is not None
         return {
             "status": "ok",
             "pipelines": sorted(profiles),
             "running_requests": len(runtime.orchestrator.running()),
+            "sessions": sessions.health(),
             **runtime.health(),
         }
 
@@ -154,7 +190,8 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
 
     speech = None
     if "tts" in profiles:
-        speech = SpeechService(runtime.orchestrator, specs["tts"], overlay.server.max_input_chars)
+        speech = SpeechService(sessions, specs["tts"], overlay.server.max_input_chars)
     model_ids = [(m, name) for name, spec in specs.items() for m in spec.models]
     app.include_router(build_router(speech, model_ids))
+    app.include_router(build_sessions_router(sessions))
     return app

@@ -216,6 +216,7 @@ class SessionsSpec(_Strict):
     max_total: int = Field(256, ge=1, description="sessions admitted at once, all kinds together (cluster-wide with redis)")
     max_per_kind: dict[str, int] = Field({}, description="cap per session kind, e.g. {realtime: 32, oneshot: 200}")
     max_per_principal: int | None = Field(None, ge=1, description="cap per principal (API key owner); none = no cap")
+    principal_caps: dict[str, int] = Field({}, description="per-principal caps that override max_per_principal, e.g. {trial: 2}")
     idle_ttl_s: float = Field(600.0, gt=0, description="an attached session with no activity and no running request expires")
     disconnect_grace_s: float = Field(30.0, ge=0, description="a detached session stays resumable this long")
     reaper_interval_s: float = Field(1.0, gt=0, le=60, description="how often leases are checked and renewed")
@@ -243,6 +244,9 @@ class SessionsSpec(_Strict):
                 raise ValueError(
                     f"max_per_kind.{kind}: cap must be at least 1, got {cap} (to turn a workload off, disable its pipeline)"
                 )
+        for principal, cap in self.principal_caps.items():
+            if cap < 1:
+                raise ValueError(f"principal_caps.{principal}: cap must be at least 1, got {cap} (to lock a principal out, remove its key)")
         if self.store == "redis" and self.slot_lease_ttl_s < 3 * self.reaper_interval_s:
             raise ValueError(
                 f"slot_lease_ttl_s ({self.slot_lease_ttl_s}) must be at least 3 x reaper_interval_s "
@@ -288,6 +292,8 @@ def _format_validation(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+        elif e["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
         lines.append(f"{source}: {loc}: {msg}")
     return "\n".join(lines)
 

@@ -9,8 +9,7 @@ import asyncio
 import base64
 import json
 import time
-import uuid
-from typing import Any, AsyncIterator, Literal, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,11 +17,24 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omni_rt import metrics
-from omni_rt.orchestrator import Orchestrator
-from omni_rt.payloads import Fence, Payload, PayloadKind
-from omni_rt.request import RequestStream
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.request import RequestAborted, RequestStream
 from omni_rt.specs import PipelineSpec
 from omni_rt.stage import StageError
+from sessions import (
+    IllegalTransition,
+    InvalidResumeToken,
+    Session,
+    SessionElsewhere,
+    SessionError,
+    SessionGone,
+    SessionLimit,
+    SessionManager,
+    SessionNotFound,
+    StaleFence,
+    StoreUnavailable,
+    UnknownPipeline,
+)
 from protocols.audio_formats import (
     MAX_SPEED,
     MIN_SPEED,
@@ -79,6 +91,28 @@ def _validation_to_api_error(errors: list[Any]) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {msg}.", param=param, code="invalid_value")
 
 
+def session_api_error(exc: SessionError) -> APIError:
+    """A session error as an HTTP error: 429 + retry-after for a full cap, 503 when the
+    session store is lost, 404/410/403/409 for lookups, tokens and states."""
+    if isinstance(exc, SessionLimit):
+        return APIError(
+            429, exc.message, type="requests", code="session_limit", headers={"retry-after": str(exc.retry_after_s)}
+        )
+    if isinstance(exc, StoreUnavailable):
+        return APIError(503, exc.message, type="server_error", code=exc.code, headers={"retry-after": "5"})
+    if isinstance(exc, (SessionNotFound, UnknownPipeline)):
+        return APIError(404, exc.message, code=exc.code)
+    if isinstance(exc, SessionGone):
+        return APIError(410, exc.message, code=exc.code)
+    if isinstance(exc, InvalidResumeToken):
+        return APIError(403, exc.message, code=exc.code)
+    if isinstance(exc, SessionElsewhere):
+        return APIError(409, exc.message, code=exc.code, headers={"location": exc.url} if exc.url else None)
+    if isinstance(exc, (IllegalTransition, StaleFence)):
+        return APIError(409, exc.message, code=exc.code)
+    return APIError(400, exc.message, code=exc.code)
+
+
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     return error_response(exc)
@@ -118,10 +152,11 @@ class SpeechRequest(BaseModel):
 
 
 class SpeechService:
-    """Serves one TTS pipeline over OpenAI's speech API."""
+    """Serves one TTS pipeline over OpenAI's speech API. Each call is a `oneshot`
+    session: admitted against the caps, one turn, closed on completion or disconnect."""
 
-    def __init__(self, orchestrator: Orchestrator, pipeline: PipelineSpec, max_input_chars: int = 4096) -> None:
-        self.orch = orchestrator
+    def __init__(self, sessions: SessionManager, pipeline: PipelineSpec, max_input_chars: int = 4096) -> None:
+        self.sessions = sessions
         self.pipeline = pipeline
         self.max_input_chars = max_input_chars
 
@@ -174,35 +209,44 @@ class SpeechService:
             )
         return req.model_copy(update={"response_format": fmt}), voice
 
-    async def speak(self, raw: Any) -> Response:
+    async def speak(self, raw: Any, principal: str) -> Response:
         req, voice = self.validate(raw)
         t0 = time.monotonic()
-        sid = f"oneshot-{uuid.uuid4().hex}"
-        fence = Fence(sid)
-        stream = self.orch.submit(self.pipeline.name, fence=fence, params={"voice": voice, "seed": req.seed}, affinity=None)
-        stream.send_input(Payload(PayloadKind.TEXT, fence, text=req.input))
-        stream.end_input()
-        outputs = stream.payloads()
         try:
+            session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+        try:
+            stream = session.submit({"voice": voice, "seed": req.seed})
+            session.send_input(stream, Payload(PayloadKind.TEXT, session.fence, text=req.input))
+            stream.end_input()
+            outputs = stream.payloads()
             # Wait for the first chunk before answering, so a request that fails
             # before producing audio gets a real error status instead of a cut stream.
-            first = await outputs.__anext__()
-        except StopAsyncIteration:
-            first = None
+            try:
+                first = await outputs.__anext__()
+            except StopAsyncIteration:
+                first = None
         except StageError as exc:
-            await stream.close()
+            await self.sessions.end(session, "failed")
             raise APIError(500, f"speech generation failed: {exc}", type="server_error", code="generation_failed") from None
         except BaseException:
-            await stream.close()
+            await asyncio.shield(self.sessions.end(session, "client_disconnected"))
             raise
         encoder = StreamingEncoder(req.response_format)
         tempo = TempoFilter(req.speed)
-        body = self._body(stream, outputs, first, encoder, tempo, req, t0)
+        body = self._body(session, stream, outputs, first, encoder, tempo, req, t0)
         media = "text/event-stream" if req.stream_format == "sse" else encoder.content_type
-        return _ClosingStreamingResponse(body, stream, media_type=media, headers={"x-request-id": stream.request_id})
+        return _ClosingStreamingResponse(
+            body,
+            lambda: self.sessions.end(session, "client_disconnected"),
+            media_type=media,
+            headers={"x-request-id": stream.request_id, "x-session-id": session.id},
+        )
 
     async def _body(
         self,
+        session: Session,
         stream: RequestStream,
         outputs: AsyncIterator[tuple[str, Payload, bool]],
         first: tuple[str, Payload, bool] | None,
@@ -216,6 +260,7 @@ class SpeechService:
         offload = req.response_format not in ("pcm", "wav")
         samples = 0
         sent_first = False
+        outcome = "client_disconnected"  # until the last byte is handed over
 
         async def encode(pcm: Any) -> bytes:
             if offload:
@@ -237,6 +282,7 @@ class SpeechService:
                         item = await outputs.__anext__()
                     except StopAsyncIteration:
                         break
+                session.touch()
                 pcm = item[1].arrays["pcm"]
                 samples += len(pcm)
                 data = await encode(tempo.process(pcm))
@@ -250,40 +296,47 @@ class SpeechService:
             if tail:
                 yield frame(tail)
             metrics.AUDIO_SECONDS.labels(api="speech").inc(samples / 24000.0)
+            metrics.E2E_SECONDS.labels(api="speech").observe(time.monotonic() - t0)
             if sse:
                 usage = dict(stream.done.usage or {}) if stream.done is not None else {}
                 usage.setdefault("input_tokens", 0)
                 usage.setdefault("output_tokens", 0)
                 usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
                 yield _sse({"type": "speech.audio.done", "usage": usage})
-        except StageError as exc:
+            outcome = "completed"
+        except (StageError, RequestAborted) as exc:
             # Headers are out; an SSE client hears an error event, a raw-audio client
             # sees the stream end early (the chunked body is never terminated cleanly).
-            if sse:
+            outcome = "failed" if isinstance(exc, StageError) else "aborted"
+            if not sse:
+                raise
+            if isinstance(exc, StageError):
                 yield _sse({"type": "error", "error": error_body(str(exc), "server_error", None, "generation_failed")["error"]})
             else:
-                raise
+                msg = f"The session ended before the audio was complete ({session.close_reason or exc.reason})."
+                yield _sse({"type": "error", "error": error_body(msg, "server_error", None, "session_closed")["error"]})
         finally:
             encoder.close()
-            # Disconnect or failure: abort every stage, free connector keys.
-            await asyncio.shield(stream.close())
+            # Done, failed or disconnected: the one-shot session ends, which aborts
+            # whatever still runs, frees connector keys and returns the slot.
+            await asyncio.shield(self.sessions.end(session, outcome))
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """Closes the request even if the client vanished before the body started.
+    """Ends the session even if the client vanished before the body started.
 
     (An async generator that never started never runs its `finally`.)
     """
 
-    def __init__(self, content: AsyncIterator[bytes], stream: RequestStream, **kw: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], close: Callable[[], Awaitable[None]], **kw: Any) -> None:
         super().__init__(content, **kw)
-        self._stream = stream
+        self._close = close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await asyncio.shield(self._stream.close())
+            await asyncio.shield(self._close())
 
 
 def _sse(obj: Mapping[str, Any]) -> bytes:
@@ -312,6 +365,7 @@ def build_router(speech: SpeechService | None, model_ids: list[tuple[str, str]])
     async def create_speech(request: Request) -> Response:
         if speech is None:
             raise APIError(404, "No speech pipeline is enabled on this server.", code="not_found")
-        return await speech.speak(await parse_json(request))
+        principal = getattr(request.state, "principal", None)
+        return await speech.speak(await parse_json(request), principal.name if principal else "anonymous")
 
     return router

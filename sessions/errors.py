@@ -44,7 +44,7 @@ class SessionNotFound(SessionError):
 class SessionGone(SessionError):
     """The session existed but is over (closed, expired, evicted)."""
 
-    code = "session_expired"
+    code = "session_gone"
 
     def __init__(self, session_id: str, reason: str) -> None:
         super().__init__(f"Session '{session_id}' is over ({reason}); open a new one.")

@@ -84,7 +84,11 @@ class SessionManager:
         self.store = store or make_store(self.spec)
         self.node_id = node_id or self.spec.node_id or f"{socket.gethostname()}:{os.getpid()}"
         self.limits = Limits(
-            self.spec.max_total, dict(self.spec.max_per_kind), self.spec.max_per_principal, self.spec.retry_after_s
+            self.spec.max_total,
+            dict(self.spec.max_per_kind),
+            self.spec.max_per_principal,
+            self.spec.retry_after_s,
+            dict(self.spec.principal_caps),
         )
         self._sessions: dict[str, Session] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
@@ -104,7 +108,7 @@ class SessionManager:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
             self._reaper = None
-        await asyncio.gather(*(self._end(s, "shutdown") for s in list(self._sessions.values())), return_exceptions=True)
+        await asyncio.gather(*(self.end(s, "shutdown") for s in list(self._sessions.values())), return_exceptions=True)
         await self.store.close()
 
     # ---- admission -------------------------------------------------------------------
@@ -123,10 +127,13 @@ class SessionManager:
         t0 = time.perf_counter()
         sid = f"sess_{secrets.token_hex(12)}"
         slot = Slot(sid, kind, principal)
+        session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events)
+        # The directory entry is written with the slot, in the same atomic step.
+        record = {**self._record(session), "state": SessionState.ACTIVE.value}
         evicted: set[str] = set()
         while True:
             try:
-                await self.store.acquire(slot, self.limits)
+                await self.store.acquire(slot, self.limits, record)
                 break
             except SessionLimit as exc:
                 victim = self._eviction_victim(exc, slot, evicted) if self.spec.evict_detached_under_pressure else None
@@ -136,19 +143,17 @@ class SessionManager:
                     raise
                 evicted.add(victim.id)
                 log.info("session %s evicted under pressure to admit a %s session", victim.id, kind)
-                await self._end(victim, "evicted")
+                await self.end(victim, "evicted")
             except StoreUnavailable:
                 self.stats["rejected"] += 1
                 metrics.SESSIONS_REJECTED.labels(kind=kind, reason="store_unavailable").inc()
                 raise
-        session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events)
         self._sessions[sid] = session
         session._transition(SessionState.ACTIVE, "open")
         self.stats["admitted"] += 1
         metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
         metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
         metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
-        await self._publish(session)
         return session
 
     def _eviction_victim(self, exc: SessionLimit, slot: Slot, skip: set[str]) -> Session | None:
@@ -225,18 +230,20 @@ class SessionManager:
             raise InvalidResumeToken(session_id, missing=not token)
         if s.state in (SessionState.CLOSING, SessionState.CLOSED):
             raise IllegalTransition(session_id, s.state.value, "close")
-        await self._end(s, reason)
+        await self.end(s, reason)
 
     async def expire(self, session_id: str, reason: str = "idle_timeout") -> None:
-        await self._end(self.get(session_id), reason)
+        await self.end(self.get(session_id), reason)
 
-    async def _end(self, s: Session, reason: str) -> None:
-        """closing → free everything → return the slot once → closed. Idempotent:
-        concurrent callers wait for the one that is already ending the session."""
+    async def end(self, s: Session, reason: str) -> None:
+        """closing → free everything → return the slot once → closed. Idempotent (for
+        adapters ending their own session): concurrent callers wait for the one that
+        is already ending it; a closed session is left alone."""
         task = self._closing.get(s.id)
         if task is None:
             if s.state == SessionState.CLOSED:
                 return
+            log.debug("session %s (%s) ending: %s", s.id, s.kind, reason)
             task = asyncio.get_running_loop().create_task(self._do_end(s, reason))
             self._closing[s.id] = task
         await asyncio.shield(task)
@@ -251,7 +258,7 @@ class SessionManager:
             if self.orchestrator is not None:
                 self.orchestrator.release_session(s.id)
         finally:
-            # The slot goes back only now that nothing is held any more.
+            # The slot (and the directory entry) go back only now that nothing is held.
             try:
                 if await self.store.release(Slot(s.id, s.kind, s.principal)):
                     self.stats["slots_released"] += 1
@@ -259,10 +266,6 @@ class SessionManager:
                     log.warning("session %s: its slot had already lapsed in the store", s.id)
             except StoreUnavailable as exc:
                 log.warning("session %s: slot not returned (%s); it lapses with its lease", s.id, exc)
-            try:
-                await self.store.unpublish(s.id)
-            except StoreUnavailable:
-                pass
             s.state = SessionState.CLOSED
             s._wakeup.set()
             s.closed.set()
@@ -291,7 +294,7 @@ class SessionManager:
                 ended.append((s, "idle_timeout"))
         for s, why in ended:
             log.info("session %s (%s) expired: %s", s.id, s.kind, why)
-            await self._end(s, why)
+            await self.end(s, why)
         live = [s for s in self._sessions.values() if s.state != SessionState.CLOSED]
         try:
             lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])

@@ -24,8 +24,9 @@ from redis.exceptions import RedisError
 from sessions.errors import SessionLimit, StoreUnavailable
 from sessions.store import Limits, SessionStore, Slot
 
-# KEYS: total, kind, principal sets. ARGV: session id, lease ms, caps (-1 = none).
-# Returns 0 when admitted, else 1/2/3 for the cap (total/kind/principal) that is full.
+# KEYS: total, kind, principal sets, directory key. ARGV: session id, lease ms, caps
+# (-1 = none), directory record (JSON, may be empty). Returns 0 when admitted, else
+# 1/2/3 for the cap (total/kind/principal) that is full.
 _ACQUIRE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -40,14 +41,16 @@ for i = 1, 3 do
   redis.call('ZADD', KEYS[i], now + lease, ARGV[1])
   redis.call('PEXPIRE', KEYS[i], lease * 2)
 end
+if ARGV[6] ~= '' then redis.call('SET', KEYS[4], ARGV[6], 'PX', lease) end
 return 0
 """
 
-# KEYS: total, kind, principal sets. ARGV: session id. 1 if the slot was held.
+# KEYS: total, kind, principal sets, directory key. ARGV: session id. 1 if held.
 _RELEASE = """
 local held = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('DEL', KEYS[4])
 return held
 """
 
@@ -140,12 +143,14 @@ class RedisStore(SessionStore):
         await self._redis.aclose()
 
     # ---- slots ---------------------------------------------------------------------
-    async def acquire(self, slot: Slot, limits: Limits) -> None:
-        total, per_kind, per_principal = limits.caps_for(slot.kind)
+    async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:
+        total, per_kind, per_principal = limits.caps_for(slot)
         caps = [total, per_kind, per_principal]
-        args = [slot.session_id, self.lease_ms, *(-1 if c is None else c for c in caps)]
+        doc = json.dumps(dict(record)) if record is not None else ""
+        args = [slot.session_id, self.lease_ms, *(-1 if c is None else c for c in caps), doc]
+        keys = [*self._keys(slot), self._dir_key(slot.session_id)]
         try:
-            res = int(await self._acquire(keys=self._keys(slot), args=args))
+            res = int(await self._acquire(keys=keys, args=args))
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
         self.last_error = None
@@ -159,7 +164,8 @@ class RedisStore(SessionStore):
 
     async def release(self, slot: Slot) -> bool:
         try:
-            return bool(int(await self._release(keys=self._keys(slot), args=[slot.session_id])))
+            keys = [*self._keys(slot), self._dir_key(slot.session_id)]
+            return bool(int(await self._release(keys=keys, args=[slot.session_id])))
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
 
@@ -202,12 +208,6 @@ class RedisStore(SessionStore):
                 for r in records:
                     pipe.set(self._dir_key(str(r["session_id"])), json.dumps(dict(r)), px=self.lease_ms)
                 await pipe.execute()
-        except (RedisError, OSError) as exc:
-            raise self._unavailable(exc) from None
-
-    async def unpublish(self, session_id: str) -> None:
-        try:
-            await self._redis.delete(self._dir_key(session_id))
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
 

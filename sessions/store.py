@@ -21,9 +21,12 @@ class Limits:
     max_per_kind: Mapping[str, int] = field(default_factory=dict)
     max_per_principal: int | None = None
     retry_after_s: int = 1
+    principal_caps: Mapping[str, int] = field(default_factory=dict)
 
-    def caps_for(self, kind: str) -> tuple[int, int | None, int | None]:
-        return self.max_total, self.max_per_kind.get(kind), self.max_per_principal
+    def caps_for(self, slot: "Slot") -> tuple[int, int | None, int | None]:
+        """(total, kind, principal) caps that apply to `slot`; None = no cap."""
+        principal = self.principal_caps.get(slot.principal, self.max_per_principal)
+        return self.max_total, self.max_per_kind.get(slot.kind), principal
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,14 @@ class SessionStore(abc.ABC):
         pass
 
     @abc.abstractmethod
-    async def acquire(self, slot: Slot, limits: Limits) -> None:
-        """Take a slot or raise SessionLimit (StoreUnavailable if the backend is gone)."""
+    async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:
+        """Take a slot and write its directory `record`, atomically, or raise
+        SessionLimit (StoreUnavailable if the backend is gone)."""
 
     @abc.abstractmethod
     async def release(self, slot: Slot) -> bool:
-        """Give a slot back. True if it was held; False if it was already returned."""
+        """Give a slot back and drop its directory entry. True if it was held; False if
+        it was already returned."""
 
     @abc.abstractmethod
     async def renew(self, slots: list[Slot]) -> int:
@@ -65,9 +70,6 @@ class SessionStore(abc.ABC):
     async def publish_many(self, records: list[Mapping[str, Any]]) -> None:
         for r in records:
             await self.publish(r)
-
-    @abc.abstractmethod
-    async def unpublish(self, session_id: str) -> None: ...
 
     @abc.abstractmethod
     async def lookup(self, session_id: str) -> dict[str, Any] | None: ...
@@ -87,8 +89,8 @@ class MemoryStore(SessionStore):
         self._per_principal: dict[str, int] = {}
         self._directory: dict[str, dict[str, Any]] = {}
 
-    async def acquire(self, slot: Slot, limits: Limits) -> None:
-        total, per_kind, per_principal = limits.caps_for(slot.kind)
+    async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:
+        total, per_kind, per_principal = limits.caps_for(slot)
         if slot.session_id in self._slots:
             raise ValueError(f"session {slot.session_id} already holds a slot")
         checks = (
@@ -102,8 +104,11 @@ class MemoryStore(SessionStore):
         self._slots[slot.session_id] = slot
         self._per_kind[slot.kind] = self._per_kind.get(slot.kind, 0) + 1
         self._per_principal[slot.principal] = self._per_principal.get(slot.principal, 0) + 1
+        if record is not None:
+            self._directory[slot.session_id] = dict(record)
 
     async def release(self, slot: Slot) -> bool:
+        self._directory.pop(slot.session_id, None)
         held = self._slots.pop(slot.session_id, None)
         if held is None:
             return False
@@ -121,9 +126,6 @@ class MemoryStore(SessionStore):
 
     async def publish(self, record: Mapping[str, Any]) -> None:
         self._directory[str(record["session_id"])] = dict(record)
-
-    async def unpublish(self, session_id: str) -> None:
-        self._directory.pop(session_id, None)
 
     async def lookup(self, session_id: str) -> dict[str, Any] | None:
         rec = self._directory.get(session_id)

@@ -30,12 +30,19 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One real omni-rt server (tiny checkpoints, vLLM talker) shared by all integration tests."""
-    from latency_bench.server import ServerProcess
+    """One real omni-rt server (tiny checkpoints, vLLM talker) shared by all integration tests;
+    API keys on (tests.harness.SERVER_OVERLAY)."""
+    import yaml
 
-    log = tmp_path_factory.mktemp("server") / "server.log"
+    from latency_bench.server import ServerProcess
+    from tests.harness import SERVER_OVERLAY
+
+    tmp = tmp_path_factory.mktemp("server")
+    log = tmp / "server.log"
+    deploy = tmp / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump(SERVER_OVERLAY))
     env = dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir))
-    proc = ServerProcess(port=_free_port(), log_path=log, cwd=REPO, env=env)
+    proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=log, cwd=REPO, env=env)
     proc.start()
     try:
         proc.wait_ready(timeout_s=300)

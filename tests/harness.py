@@ -18,6 +18,23 @@ from omni_rt.stage import StageContext, StageError, StageProcessor
 from omni_rt.stage_pool import Replica, StagePool
 
 
+# API keys of the shared test server (tests/conftest.py writes its deploy overlay).
+ADMIN_KEY = "test-admin-key-0001"
+ALICE_KEY = "test-alice-key-0001"
+LIMITED_KEY = "test-limited-key-001"  # principal "limited": at most one session at a time
+ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN_KEY}"}
+SERVER_OVERLAY = {
+    "server": {
+        "api_keys": [
+            {"key": ADMIN_KEY, "principal": "ops", "admin": True},
+            {"key": ALICE_KEY, "principal": "alice"},
+            {"key": LIMITED_KEY, "principal": "limited"},
+        ]
+    },
+    "sessions": {"principal_caps": {"limited": 1}},
+}
+
+
 class CountingConnector(Connector):
     """Wraps a connector and records which module called put/get (invariant 1)."""
 

@@ -639,3 +639,24 @@ def test_connectors_bench_copying_backend_drops_views_before_cleanup(monkeypatch
     for e in res["sizes"]:
         b = e["backends"]["shm"]
         assert b["get_is_view"] is True and b["copied"] is True and b["cleanup_freed"] == 1
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_sessions_bench(tmp_path, store):
+    out = tmp_path / "sessions.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "latency_bench", "sessions", "--store", store, "-n", "300", "-c", "1,8", "--warmup", "10", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["schema"] == "omni-rt.latency_bench.sessions/1" and r["store"] == store
+    assert [lvl["concurrency"] for lvl in r["levels"]] == [1, 8]
+    for lvl in r["levels"]:
+        assert lvl["cycles"] == 300 and lvl["refused"] == 0 and lvl["slots_left"] == 0
+        a = lvl["admission_ms"]
+        assert 0 < a["p50"] <= a["p90"] <= a["p99"] <= a["max"]
+        assert lvl["cycles_per_s"] > 0
+    assert r["targets"]["no_refusals_no_leftover_slots"]["met"] is True
+    assert ("p99_admission_ms" in r["targets"]) == (store == "redis")
+    assert "target cycles_per_s" in p.stdout

@@ -15,7 +15,7 @@ import asyncio
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import SessionsSpec

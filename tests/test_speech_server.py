@@ -13,6 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.harness import ADMIN_HEADERS, ADMIN_KEY
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 TEXT = "Hello from omni, a realtime server."
@@ -22,7 +24,13 @@ TEXT = "Hello from omni, a realtime server."
 def client(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return OpenAI(base_url=f"{server.url}/v1", api_key=ADMIN_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    with httpx.Client(base_url=server.url, headers=ADMIN_HEADERS, timeout=120) as c:
+        yield c
 
 
 def wav_info(data: bytes) -> tuple[int, int, np.ndarray]:
@@ -66,10 +74,10 @@ def test_sdk_streaming_pcm(client):
     assert len(chunks) > 1 and first is not None and first < total  # really streamed
 
 
-def test_sse_events_in_order(server):
+def test_sse_events_in_order(server, api):
     body = {"model": "tts", "voice": "tara", "input": TEXT, "response_format": "pcm", "stream_format": "sse"}
     events = []
-    with httpx.stream("POST", f"{server.url}/v1/audio/speech", json=body, timeout=120) as r:
+    with api.stream("POST", "/v1/audio/speech", json=body, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -94,10 +102,10 @@ def test_compressed_formats_decode(client, fmt):
     sensible(samples / rate, "Short test.")
 
 
-def test_same_seed_same_audio_and_speed(server):
+def test_same_seed_same_audio_and_speed(server, api):
     def run(speed: float) -> bytes:
         body = {"model": "tts", "voice": "tara", "input": TEXT, "response_format": "pcm", "seed": 11, "speed": speed}
-        r = httpx.post(f"{server.url}/v1/audio/speech", json=body, timeout=120)
+        r = api.post("/v1/audio/speech", json=body, timeout=120)
         assert r.status_code == 200, r.text
         return r.content
 
@@ -107,12 +115,12 @@ def test_same_seed_same_audio_and_speed(server):
     assert abs(len(fast) / len(a) - 0.5) < 0.05
 
 
-def test_concurrent_requests_all_complete(server):
+def test_concurrent_requests_all_complete(server, api):
     async def main():
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(base_url=server.url, headers=ADMIN_HEADERS, timeout=120) as c:
             async def one(i):
                 r = await c.post(
-                    f"{server.url}/v1/audio/speech",
+                    "/v1/audio/speech",
                     json={"model": "tts", "voice": "tara", "input": f"Request number {i}.", "response_format": "pcm"},
                 )
                 return r.status_code, len(r.content)
@@ -143,11 +151,11 @@ BAD = [
 
 
 @pytest.mark.parametrize("body,param,code", BAD)
-def test_bad_input_gets_openai_error(server, body, param, code):
+def test_bad_input_gets_openai_error(server, api, body, param, code):
     if isinstance(body, str):
-        r = httpx.post(f"{server.url}/v1/audio/speech", content=body, headers={"content-type": "application/json"})
+        r = api.post("/v1/audio/speech", content=body, headers={"content-type": "application/json"})
     else:
-        r = httpx.post(f"{server.url}/v1/audio/speech", json=body)
+        r = api.post("/v1/audio/speech", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -164,27 +172,27 @@ def test_sdk_raises_bad_request(client):
     assert exc.value.body["param"] == "input"
 
 
-def test_server_keeps_serving_after_bad_input(server, client):
+def test_server_keeps_serving_after_bad_input(server, api, client):
     for body, _, _ in BAD[:5]:
-        httpx.post(f"{server.url}/v1/audio/speech", json=body if not isinstance(body, str) else None)
+        api.post("/v1/audio/speech", json=body if not isinstance(body, str) else None)
     resp = client.audio.speech.create(model="tts", voice="tara", input="Still here.", response_format="wav")
     assert len(wav_info(resp.content)[2]) > 0
 
 
-def test_models_health_metrics(server):
-    models = httpx.get(f"{server.url}/v1/models").json()
+def test_models_health_metrics(server, api):
+    models = api.get("/v1/models").json()
     ids = {m["id"] for m in models["data"]}
     assert {"tts", "tts-1"} <= ids and models["object"] == "list"
     h = httpx.get(f"{server.url}/health").json()
     assert h["status"] == "ok" and "tts" in h["pipelines"]
-    m = httpx.get(f"{server.url}/metrics").text
+    m = api.get("/metrics").text
     assert 'omni_rt_requests_total{pipeline="tts",status="completed"}' in m
-    r = httpx.get(f"{server.url}/v1/nothing")
+    r = api.get("/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
-def _idle(server) -> dict:
-    h = httpx.get(f"{server.url}/health").json()
+def _idle(api: httpx.Client) -> dict:
+    h = api.get("/health").json()
     loads = {
         name: [rep["engine"]["load"] for rep in stage["replicas"]] for name, stage in h["stages"].items()
     }
@@ -194,20 +202,20 @@ def _idle(server) -> dict:
     return {"running": h["running_requests"], "loads": loads, "unfinished": sum(unfinished)}
 
 
-def test_client_disconnect_frees_every_engine(server):
-    long_text = "This sentence is long enough to keep the talker busy for a while. " * 20
+def test_client_disconnect_frees_every_engine(server, api):
+    long_text = ("This sentence is long enough to keep the talker busy for a while. " * 61)[:4000]
     body = {"model": "tts", "voice": "tara", "input": long_text, "response_format": "pcm"}
-    with httpx.stream("POST", f"{server.url}/v1/audio/speech", json=body, timeout=120) as r:
+    with api.stream("POST", "/v1/audio/speech", json=body, timeout=120) as r:
         assert r.status_code == 200
         it = r.iter_bytes()
         assert next(it)
-        busy = _idle(server)
+        busy = _idle(api)
         assert busy["running"] == 1
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 10
-    state = _idle(server)
+    state = _idle(api)
     while time.monotonic() < deadline:
-        state = _idle(server)
+        state = _idle(api)
         if state["running"] == 0 and all(v == 0 for loads in state["loads"].values() for v in loads) and state["unfinished"] == 0:
             break
         time.sleep(0.1)

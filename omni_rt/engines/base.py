@@ -25,5 +25,9 @@ class Engine(abc.ABC):
     def load(self) -> int:
         """Requests currently queued or running (least-queue routing, metrics, tests)."""
 
+    def queue_depth(self) -> int | None:
+        """Work items waiting to run (not yet started); None where the engine does not say."""
+        return None
+
     def health(self) -> dict[str, Any]:
         return {"ok": True, "load": self.load()}

@@ -98,6 +98,9 @@ class TorchEngine(Engine):
     def load(self) -> int:
         return (self._queue.qsize() if self._queue is not None else 0) + self._running
 
+    def queue_depth(self) -> int:
+        return self._queue.qsize() if self._queue is not None else 0
+
     async def run(self, x: np.ndarray, priority: int = 1) -> np.ndarray:
         """Run one item through the module (batched with concurrent callers).
 
