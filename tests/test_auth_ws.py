@@ -110,3 +110,30 @@ def test_websocket_over_cap_gets_an_error_event_then_close_1013():
     with c.websocket_connect("/ws", headers=auth) as third:
         assert third.receive_json()["type"] == "session.created"
         third.send_text("bye")
+
+
+def test_session_errors_map_to_http_statuses_and_codes():
+    from protocols.openai_http import session_api_error
+    from sessions import (
+        IllegalTransition,
+        InvalidResumeToken,
+        SessionElsewhere,
+        SessionGone,
+        SessionNotFound,
+        StaleFence,
+    )
+
+    cases = [
+        (SessionLimit("kind", "realtime", 3, 7), 429, "session_limit", {"retry-after": "7"}),
+        (StoreUnavailable("Redis is gone"), 503, "session_store_unavailable", {"retry-after": "5"}),
+        (SessionNotFound("s1"), 404, "session_not_found", {}),
+        (SessionGone("s1", "idle_timeout"), 410, "session_gone", {}),
+        (InvalidResumeToken("s1"), 403, "invalid_resume_token", {}),
+        (SessionElsewhere("s1", "node-b", "http://b:8000"), 409, "session_elsewhere", {"location": "http://b:8000"}),
+        (IllegalTransition("s1", "closed", "resume"), 409, "invalid_session_state", {}),
+        (StaleFence("old epoch"), 409, "stale_fence", {}),
+    ]
+    for exc, status, code, headers in cases:
+        err = session_api_error(exc)
+        assert (err.status, err.code, err.headers) == (status, code, headers), exc
+        assert err.message == exc.message

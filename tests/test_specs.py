@@ -123,3 +123,44 @@ def test_fused_aux_overlay():
     bad = parse_overlay({"pipelines": {"tts": {"profile": "fused", "stages": {"talker_fused": {"aux": {"vocoder": {}}}}}}}, "x")
     with pytest.raises(SpecError, match="no such aux engine"):
         apply_overlay(TTS, bad)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--idle-ttl", "-1"], "command line: sessions.idle_ttl_s: Input should be greater than 0"),
+        (["--disconnect-grace", "-5"], "sessions.disconnect_grace_s: Input should be greater than or equal to 0"),
+        (["--max-sessions", "0"], "sessions.max_total: Input should be greater than or equal to 1"),
+        (["--max-sessions-per-kind", "oneshot=0"], "max_per_kind.oneshot: cap must be at least 1, got 0"),
+        (["--max-sessions-per-kind", "chat=3"], "max_per_kind.chat: unknown session kind"),
+        (["--max-sessions-per-kind", "oneshot"], "--max-sessions-per-kind: expected KIND=N, got 'oneshot'"),
+        (["--api-key", "short"], "server.api_key: String should have at least 8 characters"),
+        (
+            ["--session-store", "redis", "--redis-url", "redis://127.0.0.1:1/0"],
+            "sessions.redis_url: the session store Redis at redis://127.0.0.1:1/0 is unreachable",
+        ),
+        (["--session-store", "redis", "--reaper-interval", "10"], "slot_lease_ttl_s (15.0) must be at least 3 x reaper_interval_s"),
+    ],
+)
+def test_cli_bad_session_settings_exit_2_naming_the_key(args, message):
+    p = _cli("check", *args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_overlay_sessions_block_and_keys_file(tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("- {key: abcdefgh-1, principal: alice}\n- {key: abcdefgh-2, principal: ops, admin: true}\n")
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text("sessions:\n  max_total: 9\n  principal_caps: {alice: 2}\n  idle_ttl_s: 5\n")
+    from omni_rt.cli import _overlay, parser
+
+    args = parser().parse_args(["serve", "--deploy", str(deploy), "--api-keys-file", str(keys), "--max-sessions-per-kind", "realtime=3"])
+    overlay, _ = _overlay(args)
+    assert overlay.sessions.max_total == 9 and overlay.sessions.idle_ttl_s == 5
+    assert overlay.sessions.max_per_kind == {"realtime": 3} and overlay.sessions.principal_caps == {"alice": 2}
+    assert [(k.principal, k.admin) for k in overlay.server.api_keys] == [("alice", False), ("ops", True)]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sessions:\n  max_per_kind: {world: -1}\n")
+    p = _cli("check", "--deploy", str(bad))
+    assert p.returncode == 2 and f"{bad}: sessions: max_per_kind.world: cap must be at least 1, got -1" in p.stderr
