@@ -22,6 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pipelines.codec import CodecLayout
 
@@ -189,7 +190,13 @@ def talker_layout(text_vocab_size: int) -> CodecLayout:
     )
 
 
-def _train_tokenizer(out: Path) -> int:
+def _train_tokenizer(
+    out: Path,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    special_map: dict[str, str] | None = None,
+    bos: str | None = "<|begin_of_text|>",
+    extra_config: dict[str, Any] | None = None,
+) -> int:
     """Train the byte-level BPE, save tokenizer files, return the text vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -208,20 +215,17 @@ def _train_tokenizer(out: Path) -> int:
     text_vocab = tok.get_vocab_size()
     # Special tokens are added after training so they get ids text_vocab.. (as in
     # Llama 3, where they follow the 128000 text tokens) instead of 0...
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    bos = SPECIAL_TOKENS[0]
-    # Llama 3's tokenizer adds BOS through its post-processor; Orpheus prompts rely on it.
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A",
-        pair=f"{bos} $A {bos} $B",
-        special_tokens=[(bos, tok.token_to_id(bos))],
-    )
+    tok.add_special_tokens(list(special_tokens))
+    if bos is not None:
+        # Llama 3's tokenizer adds BOS through its post-processor; Orpheus prompts rely on it.
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tok.token_to_id(bos))],
+        )
     tok.save(str(out / "tokenizer.json"))
-    special_map = {
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|eot_id|>",
-        "pad_token": "<|pad|>",
-    }
+    if special_map is None:
+        special_map = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|pad|>"}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
     tok_config = {
         # "PreTrainedTokenizerFast" loads straight from tokenizer.json, no slow
@@ -230,6 +234,7 @@ def _train_tokenizer(out: Path) -> int:
         "model_max_length": TALKER_CONFIG["max_position_embeddings"],
         "clean_up_tokenization_spaces": False,
         **special_map,
+        **(extra_config or {}),
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return text_vocab
@@ -307,18 +312,103 @@ def _fill_code2wav(out: Path) -> None:
     torch.save(state, str(out / "pytorch_model.bin"))
 
 
+THINKER_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio|>", "<|pad|>")
+# Qwen2-style chat template; `<|audio|>` marks where the audio encoder's embeddings go.
+THINKER_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+THINKER_CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+}
+# Audio encoder: 16 kHz log-mel (Whisper's front end: 400-point FFT, hop 160, 80 mels)
+# over fixed 480 ms blocks, each encoded on its own (so streaming == batch exactly),
+# two convolutions (stride 2 each) -> 25 embeddings per second of thinker width.
+AUDIO_ENCODER_CONFIG = {
+    "sample_rate": 16000,
+    "n_fft": 400,
+    "hop_length": 160,
+    "n_mels": 80,
+    "block_samples": 7680,
+    "hidden": 128,
+    "out_dim": THINKER_CONFIG["hidden_size"],
+}
+
+
+def _fill_thinker(out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    special_map = {"eos_token": "<|im_end|>", "pad_token": "<|pad|>"}
+    text_vocab = _train_tokenizer(
+        out, THINKER_SPECIAL_TOKENS, special_map, bos=None, extra_config={"chat_template": THINKER_CHAT_TEMPLATE}
+    )
+    ids = {t: text_vocab + i for i, t in enumerate(THINKER_SPECIAL_TOKENS)}
+    config = Qwen2Config(
+        vocab_size=-(-(text_vocab + len(THINKER_SPECIAL_TOKENS)) // 64) * 64,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|pad|>"],
+        torch_dtype="float32",
+        **THINKER_CONFIG,
+    )
+    torch.manual_seed(SEED + 1)
+    model = Qwen2ForCausalLM(config).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=config.pad_token_id,
+        do_sample=True,
+        temperature=0.7,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+    ).save_pretrained(str(out))
+
+
+def _fill_audio_encoder(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from pipelines.voice import AudioEncoderNet
+
+    torch.manual_seed(SEED + 2)
+    net = AudioEncoderNet(**{k: AUDIO_ENCODER_CONFIG[k] for k in ("n_mels", "hidden", "out_dim")}).eval()
+    (out / "config.json").write_text(json.dumps({"model_type": "omni_rt_audio_encoder", **AUDIO_ENCODER_CONFIG}, indent=2) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "model.safetensors"))
+
+
+THINKER_DIRNAME = "tiny-qwen2-thinker"
+AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
+_BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
+    "talker": (TALKER_DIRNAME, _fill_talker),
+    "code2wav": (CODE2WAV_DIRNAME, _fill_code2wav),
+    "thinker": (THINKER_DIRNAME, _fill_thinker),
+    "audio_encoder": (AUDIO_ENCODER_DIRNAME, _fill_audio_encoder),
+}
+
+
 def build_tiny(cache_dir: str | Path, force: bool = False) -> dict[str, Path]:
-    """Build (or reuse) the tiny talker and code2wav checkpoints under `cache_dir`."""
+    """Build (or reuse) every tiny checkpoint under `cache_dir`."""
     root = Path(cache_dir).expanduser().resolve()
-    talker = _build_atomic(root / TALKER_DIRNAME, force, _fill_talker)
-    code2wav = _build_atomic(root / CODE2WAV_DIRNAME, force, _fill_code2wav)
-    return {"talker": talker, "code2wav": code2wav}
+    return {name: _build_atomic(root / dirname, force, fill) for name, (dirname, fill) in _BUILDERS.items()}
 
 
 def tiny_status(cache_dir: str | Path) -> bool:
     """True when every tiny checkpoint is fully built under `cache_dir`."""
     root = Path(cache_dir).expanduser().resolve()
-    return all(_is_complete(root / d) for d in (TALKER_DIRNAME, CODE2WAV_DIRNAME))
+    return all(_is_complete(root / d) for d, _ in _BUILDERS.values())
 
 
 if __name__ == "__main__":

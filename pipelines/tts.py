@@ -140,15 +140,17 @@ class CodecTalker:
             s["seed"] = int(params["seed"]) + segment
         return s
 
-    async def frames(self, ctx: StageContext, engine: Engine | None, text: str) -> AsyncIterator[np.ndarray]:
-        """Yield int32 code frames [k, 7] as the engine produces them."""
+    async def frames(self, ctx: StageContext, engine: Engine | None, text: str, phrase: int = 0) -> AsyncIterator[np.ndarray]:
+        """Yield int32 code frames [k, 7] as the engine produces them. `phrase` numbers
+        the pieces of a streamed text (request ids and seeds stay distinct)."""
         request_id, params = ctx.request_id, ctx.params
         gen = getattr(engine, "generate", None)
         if gen is None:
             raise StageError("talker stage needs an AR engine with generate()")
         voice = str(params.get("voice", "tara"))
         publish = max(1, int(self.args["publish_frames"]))
-        for i, segment in enumerate(split_text(text, int(self.args["max_chars_per_segment"]))):
+        for j, segment in enumerate(split_text(text, int(self.args["max_chars_per_segment"]))):
+            i = j if phrase == 0 else phrase * 1000 + j
             assembler = FrameAssembler(self.layout)
             pending: list[np.ndarray] = []
             n_pending = 0
@@ -187,11 +189,52 @@ class TalkerProcessor(StageProcessor):
         await asyncio.to_thread(self.talker.load)
 
     async def run(self, ctx: StageContext) -> None:
-        text = await _input_text(ctx)
         start = 0
-        async for frames in self.talker.frames(ctx, self.engine, text):  # type: ignore[arg-type]
-            await ctx.emit(Payload(PayloadKind.CODES, ctx.fence, arrays={"frames": frames}, meta={"frame_start": start}))
-            start += len(frames)
+        inp = ctx.input()
+        # From the client the whole text arrives at once; from an upstream stage (a
+        # thinker) it streams, and each phrase is spoken as soon as it is complete.
+        texts = [await _input_text(ctx)] if inp.mode == "client" else phrases(inp)
+        seg = 0
+        async for text in _aiter(texts):
+            async for frames in self.talker.frames(ctx, self.engine, text, seg):  # type: ignore[arg-type]
+                await ctx.emit(Payload(PayloadKind.CODES, ctx.fence, arrays={"frames": frames}, meta={"frame_start": start}))
+                start += len(frames)
+            seg += 1
+
+
+async def _aiter(items: Any) -> AsyncIterator[str]:
+    if hasattr(items, "__aiter__"):
+        async for x in items:
+            yield x
+    else:
+        for x in items:
+            yield x
+
+
+_PHRASE_END = re.compile(r"[.!?;:,]\s")
+
+
+async def phrases(inp: AsyncIterator[Payload], min_chars: int = 24, max_chars: int = 120) -> AsyncIterator[str]:
+    """Text deltas -> phrases: cut after punctuation once `min_chars` are buffered, or
+    at a word boundary past `max_chars`; the rest when the input ends."""
+    buf = ""
+    async for p in inp:
+        buf += p.text or ""
+        while True:
+            cut = -1
+            for m in _PHRASE_END.finditer(buf):
+                if m.end() >= min_chars:
+                    cut = m.end()
+                    break
+            if cut < 0 and len(buf) > max_chars:
+                cut = buf.rfind(" ", 0, max_chars) + 1 or max_chars
+            if cut <= 0:
+                break
+            head, buf = buf[:cut].strip(), buf[cut:]
+            if head:
+                yield head
+    if buf.strip():
+        yield buf.strip()
 
 
 # ---- code2wav ---------------------------------------------------------------------------

@@ -1,0 +1,251 @@
+"""The `voice` pipeline: audio encoder (torch) -> thinker (vLLM) -> talker -> code2wav.
+
+- audio_encoder (entry): takes the user's PCM as it is appended (AUDIO payloads at any
+  rate, `meta.sample_rate`), resamples it to 16 kHz with soxr as it arrives, and
+  encodes every complete 480 ms block right away (Whisper-style log-mel, two strided
+  convolutions). Blocks are encoded independently, so the embeddings of a streamed
+  utterance equal those of the whole utterance at once, and the end of speech only
+  pays for the last partial block.
+- thinker: a chat LM on vLLM fed `prompt_embeds`: the chat template's token
+  embeddings (history, instructions, text turns from `params["messages"]`) with the
+  audio embeddings spliced in at the `<|audio|>` placeholder of the current user turn.
+  It streams TEXT deltas.
+- talker, code2wav: the tts pipeline's stages (shared pools). The talker starts on
+  the first phrase of the thinker's text; code2wav on the talker's first frames.
+
+A text-only response names only `thinker` as its output; talker and code2wav never
+start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from omni_rt.engines.base import Engine
+from omni_rt.engines.torch_engine import TorchEngine
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.specs import StageSpec
+from omni_rt.stage import StageContext, StageError, StageProcessor
+from pipelines.tts import checkpoint_sampling
+
+AUDIO_PLACEHOLDER = "<|audio|>"
+
+
+# ---- audio encoder ----------------------------------------------------------------------
+
+
+class AudioEncoderNet(torch.nn.Module):
+    """log-mel [B, n_mels, T] -> embeddings [B, T/4, out_dim]."""
+
+    def __init__(self, n_mels: int, hidden: int, out_dim: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv1d(n_mels, hidden, kernel_size=3, stride=2, padding=1)
+        self.conv2 = torch.nn.Conv1d(hidden, hidden, kernel_size=3, stride=2, padding=1)
+        self.proj = torch.nn.Linear(hidden, out_dim)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.gelu(self.conv1(mel))
+        x = torch.nn.functional.gelu(self.conv2(x))
+        return self.proj(x.transpose(1, 2))
+
+
+class AudioBlockEncoder(torch.nn.Module):
+    """16 kHz blocks [B, block_samples] -> embeddings [B, frames, out_dim]."""
+
+    def __init__(self, config: Mapping[str, Any], net: AudioEncoderNet) -> None:
+        super().__init__()
+        from transformers.audio_utils import mel_filter_bank
+
+        self.n_fft = int(config["n_fft"])
+        self.hop = int(config["hop_length"])
+        self.net = net
+        fb = mel_filter_bank(
+            num_frequency_bins=1 + self.n_fft // 2,
+            num_mel_filters=int(config["n_mels"]),
+            min_frequency=0.0,
+            max_frequency=float(config["sample_rate"]) / 2,
+            sampling_rate=int(config["sample_rate"]),
+            norm="slaney",
+            mel_scale="slaney",
+        )
+        self.register_buffer("mel_fb", torch.from_numpy(np.ascontiguousarray(fb.T)).float(), persistent=False)
+        self.register_buffer("window", torch.hann_window(self.n_fft), persistent=False)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        spec = torch.stft(audio, self.n_fft, self.hop, window=self.window, return_complex=True)
+        power = spec[..., :-1].abs() ** 2  # [B, freq, T]
+        mel = torch.clamp(self.mel_fb @ power, min=1e-10).log10()
+        mel = torch.maximum(mel, mel.amax(dim=(1, 2), keepdim=True) - 8.0)
+        return self.net((mel + 4.0) / 4.0)
+
+
+def load_audio_encoder(model_dir: str) -> tuple[dict[str, Any], AudioBlockEncoder]:
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    net = AudioEncoderNet(int(config["n_mels"]), int(config["hidden"]), int(config["out_dim"]))
+    net.load_state_dict(load_file(str(Path(model_dir) / "model.safetensors")))
+    return config, AudioBlockEncoder(config, net).eval()
+
+
+class AudioEncoderProcessor(StageProcessor):
+    """Entry stage: AUDIO chunks in (any rate), HIDDEN embeddings out, block by block."""
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
+        return lambda: load_audio_encoder(model_dir)[1]
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        assert spec.model is not None
+        self.config = json.loads((Path(spec.model) / "config.json").read_text())
+        self.block = int(self.config["block_samples"])
+        self.rate = int(self.config["sample_rate"])
+        self.frames_per_block = self.block // int(self.config["hop_length"]) // 4
+
+    async def _encode(self, ctx: StageContext, block: np.ndarray, keep: int) -> None:
+        assert isinstance(self.engine, TorchEngine)
+        emb = await self.engine.run(block.astype(np.float32, copy=False))
+        await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": np.ascontiguousarray(emb[:keep])}))
+        ctx.add_usage(audio_frames=keep)
+
+    async def run(self, ctx: StageContext) -> None:
+        import soxr
+
+        resampler: Any = None
+        in_rate = None
+        buf = np.zeros(0, np.float32)
+        async for p in ctx.input():
+            if p.kind != PayloadKind.AUDIO:
+                continue
+            pcm = p.arrays["pcm"].astype(np.float32, copy=False).reshape(-1)
+            rate = int(p.meta.get("sample_rate", 24000))
+            if resampler is None:
+                in_rate = rate
+                resampler = soxr.ResampleStream(rate, self.rate, 1, dtype="float32") if rate != self.rate else None
+            elif rate != in_rate:
+                raise StageError(f"audio sample rate changed mid-utterance ({in_rate} -> {rate})")
+            y = resampler.resample_chunk(pcm) if resampler is not None else pcm
+            buf = np.concatenate([buf, y])
+            while len(buf) >= self.block:
+                await self._encode(ctx, buf[: self.block], self.frames_per_block)
+                buf = buf[self.block :]
+        if resampler is not None:
+            buf = np.concatenate([buf, resampler.resample_chunk(np.zeros(0, np.float32), last=True)])
+        if len(buf):
+            keep = max(1, -(-len(buf) * self.frames_per_block // self.block))
+            tail = np.zeros(self.block, np.float32)
+            tail[: len(buf)] = buf
+            await self._encode(ctx, tail, keep)
+
+
+# ---- thinker ----------------------------------------------------------------------------
+
+
+class ThinkerProcessor(StageProcessor):
+    """Chat text + audio embeddings -> streamed text (TEXT deltas)."""
+
+    DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64}
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        assert spec.model is not None
+        unknown = set(spec.processor_args) - set(self.DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown thinker processor_args: {sorted(unknown)}")
+        self.args = {**self.DEFAULTS, **checkpoint_sampling(spec.model), **spec.processor_args}
+        self.tokenizer: Any = None
+        self.embed: torch.Tensor | None = None
+
+    def _load(self) -> None:
+        from safetensors import safe_open
+        from transformers import AutoTokenizer
+
+        assert self.spec.model is not None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model)
+        for f in sorted(Path(self.spec.model).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                if "model.embed_tokens.weight" in st.keys():
+                    self.embed = st.get_tensor("model.embed_tokens.weight").float()
+        if self.embed is None:
+            raise StageError(f"thinker checkpoint {self.spec.model} has no model.embed_tokens.weight")
+        self.audio_id = self.tokenizer.convert_tokens_to_ids(AUDIO_PLACEHOLDER)
+        self.stop_ids = [i for i in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")} if i is not None]
+        self.text_vocab = min(self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.all_special_tokens)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def prompt_embeds(self, messages: list[Mapping[str, str]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        embed = self.embed
+        assert embed is not None
+
+        def rows(sel: list[int]) -> torch.Tensor:
+            return embed[torch.tensor(sel, dtype=torch.long)]
+
+        parts: list[torch.Tensor] = []
+        start = 0
+        spots = [i for i, t in enumerate(ids) if t == self.audio_id]
+        for n, i in enumerate(spots):
+            parts.append(rows(ids[start:i]))
+            # the current turn's audio goes at the last placeholder; earlier ones (old
+            # audio turns whose embeddings are not kept) stay as the marker token
+            if audio is not None and n == len(spots) - 1:
+                parts.append(torch.from_numpy(audio).float())
+            else:
+                parts.append(rows([ids[i]]))
+            start = i + 1
+        parts.append(rows(ids[start:]))
+        emb = torch.cat(parts)
+        return emb, len(ids)
+
+    async def run(self, ctx: StageContext) -> None:
+        audio_chunks = []
+        if ctx.inputs:
+            for p in await ctx.input().read_all():
+                if p.kind == PayloadKind.HIDDEN:
+                    audio_chunks.append(p.arrays["embeds"])
+        audio = np.concatenate(audio_chunks) if audio_chunks else None
+        messages = list(ctx.params.get("messages") or [])
+        if not messages:
+            raise StageError("thinker: no messages to respond to")
+        if audio is not None and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
+            messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
+        emb, _ = self.prompt_embeds(messages, audio)
+        a = self.args
+        sampling: dict[str, Any] = {
+            "temperature": a["temperature"],
+            "top_p": a["top_p"],
+            "top_k": a["top_k"],
+            "repetition_penalty": a["repetition_penalty"],
+            "max_tokens": int(ctx.params.get("max_output_tokens") or a["max_tokens"]),
+            "stop_token_ids": self.stop_ids,
+            # text tokens and the stop tokens only: never a chat control token
+            "allowed_token_ranges": [[0, self.text_vocab], *([s, s + 1] for s in self.stop_ids)],
+        }
+        if ctx.params.get("seed") is not None:
+            sampling["seed"] = int(ctx.params["seed"])
+        ctx.add_usage(input_tokens=int(emb.shape[0]))
+        gen = getattr(self.engine, "generate", None)
+        if gen is None:
+            raise StageError("thinker stage needs an AR engine with generate()")
+        out_ids: list[int] = []
+        sent = ""
+        async for toks in gen(f"{ctx.request_id}-thinker", prompt_embeds=emb, sampling=sampling):
+            out_ids.extend(t for t in toks if t not in self.stop_ids)
+            ctx.add_usage(output_tokens=len(toks))
+            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 sequence: wait for the next token
+            delta = text[len(sent) :]
+            if delta:
+                sent = text
+                await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=delta))
