@@ -121,14 +121,16 @@ def test_concurrent_requests_all_complete(server, api):
             async def one(i):
                 r = await c.post(
                     "/v1/audio/speech",
-                    json={"model": "tts", "voice": "tara", "input": f"Request number {i}.", "response_format": "pcm"},
+                    json={"model": "tts", "voice": "tara", "input": f"Request number {i}.", "response_format": "pcm", "seed": i},
                 )
                 return r.status_code, len(r.content)
 
             return await asyncio.gather(*(one(i) for i in range(8)))
 
     results = asyncio.run(main())
-    assert all(status == 200 and n > 24000 for status, n in results), results
+    # the random tiny talker may sample end-of-speech early: every request must
+    # complete with audio, not necessarily a long one
+    assert all(status == 200 and n > 0 and n % 2 == 0 for status, n in results), results
 
 
 BAD = [
