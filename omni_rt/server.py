@@ -26,6 +26,7 @@ from protocols.openai_http import (
     error_body,
     validation_error_handler,
 )
+from protocols.realtime import build_realtime_router
 from protocols.sessions_api import build_sessions_router
 from sessions import SessionManager
 
@@ -194,4 +195,6 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
     model_ids = [(m, name) for name, spec in specs.items() for m in spec.models]
     app.include_router(build_router(speech, model_ids))
     app.include_router(build_sessions_router(sessions))
+    if "voice" in profiles:
+        app.include_router(build_realtime_router(sessions, specs["voice"]))
     return app

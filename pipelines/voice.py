@@ -5,7 +5,9 @@
   encodes every complete 480 ms block right away (Whisper-style log-mel, two strided
   convolutions). Blocks are encoded independently, so the embeddings of a streamed
   utterance equal those of the whole utterance at once, and the end of speech only
-  pays for the last partial block.
+  pays for the last partial block. A request whose only output is `audio_encoder`
+  encodes an utterance while the user speaks; the session keeps the embeddings, and
+  the response request passes them in again (HIDDEN payloads go through unchanged).
 - thinker: a chat LM on vLLM fed `prompt_embeds`: the chat template's token
   embeddings (history, instructions, text turns from `params["messages"]`) with the
   audio embeddings spliced in at the `<|audio|>` placeholder of the current user turn.
@@ -122,6 +124,10 @@ class AudioEncoderProcessor(StageProcessor):
         in_rate = None
         buf = np.zeros(0, np.float32)
         async for p in ctx.input():
+            if p.kind == PayloadKind.HIDDEN:
+                # already encoded (an earlier utterance kept by the session): pass on
+                await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": p.arrays["embeds"]}))
+                continue
             if p.kind != PayloadKind.AUDIO:
                 continue
             pcm = p.arrays["pcm"].astype(np.float32, copy=False).reshape(-1)

@@ -1,0 +1,858 @@
+"""`/v1/realtime`: the OpenAI Realtime protocol over WebSocket, on the voice pipeline.
+
+Both dialects: GA (`client.realtime.connect`) and beta (`client.beta.realtime.connect`,
+header `OpenAI-Beta: realtime=v1`). The dialect is fixed at connect time from that
+header; every server event uses the dialect's names and session shape, and
+`session.update` accepts either shape.
+
+Each connection is one `realtime` session. The conversation (items, the encoded
+embeddings of user audio, what the user heard of each answer) lives in the session.
+User audio is encoded while it is appended (an encoder-only request per utterance);
+a response is one request fenced by the session; cancel and barge-in advance the
+session's epoch, so no delta of the old response goes out after `response.done`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from omni_rt import metrics
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.request import RequestAborted, RequestStream
+from omni_rt.specs import PipelineSpec
+from omni_rt.stage import StageError
+from protocols.sessions_api import principal_of, reject_websocket
+from sessions import Session, SessionError, SessionManager
+
+log = logging.getLogger("protocols.realtime")
+
+RATE = 24000
+MAX_APPEND_BYTES = 15 * 1024 * 1024
+MIN_COMMIT_MS = 100
+AUDIO_PLACEHOLDER = "<|audio|>"
+
+# beta name -> GA name, for the events whose names differ
+GA_NAMES = {
+    "response.audio.delta": "response.output_audio.delta",
+    "response.audio.done": "response.output_audio.done",
+    "response.audio_transcript.delta": "response.output_audio_transcript.delta",
+    "response.audio_transcript.done": "response.output_audio_transcript.done",
+    "response.text.delta": "response.output_text.delta",
+    "response.text.done": "response.output_text.done",
+    "conversation.item.created": "conversation.item.added",
+}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(10)}"
+
+
+class ClientError(Exception):
+    """A bad client event: answered with an `error` event, the socket stays open."""
+
+    def __init__(self, code: str, message: str, param: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.type = code, message, param, type
+
+
+# ---- session configuration ----------------------------------------------------------------
+
+
+@dataclass
+class TurnDetection:
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": "server_vad", **self.__dict__}
+
+
+@dataclass
+class Config:
+    model: str
+    voice: str = "alloy"
+    instructions: str = ""
+    audio_out: bool = True  # modalities include audio (else text only)
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    temperature: float = 0.8
+    max_output_tokens: int | None = None
+    speed: float = 1.0
+
+    def wire(self, ga: bool, session_id: str) -> dict[str, Any]:
+        td = self.turn_detection.wire() if self.turn_detection else None
+        limit: Any = self.max_output_tokens if self.max_output_tokens is not None else "inf"
+        if ga:
+            fmt = {"type": "audio/pcm", "rate": RATE}
+            return {
+                "type": "realtime",
+                "object": "realtime.session",
+                "id": session_id,
+                "model": self.model,
+                "output_modalities": ["audio"] if self.audio_out else ["text"],
+                "instructions": self.instructions,
+                "audio": {
+                    "input": {"format": fmt, "transcription": None, "noise_reduction": None, "turn_detection": td},
+                    "output": {"format": fmt, "voice": self.voice, "speed": self.speed},
+                },
+                "tools": [],
+                "tool_choice": "auto",
+                "max_output_tokens": limit,
+                "tracing": None,
+                "truncation": "auto",
+                "prompt": None,
+                "include": None,
+            }
+        return {
+            "id": session_id,
+            "object": "realtime.session",
+            "model": self.model,
+            "modalities": ["text", "audio"] if self.audio_out else ["text"],
+            "instructions": self.instructions,
+            "voice": self.voice,
+            "input_audio_format": "pcm16",
+            "output_audio_format": "pcm16",
+            "input_audio_transcription": None,
+            "turn_detection": td,
+            "tools": [],
+            "tool_choice": "auto",
+            "temperature": self.temperature,
+            "max_response_output_tokens": limit,
+            "speed": self.speed,
+        }
+
+
+def _want(obj: Mapping[str, Any], key: str, typ: type | tuple[type, ...], param: str) -> Any:
+    v = obj[key]
+    if not isinstance(v, typ) or (typ in (int, float, (int, float)) and isinstance(v, bool)):
+        names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+        raise ClientError("invalid_type", f"'{param}' must be {names}, got {type(v).__name__}.", param)
+    return v
+
+
+def _modalities(v: Any, param: str) -> bool:
+    if not isinstance(v, list) or not v or not all(m in ("text", "audio") for m in v):
+        raise ClientError("invalid_value", f"'{param}' must be a list of 'text' / 'audio'.", param)
+    return "audio" in v
+
+
+def _format(v: Any, param: str) -> None:
+    ok = v == "pcm16" or (isinstance(v, Mapping) and v.get("type") == "audio/pcm" and v.get("rate", RATE) == RATE)
+    if not ok:
+        raise ClientError(
+            "invalid_value", f"Unsupported audio format {json.dumps(v)}; use pcm16 (audio/pcm at {RATE} Hz).", param
+        )
+
+
+def _turn_detection(v: Any, param: str, current: TurnDetection | None) -> TurnDetection | None:
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise ClientError("invalid_type", f"'{param}' must be an object or null.", param)
+    if v.get("type", "server_vad") != "server_vad":
+        raise ClientError("invalid_value", f"'{param}.type' {v.get('type')!r} is not supported; use server_vad or null.", f"{param}.type")
+    td = TurnDetection(**(current.__dict__ if current else {}))
+    for key, typ in (("threshold", (int, float)), ("prefix_padding_ms", int), ("silence_duration_ms", int)):
+        if key in v:
+            setattr(td, key, _want(v, key, typ, f"{param}.{key}"))
+    for key in ("create_response", "interrupt_response"):
+        if key in v:
+            setattr(td, key, _want(v, key, bool, f"{param}.{key}"))
+    if not 0.0 < td.threshold < 1.0:
+        raise ClientError("invalid_value", f"'{param}.threshold' must be between 0 and 1.", f"{param}.threshold")
+    if not 0 <= td.prefix_padding_ms <= 5000 or not 0 < td.silence_duration_ms <= 10000:
+        raise ClientError("invalid_value", f"'{param}' padding/silence durations are out of range.", param)
+    return td
+
+
+def apply_session_update(cfg: Config, s: Mapping[str, Any], voices: Mapping[str, str]) -> Config:
+    """Apply a session.update body (GA nested or beta flat shape) to a copy of `cfg`."""
+    if not isinstance(s, Mapping):
+        raise ClientError("invalid_type", "'session' must be an object.", "session")
+    new = Config(**cfg.__dict__)
+    if "voice" in s:
+        new.voice = _voice(s["voice"], voices, "session.voice")
+    if "instructions" in s:
+        new.instructions = _want(s, "instructions", str, "session.instructions")
+    for key in ("modalities", "output_modalities"):
+        if key in s:
+            new.audio_out = _modalities(s[key], f"session.{key}")
+    for key in ("input_audio_format", "output_audio_format"):
+        if key in s:
+            _format(s[key], f"session.{key}")
+    if "turn_detection" in s:
+        new.turn_detection = _turn_detection(s["turn_detection"], "session.turn_detection", cfg.turn_detection)
+    if "temperature" in s:
+        new.temperature = float(_want(s, "temperature", (int, float), "session.temperature"))
+    for key in ("max_response_output_tokens", "max_output_tokens"):
+        if key in s:
+            new.max_output_tokens = _max_tokens(s[key], f"session.{key}")
+    audio = s.get("audio")
+    if audio is not None:
+        if not isinstance(audio, Mapping):
+            raise ClientError("invalid_type", "'session.audio' must be an object.", "session.audio")
+        inp, out = audio.get("input") or {}, audio.get("output") or {}
+        if "format" in inp:
+            _format(inp["format"], "session.audio.input.format")
+        if "turn_detection" in inp:
+            new.turn_detection = _turn_detection(inp["turn_detection"], "session.audio.input.turn_detection", cfg.turn_detection)
+        if "format" in out:
+            _format(out["format"], "session.audio.output.format")
+        if "voice" in out:
+            new.voice = _voice(out["voice"], voices, "session.audio.output.voice")
+        if "speed" in out:
+            new.speed = float(_want(out, "speed", (int, float), "session.audio.output.speed"))
+    return new
+
+
+def _voice(v: Any, voices: Mapping[str, str], param: str) -> str:
+    if not isinstance(v, str) or v.lower() not in voices:
+        raise ClientError("invalid_value", f"Unknown voice {v!r}; available: {', '.join(sorted(voices))}.", param)
+    return v.lower()
+
+
+def _max_tokens(v: Any, param: str) -> int | None:
+    if v == "inf":
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
+        raise ClientError("invalid_value", f"'{param}' must be an integer 1-4096 or 'inf'.", param)
+    return v
+
+
+# ---- voice activity detection -------------------------------------------------------------
+
+
+class Vad:
+    """silero-vad over 16 kHz windows of 512 samples, with OpenAI's server_vad knobs."""
+
+    WINDOW = 512
+
+    def __init__(self, model: Any) -> None:
+        import soxr
+
+        self.model = model
+        self.resampler = soxr.ResampleStream(RATE, 16000, 1, dtype="float32")
+        self.buf = np.zeros(0, np.float32)
+        self.pos16 = 0  # 16 kHz samples consumed
+        self.speaking = False
+        self.silence = 0  # 16 kHz samples of silence since speech
+        self.speech_start16 = 0
+
+    def push(self, pcm: np.ndarray, td: TurnDetection) -> list[tuple[str, int]]:
+        """Feed 24 kHz float audio; returns ("start"|"stop", ms) events in order."""
+        import torch
+
+        self.buf = np.concatenate([self.buf, self.resampler.resample_chunk(pcm)])
+        events: list[tuple[str, int]] = []
+        n = len(self.buf) // self.WINDOW
+        if n == 0:
+            return events
+        with torch.inference_mode():
+            for i in range(n):
+                w = self.buf[i * self.WINDOW : (i + 1) * self.WINDOW]
+                prob = float(self.model(torch.from_numpy(w), 16000))
+                self.pos16 += self.WINDOW
+                if not self.speaking and prob >= td.threshold:
+                    self.speaking = True
+                    self.silence = 0
+                    self.speech_start16 = self.pos16 - self.WINDOW
+                    events.append(("start", self.speech_start16 * 1000 // 16000))
+                elif self.speaking:
+                    if prob < max(td.threshold - 0.15, 0.01):
+                        self.silence += self.WINDOW
+                        if self.silence * 1000 // 16000 >= td.silence_duration_ms:
+                            self.speaking = False
+                            events.append(("stop", (self.pos16 - self.silence) * 1000 // 16000))
+                    else:
+                        self.silence = 0
+        self.buf = self.buf[n * self.WINDOW :]
+        return events
+
+
+_VAD_LOCK = asyncio.Lock()
+
+
+async def load_vad() -> Any:
+    """A fresh silero-vad model (its recurrent state is per stream)."""
+
+    def load() -> Any:
+        import torch
+
+        threads = torch.get_num_threads()
+        from silero_vad import load_silero_vad
+
+        model = load_silero_vad()
+        torch.set_num_threads(threads)  # importing silero_vad sets it to 1 process-wide
+        return model
+
+    async with _VAD_LOCK:
+        return await asyncio.to_thread(load)
+
+
+# ---- one connection -----------------------------------------------------------------------
+
+
+@dataclass
+class Item:
+    id: str
+    role: str
+    content: list[dict[str, Any]]
+    status: str = "completed"
+    embeds: "asyncio.Future[np.ndarray | None] | None" = None  # user audio, encoded
+    audio_ms: int = 0  # assistant audio produced
+    transcript: str = ""  # assistant text / transcript
+
+    def wire(self, ga: bool) -> dict[str, Any]:
+        content = []
+        for c in self.content:
+            c = dict(c)
+            c.pop("_audio", None)
+            if not ga and c.get("type") in ("output_audio", "output_text"):
+                c["type"] = "audio" if c["type"] == "output_audio" else "text"
+            content.append(c)
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role, "status": self.status, "content": content}
+
+    def text_for_prompt(self) -> str:
+        parts = []
+        for c in self.content:
+            t = c.get("type")
+            if t in ("input_text", "text", "output_text"):
+                parts.append(c.get("text") or "")
+            elif t == "input_audio":
+                parts.append(c.get("transcript") or AUDIO_PLACEHOLDER)
+            elif t in ("output_audio", "audio"):
+                parts.append(c.get("transcript") or "")
+        return " ".join(p for p in parts if p)
+
+
+@dataclass
+class Response:
+    id: str
+    item: Item
+    audio_out: bool
+    stream: RequestStream | None = None
+    task: "asyncio.Task[None] | None" = None
+    cancel_reason: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class RealtimeConnection:
+    def __init__(self, ws: WebSocket, session: Session, sessions: SessionManager, pipeline: PipelineSpec, ga: bool, model: str) -> None:
+        self.ws = ws
+        self.session = session
+        self.sessions = sessions
+        self.pipeline = pipeline
+        self.ga = ga
+        self.cfg = Config(model=model)
+        self.items: dict[str, Item] = session.data.setdefault("items", {})  # the conversation
+        self.response: Response | None = None
+        # input audio buffer
+        self.input: RequestStream | None = None
+        self.input_item_id: str | None = None
+        self.input_ms = 0  # audio appended since the buffer was last committed/cleared
+        self.input_audio: list[np.ndarray] = []  # that audio (re-encoded after a cancel)
+        self.total_ms = 0  # all audio appended on this session
+        self.pending_prefix: list[np.ndarray] = []
+        self.vad: Vad | None = None
+        self.speech_item: str | None = None
+        self._events = 0
+
+    # ---- output ----
+    def name(self, beta_name: str) -> str:
+        return GA_NAMES.get(beta_name, beta_name) if self.ga else beta_name
+
+    def emit(self, type: str, fence: Any = None, **data: Any) -> None:
+        self.session.emit(self.name(type), data, fence=fence)
+
+    def error(self, err: ClientError, event_id: str | None = None) -> None:
+        e = {"type": err.type, "code": err.code, "message": err.message, "param": err.param, "event_id": event_id}
+        self.session.emit("error", {"error": e})
+
+    async def writer(self) -> None:
+        async for ev in self.session.events():
+            # last fence check before the wire: nothing of a cancelled turn goes out
+            if ev.fence is not None and ev.fence.is_stale_against(self.session.fence):
+                metrics.DROPPED_STALE.labels(hop="adapter").inc()
+                continue
+            self._events += 1
+            await self.ws.send_text(json.dumps({"type": ev.type, "event_id": f"event_{self._events:06d}", **ev.data}))
+            if ev.type in ("session.expired", "session.closed"):
+                break
+
+    # ---- conversation ----
+    def add_item(self, item: Item, done: bool = True) -> None:
+        """Append to the conversation. GA clients also get `conversation.item.done`
+        (right away for finished items; for a response's item when it finishes)."""
+        prev = next(reversed(self.items), None)
+        self.items[item.id] = item
+        self.emit("conversation.item.created", previous_item_id=prev, item=item.wire(self.ga))
+        if self.ga and done:
+            self.emit("conversation.item.done", previous_item_id=prev, item=item.wire(self.ga))
+
+    def messages(self, instructions: str) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": instructions}] if instructions else []
+        for it in self.items.values():
+            text = it.text_for_prompt()
+            if text:
+                msgs.append({"role": it.role if it.role in ("user", "assistant", "system") else "user", "content": text})
+        return msgs
+
+    # ---- input audio ----
+    def _start_input(self) -> None:
+        stream = self.session.submit(outputs={"audio_encoder"})
+        self.input = stream
+        self.input_item_id = _id("item")
+
+    def _send_audio(self, pcm: np.ndarray) -> None:
+        if self.input is None:
+            self._start_input()
+        assert self.input is not None
+        self.input_audio.append(pcm)
+        self.session.send_input(self.input, Payload(PayloadKind.AUDIO, self.session.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
+
+    async def _restart_input(self) -> None:
+        """After an epoch advance the running encoder request is stale: encode the
+        buffered utterance again under the new epoch, so nothing the user said is lost."""
+        if self.input is None:
+            return
+        old, audio, item_id = self.input, self.input_audio, self.input_item_id
+        await old.close()
+        self.input, self.input_audio = None, []
+        self._start_input()
+        self.input_item_id = item_id
+        for pcm in audio:
+            self._send_audio(pcm)
+
+    async def append(self, b64: Any, event_id: str | None) -> None:
+        if not isinstance(b64, str):
+            raise ClientError("invalid_type", "'audio' must be a base64 string.", "audio")
+        if len(b64) > MAX_APPEND_BYTES * 4 // 3 + 4:
+            raise ClientError("invalid_value", f"An append may carry at most {MAX_APPEND_BYTES} bytes of audio.", "audio")
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            raise ClientError("invalid_value", "'audio' is not valid base64.", "audio") from None
+        if len(raw) % 2:
+            raise ClientError("invalid_value", "'audio' must be 16-bit PCM: an even number of bytes.", "audio")
+        if not raw:
+            return
+        pcm = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
+        ms = len(pcm) * 1000 // RATE
+        td = self.cfg.turn_detection
+        if td is None:
+            self._send_audio(pcm)
+            self.input_ms += ms
+            self.total_ms += ms
+            return
+        # server VAD: keep the last prefix_padding_ms while silent; stream while speaking
+        if self.vad is None:
+            self.vad = Vad(await load_vad())
+        events = await asyncio.to_thread(self.vad.push, pcm, td)
+        self.total_ms += ms
+        if self.input is not None:
+            self._send_audio(pcm)
+            self.input_ms += ms
+        else:
+            self.pending_prefix.append(pcm)
+            keep = td.prefix_padding_ms * RATE // 1000
+            joined = np.concatenate(self.pending_prefix)
+            self.pending_prefix = [joined[-keep:]] if keep else []
+        for kind, at_ms in events:
+            if kind == "start":
+                await self.speech_started(at_ms, td)
+            else:
+                await self.speech_stopped(at_ms, td)
+
+    async def speech_started(self, at_ms: int, td: TurnDetection) -> None:
+        if self.response is not None and td.interrupt_response:
+            await self.cancel_response("turn_detected")
+        if self.input is None:
+            prefix = np.concatenate(self.pending_prefix) if self.pending_prefix else np.zeros(0, np.float32)
+            self.pending_prefix = []
+            self._start_input()
+            if len(prefix):
+                self._send_audio(prefix)
+                self.input_ms += len(prefix) * 1000 // RATE
+        self.speech_item = self.input_item_id
+        self.emit("input_audio_buffer.speech_started", audio_start_ms=max(0, at_ms - td.prefix_padding_ms), item_id=self.input_item_id)
+
+    async def speech_stopped(self, at_ms: int, td: TurnDetection) -> None:
+        self.emit("input_audio_buffer.speech_stopped", audio_end_ms=at_ms, item_id=self.input_item_id)
+        await self.commit(None)
+        if td.create_response:
+            await self.create_response({}, None)
+
+    async def commit(self, event_id: str | None) -> None:
+        if self.input is None or self.input_ms < MIN_COMMIT_MS:
+            raise ClientError(
+                "input_audio_buffer_commit_empty",
+                f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_MS}ms of audio, "
+                f"but buffer only has {self.input_ms:.2f}ms of audio.",
+            )
+        stream, item_id = self.input, self.input_item_id
+        assert item_id is not None
+        self.input, self.input_item_id, self.input_ms, self.input_audio = None, None, 0, []
+        stream.end_input()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[np.ndarray | None] = loop.create_future()
+        task = loop.create_task(self._collect(stream, fut))
+        self.session.add_finalizer(lambda: task.cancel() if not task.done() else None)
+        item = Item(item_id, "user", [{"type": "input_audio", "transcript": None}], embeds=fut)
+        prev = next(reversed(self.items), None)
+        self.emit("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id)
+        self.add_item(item)
+
+    async def _collect(self, stream: RequestStream, fut: "asyncio.Future[np.ndarray | None]") -> None:
+        chunks = []
+        try:
+            async for _, p, _ in stream.payloads():
+                chunks.append(p.arrays["embeds"])
+            fut.set_result(np.concatenate(chunks) if chunks else None)
+        except (RequestAborted, StageError) as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+        finally:
+            await stream.close()
+
+    async def clear(self) -> None:
+        if self.input is not None:
+            await self.input.close()
+        self.input, self.input_item_id, self.input_ms, self.pending_prefix, self.input_audio = None, None, 0, [], []
+        self.emit("input_audio_buffer.cleared")
+
+    # ---- items ----
+    async def item_create(self, ev: Mapping[str, Any]) -> None:
+        item = ev.get("item")
+        if not isinstance(item, Mapping):
+            raise ClientError("missing_required_parameter", "Missing required parameter: 'item'.", "item")
+        if item.get("type", "message") != "message":
+            raise ClientError("invalid_value", f"Item type {item.get('type')!r} is not supported; use 'message'.", "item.type")
+        role = item.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise ClientError("invalid_value", "'item.role' must be user, assistant or system.", "item.role")
+        content = item.get("content")
+        if not isinstance(content, list) or not content:
+            raise ClientError("invalid_value", "'item.content' must be a non-empty list.", "item.content")
+        parts: list[dict[str, Any]] = []
+        audio: np.ndarray | None = None
+        for i, c in enumerate(content):
+            if not isinstance(c, Mapping):
+                raise ClientError("invalid_type", f"'item.content[{i}]' must be an object.", f"item.content[{i}]")
+            t = c.get("type")
+            if t in ("input_text", "text", "output_text"):
+                if not isinstance(c.get("text"), str):
+                    raise ClientError("invalid_type", f"'item.content[{i}].text' must be a string.", f"item.content[{i}].text")
+                parts.append({"type": t, "text": c["text"]})
+            elif t == "input_audio" and role == "user":
+                raw = c.get("audio")
+                try:
+                    data = base64.b64decode(raw, validate=True) if isinstance(raw, str) else None
+                except (binascii.Error, ValueError):
+                    data = None
+                if data is None or len(data) % 2 or len(data) > MAX_APPEND_BYTES:
+                    raise ClientError("invalid_value", f"'item.content[{i}].audio' must be base64 16-bit PCM.", f"item.content[{i}].audio")
+                audio = np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
+                parts.append({"type": "input_audio", "transcript": c.get("transcript")})
+            else:
+                raise ClientError("invalid_value", f"Content type {t!r} is not supported for a {role} item.", f"item.content[{i}].type")
+        item_id = item.get("id") if isinstance(item.get("id"), str) else _id("item")
+        if item_id in self.items:
+            raise ClientError("invalid_value", f"An item with id '{item_id}' already exists.", "item.id")
+        new = Item(item_id, role, parts)
+        if audio is not None:
+            stream = self.session.submit(outputs={"audio_encoder"})
+            self.session.send_input(stream, Payload(PayloadKind.AUDIO, self.session.fence, arrays={"pcm": audio}, meta={"sample_rate": RATE}))
+            stream.end_input()
+            fut: asyncio.Future[np.ndarray | None] = asyncio.get_running_loop().create_future()
+            await self._collect(stream, fut)
+            new.embeds = fut
+        self.add_item(new)
+
+    def item_delete(self, ev: Mapping[str, Any]) -> None:
+        item_id = ev.get("item_id")
+        if not isinstance(item_id, str) or item_id not in self.items:
+            raise ClientError("item_not_found", f"Item with item_id '{item_id}' not found.", "item_id")
+        if self.response is not None and self.response.item.id == item_id:
+            raise ClientError("invalid_value", "The item of the active response cannot be deleted; cancel it first.", "item_id")
+        del self.items[item_id]
+        self.emit("conversation.item.deleted", item_id=item_id)
+
+    def item_truncate(self, ev: Mapping[str, Any]) -> None:
+        item_id = ev.get("item_id")
+        item = self.items.get(item_id) if isinstance(item_id, str) else None
+        if item is None:
+            raise ClientError("item_not_found", f"Item with item_id '{item_id}' not found.", "item_id")
+        if item.role != "assistant" or not any(c.get("type") in ("output_audio", "audio") for c in item.content):
+            raise ClientError("invalid_value", "Only assistant audio items can be truncated.", "item_id")
+        end = ev.get("audio_end_ms")
+        if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+            raise ClientError("invalid_value", "'audio_end_ms' must be a non-negative integer.", "audio_end_ms")
+        content_index = ev.get("content_index", 0)
+        end = min(end, item.audio_ms)  # clamp: the client cannot have heard more than was sent
+        # history keeps only what the user heard: the transcript up to that point
+        full = item.transcript
+        keep = full if item.audio_ms == 0 else full[: round(len(full) * end / item.audio_ms)]
+        for c in item.content:
+            if c.get("type") in ("output_audio", "audio"):
+                c["transcript"] = keep
+        self.emit("conversation.item.truncated", item_id=item_id, content_index=content_index, audio_end_ms=end)
+
+    # ---- responses ----
+    async def create_response(self, ev: Mapping[str, Any], event_id: str | None) -> None:
+        if self.response is not None:
+            raise ClientError(
+                "conversation_already_has_active_response",
+                f"Conversation already has an active response in progress: {self.response.id}. "
+                "Wait until the response is finished before creating a new one.",
+            )
+        overrides = ev.get("response") or {}
+        if not isinstance(overrides, Mapping):
+            raise ClientError("invalid_type", "'response' must be an object.", "response")
+        cfg = self.cfg
+        audio_out = cfg.audio_out
+        for key in ("modalities", "output_modalities"):
+            if key in overrides:
+                audio_out = _modalities(overrides[key], f"response.{key}")
+        instructions = cfg.instructions
+        if "instructions" in overrides:
+            instructions = _want(overrides, "instructions", str, "response.instructions")
+        voice = _voice(overrides["voice"], self.pipeline.voices, "response.voice") if "voice" in overrides else cfg.voice
+        max_tokens = cfg.max_output_tokens
+        for key in ("max_output_tokens", "max_response_output_tokens"):
+            if key in overrides:
+                max_tokens = _max_tokens(overrides[key], f"response.{key}")
+        part_type = "output_audio" if audio_out else "output_text"
+        part0: dict[str, Any] = {"type": part_type, "transcript": ""} if audio_out else {"type": part_type, "text": ""}
+        item = Item(_id("item"), "assistant", [part0], status="in_progress")
+        resp = Response(_id("resp"), item, audio_out)
+        self.response = resp
+        # the latest user audio (if any) is spliced into the prompt at its placeholder
+        embeds = None
+        for it in reversed(self.items.values()):
+            if it.embeds is not None:
+                try:
+                    embeds = await it.embeds
+                except (RequestAborted, StageError):
+                    embeds = None
+                break
+        params = {
+            "messages": self.messages(instructions),
+            "voice": self.pipeline.voices.get(voice, voice),
+            "max_output_tokens": max_tokens,
+        }
+        outputs = {"thinker", "code2wav"} if audio_out else {"thinker"}
+        resp.stream = self.session.submit(params, outputs=outputs)
+        if embeds is not None:
+            self.session.send_input(resp.stream, Payload(PayloadKind.HIDDEN, self.session.fence, arrays={"embeds": embeds}))
+        resp.stream.end_input()
+        self.emit("response.created", response=self._response_wire(resp, "in_progress"))
+        resp.task = asyncio.get_running_loop().create_task(self._run_response(resp))
+
+    def _response_wire(self, resp: Response, status: str, details: Any = None, usage: Any = None) -> dict[str, Any]:
+        out = {
+            "id": resp.id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": [resp.item.wire(self.ga)] if status != "in_progress" else [],
+            "usage": usage,
+            "conversation_id": self.session.id,
+            "metadata": None,
+        }
+        key = "output_modalities" if self.ga else "modalities"
+        out[key] = (["audio"] if self.ga else ["text", "audio"]) if resp.audio_out else ["text"]
+        return out
+
+    async def _run_response(self, resp: Response) -> None:
+        assert resp.stream is not None
+        stream, item = resp.stream, resp.item
+        fence = self.session.fence
+        ids = {"response_id": resp.id, "item_id": item.id, "output_index": 0, "content_index": 0}
+        status, details = "completed", None
+        self.emit("response.output_item.added", response_id=resp.id, output_index=0, item=item.wire(self.ga))
+        self.add_item(item, done=False)
+        part = dict(item.content[0])
+        if not self.ga:
+            part["type"] = "audio" if resp.audio_out else "text"
+        self.emit("response.content_part.added", part=part, **ids)
+        text_delta = "response.audio_transcript.delta" if resp.audio_out else "response.text.delta"
+        samples = 0
+        first = True
+        try:
+            async for stage, payload, _ in stream.payloads():
+                if stage == "thinker":
+                    item.transcript += payload.text or ""
+                    self.emit(text_delta, fence, delta=payload.text or "", **ids)
+                else:
+                    pcm = payload.arrays["pcm"]
+                    samples += len(pcm)
+                    item.audio_ms = samples * 1000 // RATE
+                    data = (np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+                    if first:
+                        metrics.TTFP_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
+                        first = False
+                    self.emit("response.audio.delta", fence, delta=base64.b64encode(data).decode(), **ids)
+                self.session.touch()
+        except RequestAborted:
+            status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
+        except StageError as exc:
+            status = "failed"
+            details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": str(exc)}}
+        finally:
+            await stream.close()
+        usage = dict(stream.done.usage or {}) if stream.done is not None else {}
+        usage = {
+            "total_tokens": usage.get("input_tokens", 0) + usage.get("output_tokens", 0),
+            "input_tokens": usage.get("input_tokens", 0),
+            "output_tokens": usage.get("output_tokens", 0),
+        }
+        c = item.content[0]
+        if resp.audio_out:
+            c["transcript"] = item.transcript
+        else:
+            c["text"] = item.transcript
+        item.status = "completed" if status == "completed" else "incomplete"
+        if status == "completed":
+            if resp.audio_out:
+                self.emit("response.audio.done", **ids)
+                self.emit("response.audio_transcript.done", transcript=item.transcript, **ids)
+            else:
+                self.emit("response.text.done", text=item.transcript, **ids)
+            done_part = dict(c)
+            if not self.ga:
+                done_part["type"] = "audio" if resp.audio_out else "text"
+            self.emit("response.content_part.done", part=done_part, **ids)
+        self.emit("response.output_item.done", response_id=resp.id, output_index=0, item=item.wire(self.ga))
+        if self.ga and item.id in self.items:
+            self.emit("conversation.item.done", previous_item_id=None, item=item.wire(self.ga))
+        self.emit("response.done", response=self._response_wire(resp, status, details, usage))
+        metrics.E2E_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
+        if self.response is resp:
+            self.response = None
+
+    async def cancel_response(self, reason: str) -> None:
+        resp = self.response
+        if resp is None:
+            return
+        resp.cancel_reason = reason
+        # Advance the epoch first: from here on nothing of this response passes a
+        # fence check, then abort its stages.
+        self.session.advance_epoch()
+        if resp.stream is not None:
+            await resp.stream.abort(reason)
+        if resp.task is not None:
+            await asyncio.shield(resp.task)
+        await self._restart_input()
+
+    # ---- dispatch ----
+    async def handle(self, raw: str | bytes) -> None:
+        event_id = None
+        try:
+            try:
+                ev = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ClientError("invalid_json", "The event is not valid JSON.") from None
+            if not isinstance(ev, dict):
+                raise ClientError("invalid_json", "An event must be a JSON object.")
+            event_id = ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
+            t = ev.get("type")
+            if not isinstance(t, str):
+                raise ClientError("missing_required_parameter", "Missing required parameter: 'type'.", "type")
+            self.session.touch()
+            await self.dispatch(t, ev, event_id)
+        except ClientError as err:
+            self.error(err, event_id)
+        except SessionError as exc:
+            self.error(ClientError(exc.code, exc.message), event_id)
+
+    async def dispatch(self, t: str, ev: dict[str, Any], event_id: str | None) -> None:
+        if t == "session.update":
+            if "session" not in ev:
+                raise ClientError("missing_required_parameter", "Missing required parameter: 'session'.", "session")
+            self.cfg = apply_session_update(self.cfg, ev["session"], self.pipeline.voices)
+            self.emit("session.updated", session=self.cfg.wire(self.ga, self.session.id))
+        elif t == "input_audio_buffer.append":
+            if "audio" not in ev:
+                raise ClientError("missing_required_parameter", "Missing required parameter: 'audio'.", "audio")
+            await self.append(ev["audio"], event_id)
+        elif t == "input_audio_buffer.commit":
+            await self.commit(event_id)
+        elif t == "input_audio_buffer.clear":
+            await self.clear()
+        elif t == "conversation.item.create":
+            await self.item_create(ev)
+        elif t == "conversation.item.delete":
+            self.item_delete(ev)
+        elif t == "conversation.item.truncate":
+            self.item_truncate(ev)
+        elif t == "response.create":
+            await self.create_response(ev, event_id)
+        elif t == "response.cancel":
+            if self.response is None:
+                raise ClientError("response_cancel_not_active", "Cancellation failed: no active response found.")
+            await self.cancel_response("client_cancelled")
+        else:
+            raise ClientError("invalid_value", f"Invalid value: '{t}'. Supported event types are the Realtime client events.", "type")
+
+
+def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> APIRouter:
+    router = APIRouter()
+
+    @router.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket) -> None:
+        model = ws.query_params.get("model") or pipeline.models[0]
+        ga = "realtime=v1" not in (ws.headers.get("openai-beta") or "")
+        try:
+            session = await sessions.open("realtime", pipeline.name, principal=principal_of(ws).name)
+        except SessionError as exc:
+            await reject_websocket(ws, exc)
+            return
+        await ws.accept()
+        conn = RealtimeConnection(ws, session, sessions, pipeline, ga, model)
+        conn.emit("session.created", session=conn.cfg.wire(ga, session.id))
+        writer = asyncio.get_running_loop().create_task(conn.writer())
+        reason = "client_disconnected"
+        try:
+            while True:
+                receive = asyncio.ensure_future(ws.receive())
+                done, _ = await asyncio.wait({receive, writer}, return_when=asyncio.FIRST_COMPLETED)
+                if writer in done:
+                    receive.cancel()
+                    reason = "ended"
+                    break
+                msg = receive.result()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+                if data is None:
+                    continue
+                await conn.handle(data)
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            if conn.response is not None:
+                await conn.cancel_response("client_disconnected")
+            await sessions.end(session, reason)
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+            if ws.application_state == WebSocketState.CONNECTED:
+                try:
+                    await ws.close(1000)
+                except RuntimeError:
+                    pass
+
+    return router
