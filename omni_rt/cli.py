@@ -104,7 +104,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from omni_rt.server import create_app
 
     app = create_app(overlay, source)
-    uvicorn.run(app, host=overlay.server.host, port=overlay.server.port, log_level=overlay.server.log_level, lifespan="on")
+    # Realtime appends may carry 15 MiB of audio (20 MiB of base64): frames up to 24 MiB
+    # reach the protocol, which answers oversized ones with an error event.
+    uvicorn.run(
+        app,
+        host=overlay.server.host,
+        port=overlay.server.port,
+        log_level=overlay.server.log_level,
+        lifespan="on",
+        ws_max_size=24 * 1024 * 1024,
+    )
     return 0
 
 

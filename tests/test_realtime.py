@@ -1,0 +1,288 @@
+"""/v1/realtime with the official openai SDK (GA and beta clients) on the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.harness import ADMIN_HEADERS, ADMIN_KEY, LIMITED_KEY
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+BETA_ONLY = {"response.audio.delta", "response.audio.done", "response.audio_transcript.delta",
+             "response.audio_transcript.done", "response.text.delta", "response.text.done", "conversation.item.created"}
+GA_ONLY = {"response.output_audio.delta", "response.output_audio.done", "response.output_audio_transcript.delta",
+           "response.output_audio_transcript.done", "response.output_text.delta", "response.output_text.done",
+           "conversation.item.added", "conversation.item.done"}
+
+
+def client(server, key: str = ADMIN_KEY):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1", api_key=key)
+
+
+def connect(server, dialect: str, key: str = ADMIN_KEY):
+    c = client(server, key)
+    rt = c.realtime if dialect == "ga" else c.beta.realtime
+    return rt.connect(model="gpt-realtime")
+
+
+def names(dialect: str) -> dict[str, str]:
+    ga = dialect == "ga"
+    return {
+        "audio": "response.output_audio.delta" if ga else "response.audio.delta",
+        "transcript": "response.output_audio_transcript.delta" if ga else "response.audio_transcript.delta",
+        "text": "response.output_text.delta" if ga else "response.text.delta",
+        "text_done": "response.output_text.done" if ga else "response.text.done",
+        "item": "conversation.item.added" if ga else "conversation.item.created",
+    }
+
+
+async def manual_mode(conn, dialect: str) -> None:
+    if dialect == "ga":
+        await conn.session.update(session={"type": "realtime", "instructions": "Answer briefly.", "audio": {"input": {"turn_detection": None}}})
+    else:
+        await conn.session.update(session={"instructions": "Answer briefly.", "turn_detection": None})
+    ev = await conn.recv()
+    assert ev.type == "session.updated"
+
+
+async def until(conn, stop: str, seen: list) -> object:
+    async for ev in conn:
+        seen.append(ev)
+        if ev.type == stop:
+            return ev
+    raise AssertionError(f"connection ended before {stop}")
+
+
+def noise_pcm16(seconds: float, seed: int = 0) -> bytes:
+    return (np.random.default_rng(seed).standard_normal(int(24000 * seconds)) * 3000).astype("<i2").tobytes()
+
+
+async def append(conn, pcm: bytes, chunk: int = 9600) -> None:
+    for i in range(0, len(pcm), chunk):
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + chunk]).decode())
+
+
+@pytest.mark.parametrize("dialect", ["ga", "beta"])
+async def test_text_turn_event_sequence_and_ids(server, dialect):
+    n = names(dialect)
+    async with connect(server, dialect) as conn:
+        created = await conn.recv()
+        assert created.type == "session.created"
+        s = created.session
+        if dialect == "ga":
+            assert s.type == "realtime" and s.audio.input.format.type == "audio/pcm" and s.audio.input.format.rate == 24000
+            assert s.audio.input.turn_detection.type == "server_vad"
+        else:
+            assert s.input_audio_format == "pcm16" and s.output_audio_format == "pcm16" and s.turn_detection.type == "server_vad"
+        await manual_mode(conn, dialect)
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello!"}]})
+        mod = {"output_modalities": ["text"]} if dialect == "ga" else {"modalities": ["text"]}
+        await conn.response.create(response=mod)
+        seen: list = []
+        done = await until(conn, "response.done", seen)
+    types = [e.type for e in seen]
+    head = [n["item"]] + (["conversation.item.done"] if dialect == "ga" else [])
+    head += ["response.created", "response.output_item.added", n["item"], "response.content_part.added"]
+    assert types[: len(head)] == head, types
+    deltas = [e for e in seen if e.type == n["text"]]
+    assert deltas and types[len(head) : len(head) + len(deltas)] == [n["text"]] * len(deltas)
+    tail = [n["text_done"], "response.content_part.done", "response.output_item.done"]
+    tail += ["conversation.item.done"] if dialect == "ga" else []
+    assert types[len(head) + len(deltas) :] == tail + ["response.done"], types
+    rid = next(e for e in seen if e.type == "response.created").response.id
+    iid = next(e for e in seen if e.type == "response.output_item.added").item.id
+    assert all(d.response_id == rid and d.item_id == iid for d in deltas)
+    text_done = next(e for e in seen if e.type == n["text_done"])
+    assert text_done.text == "".join(d.delta for d in deltas)
+    assert done.response.id == rid and done.response.status == "completed"
+    assert done.response.usage.input_tokens > 0 and done.response.usage.output_tokens > 0
+    assert not set(types) & (BETA_ONLY if dialect == "ga" else GA_ONLY)
+
+
+@pytest.mark.parametrize("dialect", ["ga", "beta"])
+async def test_manual_audio_turns_keep_history(server, dialect):
+    n = names(dialect)
+    async with connect(server, dialect) as conn:
+        await conn.recv()
+        await manual_mode(conn, dialect)
+        usages = []
+        for turn in range(2):
+            await append(conn, noise_pcm16(1.0, seed=turn))
+            await conn.input_audio_buffer.commit()
+            limit = {"max_output_tokens": 8} if dialect == "ga" else {"max_response_output_tokens": 8}
+            await conn.response.create(response=limit)
+            seen: list = []
+            done = await until(conn, "response.done", seen)
+            types = [e.type for e in seen]
+            assert types[0] == "input_audio_buffer.committed" and types[1] == n["item"]
+            assert done.response.status == "completed", done.response.status_details
+            audio = b"".join(base64.b64decode(e.delta) for e in seen if e.type == n["audio"])
+            assert len(audio) > 0 and len(audio) % 2 == 0
+            assert any(e.type == n["transcript"] for e in seen)
+            assert not set(types) & (BETA_ONLY if dialect == "ga" else GA_ONLY)
+            usages.append(done.response.usage.input_tokens)
+        assert usages[1] > usages[0]  # the second prompt carries the first turn
+
+
+async def test_cancel_mid_response_then_nothing_stale(server):
+    n = names("ga")
+    async with connect(server, "ga") as conn:
+        await conn.recv()
+        await manual_mode(conn, "ga")
+        await append(conn, noise_pcm16(1.0))
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        seen: list = []
+        await until(conn, n["audio"], seen)
+        rid = next(e for e in seen if e.type == "response.created").response.id
+        await conn.response.cancel()
+        done = await until(conn, "response.done", seen)
+        assert done.response.status == "cancelled"
+        assert done.response.status_details.reason == "client_cancelled"
+        # anything after response.done belongs to a new response only
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again"}]})
+        await conn.response.create(response={"output_modalities": ["text"]})
+        after: list = []
+        await until(conn, "response.done", after)
+        stale = [e for e in after if getattr(e, "response_id", None) == rid]
+        assert stale == []
+        # the cancelled answer is in the history, incomplete
+        err: list = []
+        await conn.response.cancel()
+        await until(conn, "error", err)
+        assert err[-1].error.code == "response_cancel_not_active"
+
+
+async def test_truncate_clamps_and_accepts_duplicates(server):
+    n = names("ga")
+    async with connect(server, "ga") as conn:
+        await conn.recv()
+        await manual_mode(conn, "ga")
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]})
+        await conn.response.create(response={"max_output_tokens": 8})
+        seen: list = []
+        done = await until(conn, "response.done", seen)
+        item_id = done.response.output[0].id
+        audio_ms = sum(len(base64.b64decode(e.delta)) for e in seen if e.type == n["audio"]) * 1000 // 48000
+        for _ in range(2):
+            await conn.conversation.item.truncate(item_id=item_id, content_index=0, audio_end_ms=10_000_000)
+            ev: list = []
+            t = await until(conn, "conversation.item.truncated", ev)
+            assert t.item_id == item_id and t.audio_end_ms == audio_ms
+        await conn.conversation.item.truncate(item_id="item_nope", content_index=0, audio_end_ms=0)
+        ev = []
+        e = await until(conn, "error", ev)
+        assert e.error.code == "item_not_found"
+
+
+async def raw_ws(server, key: str = ADMIN_KEY):
+    import websockets
+
+    return await websockets.connect(
+        f"ws://127.0.0.1:{server.port}/v1/realtime?model=gpt-realtime", additional_headers={"Authorization": f"Bearer {key}"}
+    )
+
+
+async def recv_json(ws, timeout: float = 30) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def test_bad_input_gets_error_events_and_the_socket_stays_open(server):
+    ws = await raw_ws(server)
+    try:
+        assert (await recv_json(ws))["type"] == "session.created"
+        cases = [
+            ("not json", "invalid_json"),
+            (json.dumps([1, 2]), "invalid_json"),
+            (json.dumps({"type": "no.such.event", "event_id": "e1"}), "invalid_value"),
+            (json.dumps({"event_id": "e2"}), "missing_required_parameter"),
+            (json.dumps({"type": "input_audio_buffer.append", "audio": 5}), "invalid_type"),
+            (json.dumps({"type": "input_audio_buffer.append", "audio": "***"}), "invalid_value"),
+            (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}), "invalid_value"),
+            (json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (21 * 1024 * 1024)}), "invalid_value"),
+            (json.dumps({"type": "input_audio_buffer.commit"}), "input_audio_buffer_commit_empty"),
+            (json.dumps({"type": "session.update", "session": {"voice": "nobody"}}), "invalid_value"),
+            (json.dumps({"type": "session.update", "session": {"turn_detection": {"threshold": "high"}}}), "invalid_type"),
+            (json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}), "invalid_value"),
+            (json.dumps({"type": "conversation.item.create", "item": {"role": "robot", "content": []}}), "invalid_value"),
+            (json.dumps({"type": "conversation.item.delete", "item_id": "nope"}), "item_not_found"),
+            (json.dumps({"type": "conversation.item.truncate", "item_id": "nope", "audio_end_ms": 5}), "item_not_found"),
+            (json.dumps({"type": "response.cancel"}), "response_cancel_not_active"),
+        ]
+        for frame, code in cases:
+            await ws.send(frame)
+            ev = await recv_json(ws)
+            assert ev["type"] == "error", (frame[:60], ev)
+            assert ev["error"]["code"] == code, (frame[:60], ev)
+            assert set(ev["error"]) == {"type", "code", "message", "param", "event_id"}
+        await ws.send(json.dumps({"type": "no.such.event", "event_id": "evt_42"}))
+        assert (await recv_json(ws))["error"]["event_id"] == "evt_42"
+        # still serving: a real turn works, and a second response.create while one runs is refused
+        await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
+        assert (await recv_json(ws))["type"] == "session.updated"
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}}))
+        await ws.send(json.dumps({"type": "response.create"}))
+        await ws.send(json.dumps({"type": "response.create"}))
+        got = []
+        while True:
+            ev = await recv_json(ws)
+            got.append(ev)
+            if ev["type"] == "response.done":
+                break
+        assert any(e["type"] == "error" and e["error"]["code"] == "conversation_already_has_active_response" for e in got)
+        assert got[-1]["response"]["status"] == "completed"
+    finally:
+        await ws.close()
+
+
+async def test_over_cap_error_event_then_close_1013(server):
+    import websockets
+
+    first = await raw_ws(server, LIMITED_KEY)
+    try:
+        assert (await recv_json(first))["type"] == "session.created"
+        second = await raw_ws(server, LIMITED_KEY)
+        ev = await recv_json(second)
+        assert ev["type"] == "error" and ev["error"]["code"] == "session_limit"
+        with pytest.raises(websockets.ConnectionClosed) as exc:
+            await recv_json(second)
+        assert exc.value.rcvd.code == 1013
+    finally:
+        await first.close()
+
+
+def _busy(api: httpx.Client) -> tuple[int, int]:
+    h = api.get("/health").json()
+    load = sum(r["engine"]["load"] + r["engine"].get("unfinished", 0) for st in h["stages"].values() for r in st["replicas"])
+    return h["running_requests"], load
+
+
+async def test_disconnect_mid_response_frees_all_engine_work(server):
+    api = httpx.Client(base_url=server.url, headers=ADMIN_HEADERS, timeout=30)
+    ws = await raw_ws(server)
+    await recv_json(ws)
+    await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]}}))
+    await ws.send(json.dumps({"type": "response.create"}))
+    while (await recv_json(ws))["type"] not in ("response.output_audio.delta",):
+        pass
+    assert _busy(api)[0] >= 1
+    await ws.close()
+    deadline = time.monotonic() + 15
+    state = _busy(api)
+    while state != (0, 0) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        state = _busy(api)
+    assert state == (0, 0)
+    sessions = api.get("/v1/sessions").json()["data"]
+    assert not [s for s in sessions if s["kind"] == "realtime"]
+    api.close()
