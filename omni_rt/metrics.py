@@ -42,6 +42,12 @@ E2E_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
 
+BARGE_IN_SECONDS = Histogram(
+    "omni_rt_barge_in_seconds",
+    "Speech start during a response -> the response cancelled and its stages stopped",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+)
+
 # ---- sessions --------------------------------------------------------------------------
 SESSIONS_ACTIVE = Gauge("omni_rt_sessions_active", "Sessions held by this node (active, detached or closing)", ["kind"])
 SESSIONS_ADMITTED = Counter("omni_rt_sessions_admitted_total", "Sessions admitted", ["kind"])

@@ -478,8 +478,7 @@ class RealtimeConnection:
                 await self.speech_stopped(at_ms, td)
 
     async def speech_started(self, at_ms: int, td: TurnDetection) -> None:
-        if self.response is not None and td.interrupt_response:
-            await self.cancel_response("turn_detected")
+        barge_in = self.response is not None and td.interrupt_response
         if self.input is None:
             prefix = np.concatenate(self.pending_prefix) if self.pending_prefix else np.zeros(0, np.float32)
             self.pending_prefix = []
@@ -489,6 +488,13 @@ class RealtimeConnection:
                 self.input_ms += len(prefix) * 1000 // RATE
         self.speech_item = self.input_item_id
         self.emit("input_audio_buffer.speech_started", audio_start_ms=max(0, at_ms - td.prefix_padding_ms), item_id=self.input_item_id)
+        if barge_in:
+            # The user talks over the agent: the response stops here (its queued
+            # deltas fail the fence check); the new utterance is re-encoded under the
+            # new epoch.
+            t0 = time.monotonic()
+            await self.cancel_response("turn_detected")
+            metrics.BARGE_IN_SECONDS.observe(time.monotonic() - t0)
 
     async def speech_stopped(self, at_ms: int, td: TurnDetection) -> None:
         self.emit("input_audio_buffer.speech_stopped", audio_end_ms=at_ms, item_id=self.input_item_id)

@@ -286,3 +286,85 @@ async def test_disconnect_mid_response_frees_all_engine_work(server):
     sessions = api.get("/v1/sessions").json()["data"]
     assert not [s for s in sessions if s["kind"] == "realtime"]
     api.close()
+
+
+def speech_pcm16(text: str) -> bytes:
+    """Real speech: espeak-ng to WAV, resampled to 24 kHz PCM16 (required: no skip)."""
+    import shutil
+    import subprocess
+    import tempfile
+    import wave
+
+    import soxr
+
+    exe = shutil.which("espeak-ng")
+    assert exe, "espeak-ng is required for the server-VAD tests (apt-get install espeak-ng)"
+    with tempfile.NamedTemporaryFile(suffix=".wav") as f:
+        subprocess.run([exe, "-v", "en-us", "-s", "170", "-w", f.name, text], check=True, capture_output=True)
+        w = wave.open(f.name)
+        rate = w.getframerate()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+    y = soxr.resample(pcm, rate, 24000)
+    return (np.clip(y, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def silence(seconds: float) -> bytes:
+    return bytes(int(24000 * seconds) * 2)
+
+
+@pytest.mark.parametrize("dialect", ["ga", "beta"])
+async def test_server_vad_turn_driven_by_real_speech(server, dialect):
+    n = names(dialect)
+    speech = speech_pcm16("Hello, can you tell me what the weather is like today?")
+    async with connect(server, dialect) as conn:
+        await conn.recv()
+        limit = {"max_output_tokens": 8} if dialect == "ga" else {"max_response_output_tokens": 8}
+        if dialect == "ga":
+            await conn.session.update(session={"type": "realtime", **limit})
+        else:
+            await conn.session.update(session=limit)
+        assert (await conn.recv()).type == "session.updated"
+        await append(conn, silence(0.6) + speech + silence(1.0), chunk=4800)
+        seen: list = []
+        done = await until(conn, "response.done", seen)
+    types = [e.type for e in seen]
+    i_start, i_stop = types.index("input_audio_buffer.speech_started"), types.index("input_audio_buffer.speech_stopped")
+    i_commit, i_created = types.index("input_audio_buffer.committed"), types.index("response.created")
+    assert i_start < i_stop < i_commit < types.index(n["item"]) < i_created
+    started, stopped, committed = seen[i_start], seen[i_stop], seen[i_commit]
+    assert started.item_id == stopped.item_id == committed.item_id
+    speech_ms = len(speech) * 1000 // 48000
+    # speech begins at 600 ms; audio_start_ms includes the 300 ms prefix padding
+    assert 150 <= started.audio_start_ms <= 600, started.audio_start_ms
+    assert 600 + speech_ms * 0.5 <= stopped.audio_end_ms <= 600 + speech_ms + 600, (stopped.audio_end_ms, speech_ms)
+    assert done.response.status == "completed"
+    assert any(e.type == n["audio"] for e in seen)
+
+
+async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
+    n = names("ga")
+    speech = speech_pcm16("Please tell me a long story about the sea.")
+    async with connect(server, "ga") as conn:
+        await conn.recv()
+        await append(conn, silence(0.3) + speech + silence(1.0), chunk=4800)
+        seen: list = []
+        await until(conn, n["audio"], seen)  # the agent is speaking
+        rid = next(e for e in seen if e.type == "response.created").response.id
+        t0 = time.monotonic()
+        await append(conn, speech[: 24000 * 2], chunk=4800)  # the user talks over it
+        events: list = []
+        done = await until(conn, "response.done", events)
+        assert time.monotonic() - t0 < 10
+        assert done.response.id == rid and done.response.status == "cancelled"
+        assert done.response.status_details.reason == "turn_detected"
+        types = [e.type for e in events]
+        assert "input_audio_buffer.speech_started" in types
+        assert types.index("input_audio_buffer.speech_started") < types.index("response.done")
+        # finish the second utterance: its response comes, and nothing of the old one
+        await append(conn, speech[24000 * 2 :] + silence(1.0), chunk=4800)
+        after: list = []
+        second = await until(conn, "response.done", after)
+        assert second.response.id != rid and second.response.status == "completed"
+        assert [e for e in after if getattr(e, "response_id", None) == rid] == []
+        # history keeps the cancelled answer as an incomplete item
+        assert done.response.output[0].status == "incomplete"
