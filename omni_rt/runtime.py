@@ -81,7 +81,7 @@ class Runtime:
                 prev = stages.get(s.name)
                 if prev is not None and prev[1] != s:
                     raise SpecError(f"pipeline {pname}: stage {s.name!r} is defined differently by pipeline {prev[0]}")
-                stages[s.name] = (pname, s)
+                stages.setdefault(s.name, (pname, s))  # errors name the first pipeline with it
         return stages
 
     def _resolve(self, pipeline: str, s: StageSpec) -> StageSpec:

@@ -26,6 +26,7 @@ from protocols.openai_http import (
     error_body,
     validation_error_handler,
 )
+from protocols.chat import ChatService, build_chat_router
 from protocols.realtime import build_realtime_router
 from protocols.sessions_api import build_sessions_router
 from sessions import SessionManager
@@ -76,14 +77,38 @@ def resolve_profiles(overlay: DeployOverlay, source: str) -> tuple[dict[str, Pro
     for name in overlay.pipelines:
         if name not in specs:
             raise SpecError(f"{source}: pipelines.{name}: unknown pipeline; known: {sorted(specs)}")
-    profiles: dict[str, ProfileSpec] = {}
-    enabled: dict[str, Any] = {}
-    for name, spec in specs.items():
-        if not overlay.pipelines.get(name, PipelineOverlay()).enabled:
-            continue
-        profiles[name] = apply_overlay(spec, overlay, source)
-        enabled[name] = spec
+    enabled = {n: s for n, s in specs.items() if overlay.pipelines.get(n, PipelineOverlay()).enabled}
+    overlay = share_stage_overrides(overlay, enabled, source)
+    profiles = {name: apply_overlay(spec, overlay, source) for name, spec in enabled.items()}
     return profiles, enabled
+
+
+def share_stage_overrides(overlay: DeployOverlay, specs: dict[str, Any], source: str) -> DeployOverlay:
+    """A stage that several pipelines share (the voice pipeline's talker and code2wav
+    are the tts pipeline's) is one pool: an override given under one pipeline applies
+    to every pipeline that has the stage. Different overrides of one stage are an error."""
+    stage_sets = {}
+    for name, spec in specs.items():
+        po = overlay.pipelines.get(name, PipelineOverlay())
+        profile = spec.profiles[po.profile or spec.default_profile]
+        stage_sets[name] = {st.name for st in profile.stages}
+    given: dict[str, tuple[str, Any]] = {}
+    for name in specs:
+        for stage, so in overlay.pipelines.get(name, PipelineOverlay()).stages.items():
+            prev = given.get(stage)
+            if prev is not None and prev[1] != so:
+                raise SpecError(
+                    f"{source}: pipelines.{name}.stages.{stage}: stage {stage!r} is shared with pipeline {prev[0]}, "
+                    f"which overrides it differently; give the override once (it applies to both)"
+                )
+            given[stage] = (name, so)
+    pipelines = dict(overlay.pipelines)
+    for name in specs:
+        po = pipelines.get(name, PipelineOverlay())
+        extra = {st: so for st, (_, so) in given.items() if st in stage_sets[name] and st not in po.stages}
+        if extra:
+            pipelines[name] = po.model_copy(update={"stages": {**po.stages, **extra}})
+    return overlay.model_copy(update={"pipelines": pipelines})
 
 
 def key_ring(overlay: DeployOverlay, source: str) -> KeyRing:
@@ -197,4 +222,5 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
     app.include_router(build_sessions_router(sessions))
     if "voice" in profiles:
         app.include_router(build_realtime_router(sessions, specs["voice"]))
+        app.include_router(build_chat_router(ChatService(sessions, specs["voice"])))
     return app

@@ -438,3 +438,35 @@ class TempoFilter:
         out = self._drain()
         self._graph = None
         return out
+
+
+def decode_audio(data: bytes, sample_rate: int = 24000, max_seconds: float = 600.0) -> np.ndarray:
+    """Decode an audio file (wav, mp3, flac, ogg/opus, …) to float32 mono at `sample_rate`.
+
+    Raises AudioFormatError for data FFmpeg cannot read or longer than `max_seconds`.
+    """
+    import io
+
+    import av
+
+    out: list[np.ndarray] = []
+    total = 0
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.audio:
+                raise AudioFormatError("the data holds no audio stream", "input_audio")
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
+            for frame in container.decode(audio=0):
+                for f in resampler.resample(frame):
+                    a = f.to_ndarray().reshape(-1).astype(np.float32, copy=False)
+                    out.append(a)
+                    total += len(a)
+                    if total > max_seconds * sample_rate:
+                        raise AudioFormatError(f"audio longer than {max_seconds:g} s", "input_audio")
+            for f in resampler.resample(None):
+                out.append(f.to_ndarray().reshape(-1).astype(np.float32, copy=False))
+    except AudioFormatError:
+        raise
+    except (av.error.FFmpegError, ValueError, IndexError) as exc:
+        raise AudioFormatError(f"the audio cannot be decoded: {exc}", "input_audio") from None
+    return np.concatenate(out) if out else np.zeros(0, np.float32)

@@ -164,3 +164,17 @@ def test_overlay_sessions_block_and_keys_file(tmp_path):
     bad.write_text("sessions:\n  max_per_kind: {world: -1}\n")
     p = _cli("check", "--deploy", str(bad))
     assert p.returncode == 2 and f"{bad}: sessions: max_per_kind.world: cap must be at least 1, got -1" in p.stderr
+
+
+def test_shared_stage_override_applies_to_every_pipeline_with_it(tmp_path):
+    from omni_rt.server import resolve_profiles
+
+    ov = parse_overlay({"pipelines": {"tts": {"stages": {"talker": {"replicas": 2}}}}}, "d.yaml")
+    profiles, _ = resolve_profiles(ov, "d.yaml")
+    assert profiles["tts"].stage("talker").replicas == 2 and profiles["voice"].stage("talker").replicas == 2
+    assert profiles["voice"].stage("thinker").replicas == 1
+    clash = parse_overlay(
+        {"pipelines": {"tts": {"stages": {"talker": {"replicas": 2}}}, "voice": {"stages": {"talker": {"replicas": 3}}}}}, "d.yaml"
+    )
+    with pytest.raises(SpecError, match="pipelines.voice.stages.talker: stage 'talker' is shared with pipeline tts"):
+        resolve_profiles(clash, "d.yaml")

@@ -1,0 +1,256 @@
+"""`POST /v1/chat/completions` on the voice pipeline (OpenAI's shape, text and audio).
+
+Each call is a one-shot session (admitted against the caps; 429 `session_limit` over
+them). `modalities: ["text"]` (default) runs the thinker only; `["text", "audio"]`
+with `audio: {voice, format}` also runs talker and code2wav, and answers with
+`message.audio {id, data, transcript, expires_at}` (or, streaming, `delta.audio`
+chunks). User messages may carry `input_audio {data, format}` parts; the last one is
+encoded and spliced into the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import secrets
+import time
+from typing import Any, AsyncIterator, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omni_rt import metrics
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.request import RequestAborted
+from omni_rt.specs import PipelineSpec
+from omni_rt.stage import StageError
+from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio
+from protocols.openai_http import (
+    APIError,
+    _ClosingStreamingResponse,
+    _validation_to_api_error,
+    parse_json,
+    session_api_error,
+)
+from sessions import SessionError, SessionManager
+
+AUDIO_PLACEHOLDER = "<|audio|>"
+# OpenAI's chat audio formats -> the encoder's names
+AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "aac": "aac", "pcm16": "pcm"}
+
+
+class AudioParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    voice: str
+    format: str
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # many optional OpenAI fields are accepted and ignored
+
+    model: str = Field(min_length=1)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioParams | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = Field(None, ge=1, le=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    temperature: float | None = Field(None, ge=0, le=2)
+    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    n: int = Field(1, ge=1, le=1)
+
+
+def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, np.ndarray | None]:
+    """Message content -> (text for the prompt, decoded audio of its last audio part)."""
+    content = msg.get("content")
+    if content is None:
+        return "", None
+    if isinstance(content, str):
+        return content, None
+    if not isinstance(content, list):
+        raise APIError(400, f"Invalid type for 'messages[{i}].content': expected a string or an array.", param=f"messages[{i}].content", code="invalid_type")
+    texts: list[str] = []
+    audio = None
+    for j, part in enumerate(content):
+        p = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise APIError(400, f"Invalid type for '{p}': expected an object.", param=p, code="invalid_type")
+        t = part.get("type")
+        if t == "text":
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"Missing required parameter: '{p}.text'.", param=f"{p}.text", code="missing_required_parameter")
+            texts.append(part["text"])
+        elif t == "input_audio":
+            ia = part.get("input_audio")
+            if not isinstance(ia, dict) or not isinstance(ia.get("data"), str):
+                raise APIError(400, f"Missing required parameter: '{p}.input_audio.data'.", param=f"{p}.input_audio.data", code="missing_required_parameter")
+            try:
+                raw = base64.b64decode(ia["data"], validate=True)
+            except ValueError:
+                raise APIError(400, f"'{p}.input_audio.data' is not valid base64.", param=f"{p}.input_audio.data", code="invalid_value") from None
+            try:
+                audio = decode_audio(raw)
+            except AudioFormatError as exc:
+                raise APIError(400, f"'{p}.input_audio': {exc.message}.", param=f"{p}.input_audio", code="invalid_value") from None
+            texts.append(AUDIO_PLACEHOLDER)
+        else:
+            raise APIError(400, f"Invalid content part type {t!r} at '{p}'; supported: text, input_audio.", param=f"{p}.type", code="invalid_value")
+    return " ".join(texts), audio
+
+
+class ChatService:
+    def __init__(self, sessions: SessionManager, pipeline: PipelineSpec) -> None:
+        self.sessions = sessions
+        self.pipeline = pipeline
+
+    def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, str]], np.ndarray | None, str | None, str | None]:
+        if not isinstance(raw, dict):
+            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+        try:
+            req = ChatRequest.model_validate(raw)
+        except ValidationError as err:
+            raise _validation_to_api_error(list(err.errors())) from None
+        if req.model not in self.pipeline.models:
+            raise APIError(400, f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
+        messages: list[dict[str, str]] = []
+        audio = None
+        for i, m in enumerate(req.messages):
+            role = m.get("role")
+            if role == "developer":
+                role = "system"
+            if role not in ("system", "user", "assistant"):
+                raise APIError(400, f"Invalid value for 'messages[{i}].role': {role!r}.", param=f"messages[{i}].role", code="invalid_value")
+            text, a = _content_parts(m, i)
+            if a is not None:
+                audio = a
+            messages.append({"role": role, "content": text})
+        want_audio = "audio" in (req.modalities or ["text"])
+        voice = fmt = None
+        if want_audio:
+            if req.audio is None:
+                raise APIError(400, "'audio' is required when modalities include 'audio'.", param="audio", code="missing_required_parameter")
+            voice = self.pipeline.voices.get(req.audio.voice.lower())
+            if voice is None:
+                raise APIError(400, f"Unknown voice '{req.audio.voice}'; available: {', '.join(sorted(self.pipeline.voices))}.", param="audio.voice", code="invalid_value")
+            fmt = AUDIO_FORMATS.get(req.audio.format)
+            if fmt is None or fmt not in available_formats():
+                raise APIError(400, f"Unsupported audio.format '{req.audio.format}'; use one of {', '.join(AUDIO_FORMATS)}.", param="audio.format", code="invalid_value")
+            if req.stream and fmt != "pcm":
+                raise APIError(400, "Streaming audio output supports audio.format 'pcm16' only.", param="audio.format", code="invalid_value")
+        return req, messages, audio, voice, fmt
+
+    async def complete(self, raw: Any, principal: str) -> Response:
+        req, messages, audio, voice, fmt = self.validate(raw)
+        t0 = time.monotonic()
+        try:
+            session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
+        except SessionError as exc:
+            raise session_api_error(exc) from None
+        try:
+            params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
+            if voice is not None:
+                params["voice"] = voice
+            stream = session.submit(params, outputs={"thinker", "code2wav"} if voice is not None else {"thinker"})
+            if audio is not None:
+                session.send_input(stream, Payload(PayloadKind.AUDIO, session.fence, arrays={"pcm": audio}, meta={"sample_rate": 24000}))
+            stream.end_input()
+        except BaseException:
+            await self.sessions.end(session, "failed")
+            raise
+        cid = f"chatcmpl-{secrets.token_hex(12)}"
+        created = int(time.time())
+        if not req.stream:
+            try:
+                text, pcm = "", []
+                async for stage, p, _ in stream.payloads():
+                    if stage == "thinker":
+                        text += p.text or ""
+                    else:
+                        pcm.append(p.arrays["pcm"])
+                    session.touch()
+            except StageError as exc:
+                raise APIError(500, f"generation failed: {exc}", type="server_error", code="generation_failed") from None
+            except RequestAborted as exc:
+                raise APIError(503, f"the request was stopped ({session.close_reason or exc.reason})", type="server_error", code="session_closed") from None
+            finally:
+                await self.sessions.end(session, "completed")
+            usage = self._usage(stream.done.usage if stream.done else None)
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if voice is not None:
+                enc = StreamingEncoder(fmt or "wav")
+                data = await asyncio.to_thread(lambda: enc.encode(np.concatenate(pcm) if pcm else np.zeros(0, np.float32)) + enc.finish())
+                enc.close()
+                message["content"] = None
+                message["audio"] = {"id": f"audio_{secrets.token_hex(8)}", "data": base64.b64encode(data).decode(), "expires_at": created + 3600, "transcript": text}
+            metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
+            body = {"id": cid, "object": "chat.completion", "created": created, "model": req.model,
+                    "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}], "usage": usage}
+            return JSONResponse(body, headers={"x-session-id": session.id})
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return _ClosingStreamingResponse(
+            self._sse(session, stream, cid, created, req.model, voice is not None, include_usage, t0),
+            lambda: self.sessions.end(session, "client_disconnected"),
+            media_type="text/event-stream",
+            headers={"x-session-id": session.id},
+        )
+
+    @staticmethod
+    def _usage(u: Any) -> dict[str, int]:
+        u = dict(u or {})
+        p, c = int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0))
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    async def _sse(self, session: Any, stream: Any, cid: str, created: int, model: str, audio: bool, include_usage: bool, t0: float) -> AsyncIterator[bytes]:
+        def chunk(delta: dict[str, Any], finish: str | None = None, usage: Any = None) -> bytes:
+            body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            if usage is not None:
+                body["choices"] = []
+                body["usage"] = usage
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+        audio_id = f"audio_{secrets.token_hex(8)}"
+        outcome = "client_disconnected"
+        first_text = first_audio = True
+        try:
+            yield chunk({"role": "assistant", "content": "" if not audio else None})
+            async for stage, p, _ in stream.payloads():
+                session.touch()
+                if stage == "thinker":
+                    if first_text:
+                        metrics.TTFT_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
+                        first_text = False
+                    yield chunk({"audio": {"id": audio_id, "transcript": p.text or ""}} if audio else {"content": p.text or ""})
+                else:
+                    if first_audio:
+                        metrics.TTFP_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
+                        first_audio = False
+                    data = (np.clip(p.arrays["pcm"], -1, 1) * 32767).astype("<i2").tobytes()
+                    yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
+            yield chunk({}, finish="stop")
+            if include_usage:
+                yield chunk({}, usage=self._usage(stream.done.usage if stream.done else None))
+            yield b"data: [DONE]\n\n"
+            outcome = "completed"
+            metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
+        except (StageError, RequestAborted) as exc:
+            outcome = "failed"
+            err = {"message": f"generation stopped: {exc}", "type": "server_error", "param": None, "code": "generation_failed"}
+            yield f"data: {json.dumps({'error': err})}\n\n".encode()
+        finally:
+            await asyncio.shield(self.sessions.end(session, outcome))
+
+
+def build_chat_router(chat: ChatService) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        principal = getattr(request.state, "principal", None)
+        return await chat.complete(await parse_json(request), principal.name if principal else "anonymous")
+
+    return router
