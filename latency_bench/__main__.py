@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime} ...``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cycles", "-n", type=int, default=20000, help="open+close cycles per level (default 20000)")
     s.add_argument("--warmup", type=int, default=200, help="untimed cycles before each level (default 200)")
     s.add_argument("--json", help="write results here (JSON)")
+
+    r = sub.add_parser(
+        "realtime",
+        help="concurrent /v1/realtime voice sessions: commit -> first audio, E2E, RTF",
+        description="S sessions at once, each running --turns manual voice turns.",
+    )
+    r.add_argument("--sessions", "-s", default="1,8,16", help="comma-separated concurrent session levels (default 1,8,16)")
+    r.add_argument("--turns", type=int, default=3, help="turns per session (default 3)")
+    r.add_argument("--warmup", type=int, default=1, help="uncounted turns before the first level (default 1)")
+    r.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech, else noise")
+    r.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
+    r.add_argument("--url", help="ws://host:port/v1/realtime of a running server (default: start one)")
+    r.add_argument("--api-key")
+    r.add_argument("--port", type=int, default=8200, help="port of the server the bench starts (default 8200)")
+    r.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    r.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
@@ -96,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.connectors import main_connectors
 
         return main_connectors(args)
+    if args.cmd == "realtime":
+        from latency_bench.realtime import main_realtime
+
+        return main_realtime(args)
     if args.cmd == "sessions":
         from latency_bench.sessions import main_sessions
 

@@ -72,8 +72,9 @@ def test_audio_out_streaming_pcm16_with_audio_in(sdk):
         d = c.choices[0].delta if c.choices else None
         a = getattr(d, "audio", None) if d is not None else None
         if a:
-            audio += base64.b64decode(a.get("data", "")) if a.get("data") else b""
-            transcript += a.get("transcript", "") or ""
+            a = a if isinstance(a, dict) else a.model_dump()
+            audio += base64.b64decode(a["data"]) if a.get("data") else b""
+            transcript += a.get("transcript") or ""
     assert len(audio) > 0 and len(audio) % 2 == 0 and transcript
 
 

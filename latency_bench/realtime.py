@@ -1,0 +1,146 @@
+"""Realtime voice-session bench: S concurrent `/v1/realtime` sessions, several turns each.
+
+For each level S, S sessions connect at once; each runs `turns` manual turns: append
+the utterance (PCM16 24 kHz: a WAV file, else speech made with espeak-ng when it is
+installed, else a noise burst), commit, `response.create`, read to `response.done`.
+Per turn, measured from the commit (end of speech): TTFP (first audio delta), TTFT
+(first transcript delta), E2E (response.done), audio seconds, RTF = (E2E - TTFP) /
+audio seconds (generation time per second of audio once it flows). Per level:
+percentiles, failures, audio seconds per wall second. Targets: RTF p50 < 1 at 8
+sessions; TTFP p50 at 8 / at 1 <= 3.
+
+Against a running server (`--url`) or a server it starts itself (default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clients.realtime import RealtimeClient, RealtimeError, read_wav_pcm16
+from latency_bench import machine_info, utc_now, write_json
+from latency_bench.stats import ratio, summarize
+
+SCHEMA = "omni-rt.latency_bench.realtime/1"
+DEFAULT_TEXT = "Hello, could you tell me what the weather will be like tomorrow?"
+
+
+def utterance(wav: str | None, text: str = DEFAULT_TEXT) -> tuple[bytes, str]:
+    if wav:
+        return read_wav_pcm16(wav), f"wav:{wav}"
+    exe = shutil.which("espeak-ng")
+    if exe:
+        with tempfile.TemporaryDirectory() as d:
+            path = str(Path(d) / "u.wav")
+            subprocess.run([exe, "-v", "en-us", "-w", path, text], check=True, capture_output=True)
+            return read_wav_pcm16(path), "espeak-ng"
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal(24000 * 2) * 3000).astype("<i2").tobytes(), "noise"
+
+
+async def _session(url: str, api_key: str | None, pcm: bytes, turns: int, max_tokens: int | None, t_ref: float) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    try:
+        client = await RealtimeClient.connect(url, api_key)
+    except (RealtimeError, OSError) as exc:
+        return [{"ok": False, "error": str(exc)}]
+    async with client:
+        await client.update(audio={"input": {"turn_detection": None}})
+        for _ in range(turns):
+            t0 = time.perf_counter()
+            try:
+                r = await client.turn(pcm, **({"max_output_tokens": max_tokens} if max_tokens else {}))
+            except (RealtimeError, asyncio.TimeoutError, OSError) as exc:
+                out.append({"ok": False, "error": str(exc)})
+                continue
+            ok = r.status == "completed" and r.ttfp_s is not None
+            rtf = (r.e2e_s - r.ttfp_s) / r.audio_s if ok and r.audio_s > 0 else None
+            out.append({"ok": ok, "status": r.status, "ttfp_s": r.ttfp_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
+                        "audio_s": r.audio_s, "rtf": rtf, "start_s": t0 - t_ref, "end_s": time.perf_counter() - t_ref})
+    return out
+
+
+async def run_level(url: str, api_key: str | None, sessions: int, turns: int, pcm: bytes, max_tokens: int | None) -> dict[str, Any]:
+    t_ref = time.perf_counter()
+    results = await asyncio.gather(*(_session(url, api_key, pcm, turns, max_tokens, t_ref) for _ in range(sessions)))
+    wall = time.perf_counter() - t_ref
+    turns_ = [t for r in results for t in r]
+    ok = [t for t in turns_ if t["ok"]]
+    return {
+        "sessions": sessions,
+        "turns": len(turns_),
+        "failed": len(turns_) - len(ok),
+        "errors": sorted({t.get("error") or t.get("status") for t in turns_ if not t["ok"]} - {None}),
+        "wall_s": round(wall, 3),
+        "ttfp_s": summarize([t["ttfp_s"] for t in ok]),
+        "ttft_s": summarize([t["ttft_s"] for t in ok]),
+        "e2e_s": summarize([t["e2e_s"] for t in ok]),
+        "rtf": summarize([t["rtf"] for t in ok]),
+        "audio_s_per_s": round(sum(t["audio_s"] for t in ok) / wall, 3) if wall > 0 else None,
+        "samples": turns_,
+    }
+
+
+def run(url: str, api_key: str | None, levels: list[int], turns: int, wav: str | None, max_tokens: int | None, warmup: int) -> dict[str, Any]:
+    pcm, source = utterance(wav)
+
+    async def go() -> list[dict[str, Any]]:
+        if warmup:
+            await run_level(url, api_key, 1, warmup, pcm, max_tokens)
+        return [await run_level(url, api_key, s, turns, pcm, max_tokens) for s in levels]
+
+    lv = asyncio.run(go())
+    by = {lvl["sessions"]: lvl for lvl in lv}
+    targets: dict[str, Any] = {}
+    if 8 in by:
+        rtf8 = by[8]["rtf"].get("p50")
+        targets["rtf_p50_at_8"] = {"goal": "< 1", "value": rtf8, "met": rtf8 is not None and rtf8 < 1}
+    if 1 in by and 8 in by:
+        r = ratio(by[8]["ttfp_s"].get("p50"), by[1]["ttfp_s"].get("p50"))
+        targets["ttfp_p50_8_over_1"] = {"goal": "<= 3", "value": r, "met": r is not None and r <= 3}
+    return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": url, "utterance": source,
+            "utterance_s": round(len(pcm) / 48000, 3), "turns_per_session": turns, "max_output_tokens": max_tokens,
+            "levels": lv, "targets": targets}
+
+
+def main_realtime(args: Any) -> int:
+    levels = [int(x) for x in str(args.sessions).split(",") if x.strip()]
+    if not levels or min(levels) < 1 or args.turns < 1:
+        print("error: --sessions levels and --turns must be >= 1")
+        return 2
+    server = None
+    url = args.url
+    if url is None:
+        from latency_bench.server import ServerProcess
+
+        log_dir = Path(args.json).parent if args.json else Path("bench-out")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "realtime-server.log", env=dict(os.environ))
+        server.start()
+        server.wait_ready(timeout_s=600)
+        url = f"ws://127.0.0.1:{args.port}/v1/realtime"
+    try:
+        result = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup)
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"realtime bench ({result['utterance']}, {result['utterance_s']} s utterance, {args.turns} turns per session)")
+    print(f"{'S':>3} {'turns':>6} {'fail':>5} {'TTFP p50':>9} {'TTFP p90':>9} {'E2E p50':>8} {'RTF p50':>8} {'audio s/s':>9}")
+    for lvl in result["levels"]:
+        f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731
+        print(f"{lvl['sessions']:>3} {lvl['turns']:>6} {lvl['failed']:>5} {f(lvl['ttfp_s'], 'p50'):>9} {f(lvl['ttfp_s'], 'p90'):>9} "
+              f"{f(lvl['e2e_s'], 'p50'):>8} {f(lvl['rtf'], 'p50'):>8} {lvl['audio_s_per_s']:>9}")
+    for name, t in result["targets"].items():
+        print(f"target {name}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
+    write_json(args.json, result)
+    if args.json:
+        print(f"\nwrote {args.json}")
+    return 1 if any(lvl["failed"] for lvl in result["levels"]) else 0
