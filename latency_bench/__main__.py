@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,text-overhead} ...``."""
 
 from __future__ import annotations
 
@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8200, help="port of the server the bench starts (default 8200)")
     r.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     r.add_argument("--json", help="write results here (JSON)")
+
+    o = sub.add_parser(
+        "text-overhead",
+        help="text-only TTFT through omni-rt vs the same thinker on bare vLLM, same run",
+    )
+    o.add_argument("--concurrency", "-c", default="1,32", help="comma-separated levels (default 1,32)")
+    o.add_argument("--max-tokens", type=int, default=16, help="tokens per request on both sides (default 16)")
+    o.add_argument("--warmup", type=int, default=3, help="uncounted requests before the levels, each side (default 3)")
+    o.add_argument("--port", type=int, default=8300, help="port of the server the bench starts (default 8300)")
+    o.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
@@ -112,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.connectors import main_connectors
 
         return main_connectors(args)
+    if args.cmd == "text-overhead":
+        from latency_bench.text_overhead import main_text_overhead
+
+        return main_text_overhead(args)
     if args.cmd == "realtime":
         from latency_bench.realtime import main_realtime
 

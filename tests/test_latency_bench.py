@@ -506,7 +506,7 @@ def test_server_refuses_busy_port(tmp_path):
 
 
 def test_clients_import_nothing_of_the_server():
-    code = ("import sys, clients, clients.tts; "
+    code = ("import sys, clients, clients.tts, clients.realtime, latency_bench.realtime; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'omni_rt','sessions','protocols','pipelines'}); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -346,6 +346,9 @@ async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
     speech = speech_pcm16("Please tell me a long story about the sea.")
     async with connect(server, "ga") as conn:
         await conn.recv()
+        # a long answer, so that generation is still running when the user cuts in
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 400})
+        assert (await conn.recv()).type == "session.updated"
         await append(conn, silence(0.3) + speech + silence(1.0), chunk=4800)
         seen: list = []
         await until(conn, n["audio"], seen)  # the agent is speaking
@@ -361,6 +364,7 @@ async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
         assert "input_audio_buffer.speech_started" in types
         assert types.index("input_audio_buffer.speech_started") < types.index("response.done")
         # finish the second utterance: its response comes, and nothing of the old one
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 8})
         await append(conn, speech[24000 * 2 :] + silence(1.0), chunk=4800)
         after: list = []
         second = await until(conn, "response.done", after)
@@ -368,3 +372,35 @@ async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
         assert [e for e in after if getattr(e, "response_id", None) == rid] == []
         # history keeps the cancelled answer as an incomplete item
         assert done.response.output[0].status == "incomplete"
+
+
+def test_realtime_client_cli_and_bench(server, tmp_path):
+    import subprocess
+    import sys
+    import wave
+
+    from tests.conftest import REPO
+
+    wav_in, wav_out = tmp_path / "q.wav", tmp_path / "a.wav"
+    with wave.open(str(wav_in), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes((np.random.default_rng(1).standard_normal(16000) * 2000).astype("<i2").tobytes())
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime"
+    p = subprocess.run([sys.executable, "-m", "clients.realtime", "--url", url, "--in", str(wav_in), "--out", str(wav_out), "--api-key", ADMIN_KEY],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["status"] == "completed" and out["audio_s"] > 0 and out["ttfp_s"] > 0
+    with wave.open(str(wav_out)) as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 0
+    bench = tmp_path / "rt.json"
+    p = subprocess.run([sys.executable, "-m", "latency_bench", "realtime", "--url", url, "--api-key", ADMIN_KEY, "--sessions", "1,2",
+                        "--turns", "1", "--warmup", "0", "--max-output-tokens", "6", "--json", str(bench)],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(bench.read_text())
+    assert r["schema"] == "omni-rt.latency_bench.realtime/1" and r["utterance"] == "espeak-ng"
+    assert [lvl["sessions"] for lvl in r["levels"]] == [1, 2]
+    for lvl in r["levels"]:
+        assert lvl["failed"] == 0 and lvl["turns"] == lvl["sessions"]
+        assert 0 < lvl["ttfp_s"]["p50"] <= lvl["e2e_s"]["p50"] and lvl["rtf"]["p50"] > 0

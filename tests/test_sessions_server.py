@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, ALICE_KEY, LIMITED_KEY
+from tests.harness import ADMIN_KEY, ALICE_KEY, LIMITED_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
