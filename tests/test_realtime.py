@@ -140,7 +140,7 @@ async def test_cancel_mid_response_then_nothing_stale(server):
         await manual_mode(conn, "ga")
         await append(conn, noise_pcm16(1.0))
         await conn.input_audio_buffer.commit()
-        await conn.response.create()
+        await conn.response.create(response={"max_output_tokens": 400})  # long: still running when cancelled
         seen: list = []
         await until(conn, n["audio"], seen)
         rid = next(e for e in seen if e.type == "response.created").response.id
@@ -150,7 +150,7 @@ async def test_cancel_mid_response_then_nothing_stale(server):
         assert done.response.status_details.reason == "client_cancelled"
         # anything after response.done belongs to a new response only
         await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again"}]})
-        await conn.response.create(response={"output_modalities": ["text"]})
+        await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 8})
         after: list = []
         await until(conn, "response.done", after)
         stale = [e for e in after if getattr(e, "response_id", None) == rid]
@@ -272,7 +272,7 @@ async def test_disconnect_mid_response_frees_all_engine_work(server):
     await recv_json(ws)
     await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
     await ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]}}))
-    await ws.send(json.dumps({"type": "response.create"}))
+    await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 400}}))
     while (await recv_json(ws))["type"] not in ("response.output_audio.delta",):
         pass
     assert _busy(api)[0] >= 1
