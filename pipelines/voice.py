@@ -144,6 +144,9 @@ class AudioEncoderProcessor(StageProcessor):
                 buf = buf[self.block :]
         if resampler is not None:
             buf = np.concatenate([buf, resampler.resample_chunk(np.zeros(0, np.float32), last=True)])
+        while len(buf) >= self.block:  # the resampler's flush may complete a block
+            await self._encode(ctx, buf[: self.block], self.frames_per_block)
+            buf = buf[self.block :]
         if len(buf):
             keep = max(1, -(-len(buf) * self.frames_per_block // self.block))
             tail = np.zeros(self.block, np.float32)
