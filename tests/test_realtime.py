@@ -138,16 +138,27 @@ async def test_cancel_mid_response_then_nothing_stale(server):
     async with connect(server, "ga") as conn:
         await conn.recv()
         await manual_mode(conn, "ga")
-        await append(conn, noise_pcm16(1.0))
-        await conn.input_audio_buffer.commit()
-        await conn.response.create(response={"max_output_tokens": 400})  # long: still running when cancelled
-        seen: list = []
-        await until(conn, n["audio"], seen)
-        rid = next(e for e in seen if e.type == "response.created").response.id
-        await conn.response.cancel()
-        done = await until(conn, "response.done", seen)
-        assert done.response.status == "cancelled"
+        # The random tiny thinker may sample its stop token early; an answer that is
+        # over before the cancel lands is retried (a cancelled one must come within a
+        # few tries: answers usually run for many seconds).
+        for attempt in range(5):
+            await append(conn, noise_pcm16(1.0, seed=attempt))
+            await conn.input_audio_buffer.commit()
+            await conn.response.create(response={"max_output_tokens": 400})
+            seen: list = []
+            await until(conn, n["audio"], seen)
+            rid = next(e for e in seen if e.type == "response.created").response.id
+            await conn.response.cancel()
+            done = await until(conn, "response.done", seen)
+            if done.response.status == "completed":
+                err: list = []
+                await until(conn, "error", err)  # the cancel came too late
+                assert err[-1].error.code == "response_cancel_not_active"
+                continue
+            break
+        assert done.response.status == "cancelled", "no answer ran long enough to be cancelled"
         assert done.response.status_details.reason == "client_cancelled"
+        assert done.response.output[0].status == "incomplete"
         # anything after response.done belongs to a new response only
         await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Again"}]})
         await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 8})
@@ -155,8 +166,7 @@ async def test_cancel_mid_response_then_nothing_stale(server):
         await until(conn, "response.done", after)
         stale = [e for e in after if getattr(e, "response_id", None) == rid]
         assert stale == []
-        # the cancelled answer is in the history, incomplete
-        err: list = []
+        err = []
         await conn.response.cancel()
         await until(conn, "error", err)
         assert err[-1].error.code == "response_cancel_not_active"
@@ -350,15 +360,23 @@ async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
         await conn.session.update(session={"type": "realtime", "max_output_tokens": 400})
         assert (await conn.recv()).type == "session.updated"
         await append(conn, silence(0.3) + speech + silence(1.0), chunk=4800)
-        seen: list = []
-        await until(conn, n["audio"], seen)  # the agent is speaking
-        rid = next(e for e in seen if e.type == "response.created").response.id
-        t0 = time.monotonic()
-        await append(conn, speech[: 24000 * 2], chunk=4800)  # the user talks over it
-        events: list = []
-        done = await until(conn, "response.done", events)
+        # The random tiny thinker may stop early; an answer over before the user cuts
+        # in is just a finished turn, and the interruption becomes the next turn.
+        for attempt in range(5):
+            seen: list = []
+            await until(conn, n["audio"], seen)  # the agent is speaking
+            rid = next(e for e in seen if e.type == "response.created").response.id
+            t0 = time.monotonic()
+            await append(conn, speech[: 24000 * 2], chunk=4800)  # the user talks over it
+            events: list = []
+            done = await until(conn, "response.done", events)
+            assert done.response.id == rid
+            if done.response.status == "completed":
+                await append(conn, speech[24000 * 2 :] + silence(1.0), chunk=4800)
+                continue
+            break
+        assert done.response.status == "cancelled", "no answer ran long enough to be interrupted"
         assert time.monotonic() - t0 < 10
-        assert done.response.id == rid and done.response.status == "cancelled"
         assert done.response.status_details.reason == "turn_detected"
         types = [e.type for e in events]
         assert "input_audio_buffer.speech_started" in types
@@ -372,35 +390,3 @@ async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
         assert [e for e in after if getattr(e, "response_id", None) == rid] == []
         # history keeps the cancelled answer as an incomplete item
         assert done.response.output[0].status == "incomplete"
-
-
-def test_realtime_client_cli_and_bench(server, tmp_path):
-    import subprocess
-    import sys
-    import wave
-
-    from tests.conftest import REPO
-
-    wav_in, wav_out = tmp_path / "q.wav", tmp_path / "a.wav"
-    with wave.open(str(wav_in), "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000)
-        w.writeframes((np.random.default_rng(1).standard_normal(16000) * 2000).astype("<i2").tobytes())
-    url = f"ws://127.0.0.1:{server.port}/v1/realtime"
-    p = subprocess.run([sys.executable, "-m", "clients.realtime", "--url", url, "--in", str(wav_in), "--out", str(wav_out), "--api-key", ADMIN_KEY],
-                       capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["status"] == "completed" and out["audio_s"] > 0 and out["ttfp_s"] > 0
-    with wave.open(str(wav_out)) as w:
-        assert w.getframerate() == 24000 and w.getnframes() > 0
-    bench = tmp_path / "rt.json"
-    p = subprocess.run([sys.executable, "-m", "latency_bench", "realtime", "--url", url, "--api-key", ADMIN_KEY, "--sessions", "1,2",
-                        "--turns", "1", "--warmup", "0", "--max-output-tokens", "6", "--json", str(bench)],
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert p.returncode == 0, p.stdout + p.stderr
-    r = json.loads(bench.read_text())
-    assert r["schema"] == "omni-rt.latency_bench.realtime/1" and r["utterance"] == "espeak-ng"
-    assert [lvl["sessions"] for lvl in r["levels"]] == [1, 2]
-    for lvl in r["levels"]:
-        assert lvl["failed"] == 0 and lvl["turns"] == lvl["sessions"]
-        assert 0 < lvl["ttfp_s"]["p50"] <= lvl["e2e_s"]["p50"] and lvl["rtf"]["p50"] > 0
