@@ -160,7 +160,9 @@ class AudioEncoderProcessor(StageProcessor):
 class ThinkerProcessor(StageProcessor):
     """Chat text + audio embeddings -> streamed text (TEXT deltas)."""
 
-    DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64}
+    # min_tokens: the stop token is masked until this many tokens are out (a voice
+    # agent that answers nothing is never what a caller wants).
+    DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64, "min_tokens": 1}
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
@@ -236,6 +238,7 @@ class ThinkerProcessor(StageProcessor):
             "top_k": a["top_k"],
             "repetition_penalty": a["repetition_penalty"],
             "max_tokens": int(ctx.params.get("max_output_tokens") or a["max_tokens"]),
+            "min_tokens": min(int(a["min_tokens"]), int(ctx.params.get("max_output_tokens") or a["max_tokens"])),
             "stop_token_ids": self.stop_ids,
             # text tokens and the stop tokens only: never a chat control token
             "allowed_token_ranges": [[0, self.text_vocab], *([s, s + 1] for s in self.stop_ids)],
