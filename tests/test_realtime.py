@@ -245,13 +245,11 @@ async def test_bad_input_gets_error_events_and_the_socket_stays_open(server):
         await ws.send(json.dumps({"type": "response.create"}))
         await ws.send(json.dumps({"type": "response.create"}))
         got = []
-        while True:
-            ev = await recv_json(ws)
-            got.append(ev)
-            if ev["type"] == "response.done":
-                break
-        assert any(e["type"] == "error" and e["error"]["code"] == "conversation_already_has_active_response" for e in got)
-        assert got[-1]["response"]["status"] == "completed"
+        while not (any(e["type"] == "response.done" for e in got) and any(e["type"] == "error" for e in got)):
+            got.append(await recv_json(ws))
+        errors = [e for e in got if e["type"] == "error"]
+        assert errors[0]["error"]["code"] == "conversation_already_has_active_response", errors
+        assert next(e for e in got if e["type"] == "response.done")["response"]["status"] == "completed"
     finally:
         await ws.close()
 
