@@ -106,6 +106,10 @@ async def bare_levels(model_dir: str, engine_args: dict[str, Any], levels: list[
         return [await closed_loop(c, max(2 * c, 16), one) for c in levels]
     finally:
         llm.shutdown()
+        del llm  # collected now, not by __del__ at interpreter exit (noisy there)
+        import gc
+
+        gc.collect()
 
 
 def thinker_engine(model_dir: str) -> tuple[dict[str, Any], dict[str, str]]:
