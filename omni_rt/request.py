@@ -68,14 +68,16 @@ class RequestStream:
         """(stage, payload, last) for every client output; raises if the request fails."""
         async for ev in self.events():
             if isinstance(ev, OutputEvent):
-                payload = self._orch.connectors[ev.handle.connector].get(ev.handle)
                 current = self._state.current_fence()
-                # Last fence check before the client: the epoch may have advanced
-                # since the orchestrator routed this chunk.
-                if current is not None and payload.fence.is_stale_against(current):
+                # Last fence check before the client (on the handle, before any read):
+                # the epoch may have advanced since the orchestrator routed this chunk.
+                if current is not None and ev.handle.fence.is_stale_against(current):
                     self.dropped_stale += 1
                     metrics.DROPPED_STALE.labels(hop="client").inc()
                     continue
+                if self._state.status in ("aborted", "failed"):
+                    continue  # its keys are already freed; the DoneEvent follows
+                payload = self._orch.connectors[ev.handle.connector].get(ev.handle)
                 yield ev.stage, payload, ev.last
             elif ev.status == "failed":
                 raise StageError(ev.error or "request failed")

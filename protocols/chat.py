@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from omni_rt import metrics
 from omni_rt.payloads import Payload, PayloadKind
@@ -31,9 +31,9 @@ from protocols.audio_formats import AudioFormatError, StreamingEncoder, availabl
 from protocols.openai_http import (
     APIError,
     _ClosingStreamingResponse,
-    _validation_to_api_error,
     parse_json,
     session_api_error,
+    validate_body,
 )
 from sessions import SessionError, SessionManager
 
@@ -108,12 +108,7 @@ class ChatService:
         self.pipeline = pipeline
 
     def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, str]], np.ndarray | None, str | None, str | None]:
-        if not isinstance(raw, dict):
-            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-        try:
-            req = ChatRequest.model_validate(raw)
-        except ValidationError as err:
-            raise _validation_to_api_error(list(err.errors())) from None
+        req = validate_body(ChatRequest, raw)
         if req.model not in self.pipeline.models:
             raise APIError(400, f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         messages: list[dict[str, str]] = []
@@ -144,7 +139,8 @@ class ChatService:
         return req, messages, audio, voice, fmt
 
     async def complete(self, raw: Any, principal: str) -> Response:
-        req, messages, audio, voice, fmt = self.validate(raw)
+        # decoding input audio can take a while: off the event loop
+        req, messages, audio, voice, fmt = await asyncio.to_thread(self.validate, raw)
         t0 = time.monotonic()
         try:
             session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)

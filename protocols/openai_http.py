@@ -9,7 +9,7 @@ import asyncio
 import base64
 import json
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Mapping, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -123,6 +123,19 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     return error_response(_validation_to_api_error(list(exc.errors())))
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate_body(model: type[M], raw: Any) -> M:
+    """A JSON body as `model`, or the OpenAI-shaped 400 naming the first bad field."""
+    if not isinstance(raw, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise _validation_to_api_error(list(err.errors())) from None
+
+
 async def parse_json(request: Request) -> Any:
     body = await request.body()
     if not body:
@@ -161,12 +174,7 @@ class SpeechService:
         self.max_input_chars = max_input_chars
 
     def validate(self, raw: Any) -> tuple[SpeechRequest, str]:
-        if not isinstance(raw, dict):
-            raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
-        try:
-            req = SpeechRequest.model_validate(raw)
-        except ValidationError as err:
-            raise _validation_to_api_error(list(err.errors())) from None
+        req = validate_body(SpeechRequest, raw)
         if req.model not in self.pipeline.models:
             raise APIError(
                 400,
@@ -230,6 +238,11 @@ class SpeechService:
         except StageError as exc:
             await self.sessions.end(session, "failed")
             raise APIError(500, f"speech generation failed: {exc}", type="server_error", code="generation_failed") from None
+        except RequestAborted as exc:
+            await self.sessions.end(session, "aborted")
+            raise APIError(
+                503, f"The session ended before any audio ({session.close_reason or exc.reason}).", type="server_error", code="session_closed"
+            ) from None
         except BaseException:
             await asyncio.shield(self.sessions.end(session, "client_disconnected"))
             raise

@@ -369,6 +369,7 @@ class RealtimeConnection:
         self.pending_prefix: list[np.ndarray] = []
         self.vad: Vad | None = None
         self.speech_item: str | None = None
+        self.collecting: set[asyncio.Task[None]] = set()
         self._events = 0
 
     # ---- output ----
@@ -515,8 +516,9 @@ class RealtimeConnection:
         stream.end_input()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[np.ndarray | None] = loop.create_future()
-        task = loop.create_task(self._collect(stream, fut))
-        self.session.add_finalizer(lambda: task.cancel() if not task.done() else None)
+        self.collecting.add(loop.create_task(self._collect(stream, fut)))
+        for it in self.items.values():
+            it.embeds = None  # only the latest utterance is spliced into prompts
         item = Item(item_id, "user", [{"type": "input_audio", "transcript": None}], embeds=fut)
         prev = next(reversed(self.items), None)
         self.emit("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id)
@@ -528,11 +530,13 @@ class RealtimeConnection:
             async for _, p, _ in stream.payloads():
                 chunks.append(p.arrays["embeds"])
             fut.set_result(np.concatenate(chunks) if chunks else None)
-        except (RequestAborted, StageError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whoever waits must not wait forever
             if not fut.done():
                 fut.set_exception(exc)
         finally:
-            await stream.close()
+            if not fut.done():
+                fut.cancel()
+            await asyncio.shield(stream.close())
 
     async def clear(self) -> None:
         if self.input is not None:
@@ -585,6 +589,8 @@ class RealtimeConnection:
             stream.end_input()
             fut: asyncio.Future[np.ndarray | None] = asyncio.get_running_loop().create_future()
             await self._collect(stream, fut)
+            for it in self.items.values():
+                it.embeds = None
             new.embeds = fut
         self.add_item(new)
 
@@ -645,14 +651,13 @@ class RealtimeConnection:
         part0: dict[str, Any] = {"type": part_type, "transcript": ""} if audio_out else {"type": part_type, "text": ""}
         item = Item(_id("item"), "assistant", [part0], status="in_progress")
         resp = Response(_id("resp"), item, audio_out)
-        self.response = resp
         # the latest user audio (if any) is spliced into the prompt at its placeholder
         embeds = None
         for it in reversed(self.items.values()):
             if it.embeds is not None:
                 try:
                     embeds = await it.embeds
-                except (RequestAborted, StageError):
+                except Exception:  # noqa: BLE001 - answer without the audio rather than not at all
                     embeds = None
                 break
         params = {
@@ -662,9 +667,15 @@ class RealtimeConnection:
         }
         outputs = {"thinker", "code2wav"} if audio_out else {"thinker"}
         resp.stream = self.session.submit(params, outputs=outputs)
-        if embeds is not None:
-            self.session.send_input(resp.stream, Payload(PayloadKind.HIDDEN, self.session.fence, arrays={"embeds": embeds}))
-        resp.stream.end_input()
+        self.response = resp
+        try:
+            if embeds is not None:
+                self.session.send_input(resp.stream, Payload(PayloadKind.HIDDEN, self.session.fence, arrays={"embeds": embeds}))
+            resp.stream.end_input()
+        except BaseException:
+            self.response = None
+            await resp.stream.close()
+            raise
         self.emit("response.created", response=self._response_wire(resp, "in_progress"))
         resp.task = asyncio.get_running_loop().create_task(self._run_response(resp))
 
@@ -715,11 +726,16 @@ class RealtimeConnection:
                 self.session.touch()
         except RequestAborted:
             status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
-        except StageError as exc:
-            status = "failed"
-            details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": str(exc)}}
+        except Exception as exc:  # noqa: BLE001 - the client always hears how its response ended
+            if resp.cancel_reason is not None:
+                status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
+            else:
+                log.exception("response %s failed", resp.id)
+                msg = str(exc) if isinstance(exc, StageError) else "internal error"
+                status = "failed"
+                details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": msg}}
         finally:
-            await stream.close()
+            await asyncio.shield(stream.close())
         usage = dict(stream.done.usage or {}) if stream.done is not None else {}
         usage = {
             "total_tokens": usage.get("input_tokens", 0) + usage.get("output_tokens", 0),
@@ -750,7 +766,7 @@ class RealtimeConnection:
         if self.response is resp:
             self.response = None
 
-    async def cancel_response(self, reason: str) -> None:
+    async def cancel_response(self, reason: str, restart_input: bool = True) -> None:
         resp = self.response
         if resp is None:
             return
@@ -762,7 +778,8 @@ class RealtimeConnection:
             await resp.stream.abort(reason)
         if resp.task is not None:
             await asyncio.shield(resp.task)
-        await self._restart_input()
+        if restart_input:
+            await self._restart_input()
 
     # ---- dispatch ----
     async def handle(self, raw: str | bytes) -> None:
@@ -827,12 +844,13 @@ def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> A
         except SessionError as exc:
             await reject_websocket(ws, exc)
             return
-        await ws.accept()
         conn = RealtimeConnection(ws, session, sessions, pipeline, ga, model)
-        conn.emit("session.created", session=conn.cfg.wire(ga, session.id))
-        writer = asyncio.get_running_loop().create_task(conn.writer())
+        writer: asyncio.Task[None] | None = None
         reason = "client_disconnected"
         try:
+            await ws.accept()
+            conn.emit("session.created", session=conn.cfg.wire(ga, session.id))
+            writer = asyncio.get_running_loop().create_task(conn.writer())
             while True:
                 receive = asyncio.ensure_future(ws.receive())
                 done, _ = await asyncio.wait({receive, writer}, return_when=asyncio.FIRST_COMPLETED)
@@ -850,11 +868,17 @@ def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> A
         except (WebSocketDisconnect, RuntimeError):
             pass
         finally:
-            if conn.response is not None:
-                await conn.cancel_response("client_disconnected")
+            try:
+                if conn.response is not None:
+                    await conn.cancel_response("client_disconnected", restart_input=False)
+            except Exception:  # noqa: BLE001 - the session is ended below regardless
+                log.exception("realtime session %s: cancelling at close failed", session.id)
+            for task in conn.collecting:
+                task.cancel()
             await sessions.end(session, reason)
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
+            if writer is not None:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             if ws.application_state == WebSocketState.CONNECTED:
                 try:
                     await ws.close(1000)

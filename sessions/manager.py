@@ -295,13 +295,21 @@ class SessionManager:
         for s, why in ended:
             log.info("session %s (%s) expired: %s", s.id, s.kind, why)
             await self.end(s, why)
-        live = [s for s in self._sessions.values() if s.state != SessionState.CLOSED]
+        live = [s for s in self._sessions.values() if s.is_open]
         try:
             lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])
-            if lapsed:
+            # A session that ended while the renewal was in flight may have had its
+            # released slot added back: give it back again (and drop its entry).
+            for s in live:
+                if not s.is_open:
+                    lapsed -= int(await self.store.release(Slot(s.id, s.kind, s.principal)))
+            if lapsed > 0:
                 self.stats["lapsed_leases"] += lapsed
                 log.warning("%d slot lease(s) of this node had lapsed in the store and were renewed", lapsed)
-            await self.store.publish_many([self._record(s) for s in live])
+            await self.store.publish_many([self._record(s) for s in live if s.is_open])
+            for s in live:
+                if not s.is_open:
+                    await self.store.release(Slot(s.id, s.kind, s.principal))
         except StoreUnavailable as exc:
             log.warning("session store unreachable during lease renewal: %s", exc)
         return [s.id for s, _ in ended]

@@ -140,7 +140,7 @@ class RedisStore(SessionStore):
         self.last_error = None
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await self._redis.aclose(close_connection_pool=True)
 
     # ---- slots ---------------------------------------------------------------------
     async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:

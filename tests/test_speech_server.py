@@ -206,14 +206,18 @@ def _idle(api: httpx.Client) -> dict:
 
 def test_client_disconnect_frees_every_engine(server, api):
     long_text = ("This sentence is long enough to keep the talker busy for a while. " * 61)[:4000]
-    body = {"model": "tts", "voice": "tara", "input": long_text, "response_format": "pcm"}
-    with api.stream("POST", "/v1/audio/speech", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        it = r.iter_bytes()
-        assert next(it)
-        busy = _idle(api)
-        assert busy["running"] == 1
-        # leaving the block closes the connection mid-stream
+    for seed in range(5):  # until generation is still running when the client leaves
+        body = {"model": "tts", "voice": "tara", "input": long_text, "response_format": "pcm", "seed": seed}
+        with api.stream("POST", "/v1/audio/speech", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            it = r.iter_bytes()
+            assert next(it)
+            busy = _idle(api)
+            if busy["running"] == 1:
+                break  # leaving the block closes the connection mid-stream
+            for _ in it:  # it finished already: read it out, try again
+                pass
+    assert busy["running"] == 1, busy
     deadline = time.monotonic() + 10
     state = _idle(api)
     while time.monotonic() < deadline:
