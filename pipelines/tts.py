@@ -214,24 +214,30 @@ async def _aiter(items: Any) -> AsyncIterator[str]:
 _PHRASE_END = re.compile(r"[.!?;:,]\s")
 
 
-async def phrases(inp: AsyncIterator[Payload], min_chars: int = 24, max_chars: int = 120) -> AsyncIterator[str]:
+async def phrases(
+    inp: AsyncIterator[Payload], min_chars: int = 24, max_chars: int = 120, first_chars: int = 32
+) -> AsyncIterator[str]:
     """Text deltas -> phrases: cut after punctuation once `min_chars` are buffered, or
-    at a word boundary past `max_chars`; the rest when the input ends."""
+    at a word boundary past `max_chars`; the rest when the input ends. The first phrase
+    is cut sooner (a word boundary past `first_chars`): it decides time to first audio."""
     buf = ""
+    first = True
     async for p in inp:
         buf += p.text or ""
         while True:
             cut = -1
             for m in _PHRASE_END.finditer(buf):
-                if m.end() >= min_chars:
+                if m.end() >= (min(min_chars, first_chars) if first else min_chars):
                     cut = m.end()
                     break
-            if cut < 0 and len(buf) > max_chars:
-                cut = buf.rfind(" ", 0, max_chars) + 1 or max_chars
+            limit = first_chars if first else max_chars
+            if cut < 0 and len(buf) > limit:
+                cut = buf.rfind(" ", 0, limit) + 1 or limit
             if cut <= 0:
                 break
             head, buf = buf[:cut].strip(), buf[cut:]
             if head:
+                first = False
                 yield head
     if buf.strip():
         yield buf.strip()
