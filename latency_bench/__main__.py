@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--api-key")
     r.add_argument("--port", type=int, default=8200, help="port of the server the bench starts (default 8200)")
     r.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    r.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (server VAD; default 0)")
     r.add_argument("--json", help="write results here (JSON)")
 
     o = sub.add_parser(

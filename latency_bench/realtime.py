@@ -89,15 +89,50 @@ async def run_level(url: str, api_key: str | None, sessions: int, turns: int, pc
     }
 
 
-def run(url: str, api_key: str | None, levels: list[int], turns: int, wav: str | None, max_tokens: int | None, warmup: int) -> dict[str, Any]:
+async def barge_in_trials(url: str, api_key: str | None, pcm: bytes, trials: int) -> dict[str, Any]:
+    """Server VAD on; while the agent speaks, the user talks again. Measured on the
+    client: `speech_started` received -> the cancelled `response.done` received (the
+    old response's last audio byte goes out before it, so this bounds that interval)."""
+    silence = bytes(24000 * 2)
+    ms: list[float] = []
+    skipped = 0
+    for _ in range(trials):
+        client = await RealtimeClient.connect(url, api_key)
+        async with client:
+            await client.update(max_output_tokens=400)
+            await client.append(silence[: 24000] + pcm + silence)
+            t = None
+            while t not in ("response.output_audio.delta", "response.done"):
+                t = (await client.recv())["type"]
+            if t == "response.done":
+                skipped += 1
+                continue
+            await client.append(pcm[: 24000 * 2])
+            started = None
+            while True:
+                ev = await client.recv()
+                if ev["type"] == "input_audio_buffer.speech_started" and started is None:
+                    started = time.perf_counter()
+                if ev["type"] == "response.done":
+                    break
+            if ev["response"]["status"] != "cancelled" or started is None:
+                skipped += 1  # the answer ended before the user cut in
+                continue
+            ms.append((time.perf_counter() - started) * 1000)
+    return {"trials": trials, "measured": len(ms), "skipped": skipped, "speech_started_to_done_ms": summarize(ms), "samples_ms": ms}
+
+
+def run(url: str, api_key: str | None, levels: list[int], turns: int, wav: str | None, max_tokens: int | None, warmup: int,
+        barge_in: int = 0) -> dict[str, Any]:
     pcm, source = utterance(wav)
 
-    async def go() -> list[dict[str, Any]]:
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         if warmup:
             await run_level(url, api_key, 1, warmup, pcm, max_tokens)
-        return [await run_level(url, api_key, s, turns, pcm, max_tokens) for s in levels]
+        levels_ = [await run_level(url, api_key, s, turns, pcm, max_tokens) for s in levels]
+        return levels_, (await barge_in_trials(url, api_key, pcm, barge_in) if barge_in else None)
 
-    lv = asyncio.run(go())
+    lv, barge = asyncio.run(go())
     by = {lvl["sessions"]: lvl for lvl in lv}
     targets: dict[str, Any] = {}
     if 8 in by:
@@ -106,9 +141,12 @@ def run(url: str, api_key: str | None, levels: list[int], turns: int, wav: str |
     if 1 in by and 8 in by:
         r = ratio(by[8]["ttfp_s"].get("p50"), by[1]["ttfp_s"].get("p50"))
         targets["ttfp_p50_8_over_1"] = {"goal": "<= 3", "value": r, "met": r is not None and r <= 3}
+    if barge is not None:
+        p99 = barge["speech_started_to_done_ms"].get("p99")
+        targets["barge_in_p99_ms"] = {"goal": "<= 100", "value": p99, "met": p99 is not None and p99 <= 100}
     return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": url, "utterance": source,
             "utterance_s": round(len(pcm) / 48000, 3), "turns_per_session": turns, "max_output_tokens": max_tokens,
-            "levels": lv, "targets": targets}
+            "levels": lv, "barge_in": barge, "targets": targets}
 
 
 def main_realtime(args: Any) -> int:
@@ -128,7 +166,7 @@ def main_realtime(args: Any) -> int:
         server.wait_ready(timeout_s=600)
         url = f"ws://127.0.0.1:{args.port}/v1/realtime"
     try:
-        result = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup)
+        result = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup, args.barge_in)
     finally:
         if server is not None:
             server.stop()
@@ -138,6 +176,10 @@ def main_realtime(args: Any) -> int:
         f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731
         print(f"{lvl['sessions']:>3} {lvl['turns']:>6} {lvl['failed']:>5} {f(lvl['ttfp_s'], 'p50'):>9} {f(lvl['ttfp_s'], 'p90'):>9} "
               f"{f(lvl['e2e_s'], 'p50'):>8} {f(lvl['rtf'], 'p50'):>8} {lvl['audio_s_per_s']:>9}")
+    if result["barge_in"]:
+        b = result["barge_in"]
+        print(f"barge-in: {b['measured']} measured ({b['skipped']} skipped): speech_started -> response.done ms "
+              f"p50 {b['speech_started_to_done_ms']['p50']} p99 {b['speech_started_to_done_ms']['p99']}")
     for name, t in result["targets"].items():
         print(f"target {name}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
     write_json(args.json, result)

@@ -88,10 +88,11 @@ async def bare_levels(model_dir: str, engine_args: dict[str, Any], levels: list[
     tok = AutoTokenizer.from_pretrained(model_dir)
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **engine_args))
+    box = [AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **engine_args))]
     try:
 
         async def one(i: int) -> float:
+            llm = box[0]
             sp = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, ignore_eos=True)
             t0 = time.perf_counter()
             ttft = None
@@ -105,8 +106,8 @@ async def bare_levels(model_dir: str, engine_args: dict[str, Any], levels: list[
             await one(i)
         return [await closed_loop(c, max(2 * c, 16), one) for c in levels]
     finally:
-        llm.shutdown()
-        del llm  # collected now, not by __del__ at interpreter exit (noisy there)
+        box[0].shutdown()
+        box.clear()  # collected now, not by __del__ at interpreter exit (noisy there)
         import gc
 
         gc.collect()

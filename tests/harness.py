@@ -35,6 +35,20 @@ SERVER_OVERLAY = {
 }
 
 
+def http_client(base_url: str, headers: dict[str, str], timeout: float = 120) -> Any:
+    """A reusable HTTP client for tests. Idle connections expire before uvicorn's 5 s
+    keep-alive does (a reused connection the server closed fails the request)."""
+    import httpx
+
+    return httpx.Client(
+        base_url=base_url,
+        headers=headers,
+        timeout=timeout,
+        limits=httpx.Limits(keepalive_expiry=2.0),
+        transport=httpx.HTTPTransport(retries=1),
+    )
+
+
 class CountingConnector(Connector):
     """Wraps a connector and records which module called put/get (invariant 1)."""
 

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, LIMITED_KEY
+from tests.harness import ADMIN_HEADERS, ADMIN_KEY, LIMITED_KEY, http_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -277,7 +277,7 @@ def _busy(api: httpx.Client) -> tuple[int, int]:
 
 
 async def test_disconnect_mid_response_frees_all_engine_work(server):
-    api = httpx.Client(base_url=server.url, headers=ADMIN_HEADERS, timeout=30)
+    api = http_client(server.url, ADMIN_HEADERS, timeout=30)
     ws = await raw_ws(server)
     await recv_json(ws)
     await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.harness import ADMIN_KEY, ALICE_KEY, LIMITED_KEY
+from tests.harness import ADMIN_KEY, ALICE_KEY, LIMITED_KEY, http_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -24,7 +24,7 @@ def as_(server):
     """One reused HTTP client per key (a new client per call costs a TLS context, which
     is slow on a machine whose cores are busy generating)."""
     clients = {
-        key: httpx.Client(base_url=server.url, headers=headers(key), timeout=120) for key in (ADMIN_KEY, ALICE_KEY, LIMITED_KEY)
+        key: http_client(server.url, headers(key)) for key in (ADMIN_KEY, ALICE_KEY, LIMITED_KEY)
     }
     yield clients
     for c in clients.values():

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY
+from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -29,7 +29,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def api(server):
-    with httpx.Client(base_url=server.url, headers=ADMIN_HEADERS, timeout=120) as c:
+    with http_client(server.url, ADMIN_HEADERS) as c:
         yield c
 
 
