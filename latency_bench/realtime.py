@@ -99,7 +99,7 @@ async def barge_in_trials(url: str, api_key: str | None, pcm: bytes, trials: int
     for _ in range(trials):
         client = await RealtimeClient.connect(url, api_key)
         async with client:
-            await client.update(max_output_tokens=400)
+            await client.update(max_output_tokens=120)
             await client.append(silence[: 24000] + pcm + silence)
             t = None
             while t not in ("response.output_audio.delta", "response.done"):
