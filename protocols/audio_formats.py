@@ -169,6 +169,11 @@ def _to_s16(x: np.ndarray) -> np.ndarray:
     return np.rint(y, out=y).astype("<i2")
 
 
+def pcm16_bytes(x: np.ndarray) -> bytes:
+    """Float PCM in [-1, 1] as PCM16 LE bytes (clipped, rounded)."""
+    return _to_s16(np.asarray(x, dtype=np.float32).reshape(-1)).tobytes()
+
+
 def _wav_header(sample_rate: int) -> bytes:
     return (
         b"RIFF"

@@ -29,6 +29,12 @@ class Principal:
     admin: bool = False
 
 
+def principal_of(conn: Any) -> Principal:
+    """The caller of a request or WebSocket (set by AuthMiddleware; without it, the
+    anonymous admin)."""
+    return getattr(conn.state, "principal", None) or Principal(ANONYMOUS, admin=True)
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 

@@ -27,15 +27,16 @@ from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.request import RequestAborted
 from omni_rt.specs import PipelineSpec
 from omni_rt.stage import StageError
-from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio
+from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
 from protocols.openai_http import (
     APIError,
     _ClosingStreamingResponse,
+    open_oneshot,
     parse_json,
-    session_api_error,
     validate_body,
 )
-from sessions import SessionError, SessionManager
+from protocols.auth import principal_of
+from sessions import SessionManager
 
 AUDIO_PLACEHOLDER = "<|audio|>"
 # OpenAI's chat audio formats -> the encoder's names
@@ -142,10 +143,7 @@ class ChatService:
         # decoding input audio can take a while: off the event loop
         req, messages, audio, voice, fmt = await asyncio.to_thread(self.validate, raw)
         t0 = time.monotonic()
-        try:
-            session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
-        except SessionError as exc:
-            raise session_api_error(exc) from None
+        session = await open_oneshot(self.sessions, self.pipeline.name, principal)
         try:
             params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
             if voice is not None:
@@ -225,7 +223,7 @@ class ChatService:
                     if first_audio:
                         metrics.TTFP_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
                         first_audio = False
-                    data = (np.clip(p.arrays["pcm"], -1, 1) * 32767).astype("<i2").tobytes()
+                    data = pcm16_bytes(p.arrays["pcm"])
                     yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
             yield chunk({}, finish="stop")
             if include_usage:
@@ -246,7 +244,6 @@ def build_chat_router(chat: ChatService) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        principal = getattr(request.state, "principal", None)
-        return await chat.complete(await parse_json(request), principal.name if principal else "anonymous")
+        return await chat.complete(await parse_json(request), principal_of(request).name)
 
     return router

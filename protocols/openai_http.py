@@ -35,6 +35,7 @@ from sessions import (
     StoreUnavailable,
     UnknownPipeline,
 )
+from protocols.auth import principal_of
 from protocols.audio_formats import (
     MAX_SPEED,
     MIN_SPEED,
@@ -111,6 +112,14 @@ def session_api_error(exc: SessionError) -> APIError:
     if isinstance(exc, (IllegalTransition, StaleFence)):
         return APIError(409, exc.message, code=exc.code)
     return APIError(400, exc.message, code=exc.code)
+
+
+async def open_oneshot(sessions: SessionManager, pipeline: str, principal: str) -> Session:
+    """A one-shot HTTP call's session, or the HTTP error for why it was refused."""
+    try:
+        return await sessions.open("oneshot", pipeline, principal=principal)
+    except SessionError as exc:
+        raise session_api_error(exc) from None
 
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -220,10 +229,7 @@ class SpeechService:
     async def speak(self, raw: Any, principal: str) -> Response:
         req, voice = self.validate(raw)
         t0 = time.monotonic()
-        try:
-            session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
-        except SessionError as exc:
-            raise session_api_error(exc) from None
+        session = await open_oneshot(self.sessions, self.pipeline.name, principal)
         try:
             stream = session.submit({"voice": voice, "seed": req.seed})
             session.send_input(stream, Payload(PayloadKind.TEXT, session.fence, text=req.input))
@@ -378,7 +384,6 @@ def build_router(speech: SpeechService | None, model_ids: list[tuple[str, str]])
     async def create_speech(request: Request) -> Response:
         if speech is None:
             raise APIError(404, "No speech pipeline is enabled on this server.", code="not_found")
-        principal = getattr(request.state, "principal", None)
-        return await speech.speak(await parse_json(request), principal.name if principal else "anonymous")
+        return await speech.speak(await parse_json(request), principal_of(request).name)
 
     return router

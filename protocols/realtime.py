@@ -33,7 +33,9 @@ from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.request import RequestAborted, RequestStream
 from omni_rt.specs import PipelineSpec
 from omni_rt.stage import StageError
-from protocols.sessions_api import principal_of, reject_websocket
+from protocols.audio_formats import pcm16_bytes
+from protocols.auth import principal_of
+from protocols.sessions_api import reject_websocket
 from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.realtime")
@@ -718,7 +720,7 @@ class RealtimeConnection:
                     pcm = payload.arrays["pcm"]
                     samples += len(pcm)
                     item.audio_ms = samples * 1000 // RATE
-                    data = (np.clip(pcm, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+                    data = pcm16_bytes(pcm)
                     if first:
                         metrics.TTFP_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
                         first = False

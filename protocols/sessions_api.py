@@ -17,7 +17,7 @@ from typing import Any, Callable
 from fastapi import APIRouter, Request
 from starlette.websockets import WebSocket, WebSocketState
 
-from protocols.auth import ANONYMOUS, Principal
+from protocols.auth import principal_of
 from protocols.openai_http import session_api_error as api_error
 from sessions import SessionError, SessionLimit, SessionManager, SessionNotFound, StoreUnavailable
 
@@ -55,10 +55,6 @@ async def reject_websocket(
         await ws.close(code=ws_close_code(exc), reason=exc.code)
     except (RuntimeError, ConnectionError):
         pass  # the client is already gone
-
-
-def principal_of(request: Request | WebSocket) -> Principal:
-    return getattr(request.state, "principal", None) or Principal(ANONYMOUS, admin=True)
 
 
 def build_sessions_router(manager: SessionManager) -> APIRouter:

@@ -298,18 +298,15 @@ class SessionManager:
         live = [s for s in self._sessions.values() if s.is_open]
         try:
             lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])
-            # A session that ended while the renewal was in flight may have had its
-            # released slot added back: give it back again (and drop its entry).
+            await self.store.publish_many([self._record(s) for s in live if s.is_open])
+            # A session that ended while these were in flight may have had its released
+            # slot (and directory entry) written back: give them back again.
             for s in live:
                 if not s.is_open:
                     lapsed -= int(await self.store.release(Slot(s.id, s.kind, s.principal)))
             if lapsed > 0:
                 self.stats["lapsed_leases"] += lapsed
                 log.warning("%d slot lease(s) of this node had lapsed in the store and were renewed", lapsed)
-            await self.store.publish_many([self._record(s) for s in live if s.is_open])
-            for s in live:
-                if not s.is_open:
-                    await self.store.release(Slot(s.id, s.kind, s.principal))
         except StoreUnavailable as exc:
             log.warning("session store unreachable during lease renewal: %s", exc)
         return [s.id for s, _ in ended]
