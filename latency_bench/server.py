@@ -148,7 +148,11 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             cwd=self.cwd,
             env=env,
-            start_new_session=True,
+            # Its own process group (stopped as one), but not its own session: Linux
+            # schedules each session as one "autogroup", and a client in another
+            # autogroup than a busy server was starved for seconds at a time (first
+            # audio seen ~4 s late while the server had sent it in 0.15 s).
+            process_group=0,
         )
         try:
             self._ps = psutil.Process(self.proc.pid)
@@ -190,7 +194,7 @@ class ServerProcess:
         """SIGINT the process group, then SIGTERM, then SIGKILL; reap leftovers."""
         if self.proc is None:
             return None
-        pgid = self.proc.pid  # start_new_session: the leader's pid is the group id
+        pgid = self.proc.pid  # process_group=0: the leader's pid is the group id
         self._track_children()
         if self.proc.poll() is None:
             for sig, wait_s in ((signal.SIGINT, int_timeout_s), (signal.SIGTERM, term_timeout_s), (signal.SIGKILL, 10.0)):

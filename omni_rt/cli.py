@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 from typing import Sequence
 
@@ -103,17 +104,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from omni_rt.server import create_app
 
+    # Take the port before anything starts: a port in use fails in a second, not after
+    # the engines have loaded, and no engine process can take it in the meantime.
+    host, port = overlay.server.host, overlay.server.port
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        print(f"omni-rt: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     app = create_app(overlay, source)
     # Realtime appends may carry 15 MiB of audio (20 MiB of base64): frames up to 24 MiB
     # reach the protocol, which answers oversized ones with an error event.
-    uvicorn.run(
-        app,
-        host=overlay.server.host,
-        port=overlay.server.port,
-        log_level=overlay.server.log_level,
-        lifespan="on",
-        ws_max_size=24 * 1024 * 1024,
-    )
+    config = uvicorn.Config(app, host=host, port=port, log_level=overlay.server.log_level, lifespan="on", ws_max_size=24 * 1024 * 1024)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

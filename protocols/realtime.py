@@ -738,6 +738,10 @@ class RealtimeConnection:
                 details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": msg}}
         finally:
             await asyncio.shield(stream.close())
+        if status == "completed" and resp.cancel_reason is not None:
+            # cancelled while its last payloads were in flight: the stream may end
+            # without raising (stale outputs are skipped), but the answer was cut
+            status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
         usage = dict(stream.done.usage or {}) if stream.done is not None else {}
         usage = {
             "total_tokens": usage.get("input_tokens", 0) + usage.get("output_tokens", 0),

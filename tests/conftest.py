@@ -42,14 +42,22 @@ def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     deploy = tmp / "deploy.yaml"
     deploy.write_text(yaml.safe_dump(SERVER_OVERLAY))
     env = dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir))
-    proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=log, cwd=REPO, env=env)
-    proc.start()
-    try:
-        proc.wait_ready(timeout_s=300)
-    except Exception:
-        proc.stop()
-        print(log.read_text()[-4000:])
-        raise
+    for attempt in range(3):
+        # the port is free when picked but another process may take it before the
+        # server binds; the server then exits at once and another port is tried
+        log.unlink(missing_ok=True)
+        proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=log, cwd=REPO, env=env)
+        proc.start()
+        try:
+            proc.wait_ready(timeout_s=300)
+            break
+        except Exception:
+            proc.stop()
+            tail = log.read_text()[-4000:]
+            if "cannot listen on" in tail and attempt < 2:
+                continue
+            print(tail)
+            raise
     proc.log_file = log  # type: ignore[attr-defined]
     yield proc
     proc.stop()

@@ -32,6 +32,10 @@ SERVER_OVERLAY = {
         ]
     },
     "sessions": {"principal_caps": {"limited": 1}},
+    # Answers run to their token limit (the stop token is masked until then): the
+    # random tiny thinker would otherwise stop at a random point, and tests that need
+    # an answer still running (cancel, barge-in, disconnect) would depend on chance.
+    "pipelines": {"voice": {"stages": {"thinker": {"processor_args": {"min_tokens": 100000}}}}},
 }
 
 

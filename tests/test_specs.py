@@ -104,6 +104,16 @@ def test_cli_broken_overlay_exits_with_message_no_traceback(tmp_path):
     assert r.returncode == 2 and "cannot read" in r.stderr
 
 
+def test_cli_serve_on_a_taken_port_fails_at_once():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = _cli("serve", "--port", str(taken.getsockname()[1]))
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_cli_missing_model_dir_names_key(tmp_path, models_dir):
     f = tmp_path / "d.yaml"
     f.write_text(f"server: {{models_dir: {models_dir}}}\npipelines:\n  tts:\n    stages:\n      talker: {{model: /nonexistent/orpheus}}\n")
