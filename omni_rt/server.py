@@ -27,6 +27,7 @@ from protocols.openai_http import (
     validation_error_handler,
 )
 from protocols.chat import ChatService, build_chat_router
+from protocols.duplex import build_duplex_router
 from protocols.realtime import build_realtime_router
 from protocols.sessions_api import build_sessions_router
 from sessions import SessionManager
@@ -222,5 +223,6 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
     app.include_router(build_sessions_router(sessions))
     if "voice" in profiles:
         app.include_router(build_realtime_router(sessions, specs["voice"]))
+        app.include_router(build_duplex_router(sessions, specs["voice"]))
         app.include_router(build_chat_router(ChatService(sessions, specs["voice"])))
     return app

@@ -225,6 +225,9 @@ class SessionsSpec(_Strict):
     )
     retry_after_s: int = Field(1, ge=1, le=3600, description="retry-after sent with a session_limit rejection")
     replay_buffer_events: int = Field(256, ge=0, le=1_000_000, description="events kept for a detached session")
+    max_pending_events: int = Field(
+        4096, ge=16, le=10_000_000, description="events queued for an attached client that is not reading; over it the session ends (slow_consumer)"
+    )
     store: Literal["memory", "redis"] = Field("memory", description="memory: one process; redis: caps shared by nodes")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when store is redis")
     redis_prefix: str = Field("omni-rt", pattern=r"^[\w.:-]+$", description="key prefix; nodes sharing caps use the same one")

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
@@ -36,7 +36,7 @@ from omni_rt.stage import StageError
 from protocols.audio_formats import pcm16_bytes
 from protocols.auth import principal_of
 from protocols.sessions_api import reject_websocket
-from sessions import Session, SessionError, SessionManager
+from sessions import Session, SessionError, SessionEvent, SessionManager
 
 log = logging.getLogger("protocols.realtime")
 
@@ -316,6 +316,7 @@ class Item:
     status: str = "completed"
     embeds: "asyncio.Future[np.ndarray | None] | None" = None  # user audio, encoded
     audio_ms: int = 0  # assistant audio produced
+    heard_ms: int | None = None  # of that, what the user acknowledged hearing (duplex)
     transcript: str = ""  # assistant text / transcript
 
     def wire(self, ga: bool) -> dict[str, Any]:
@@ -350,11 +351,19 @@ class Response:
     task: "asyncio.Task[None] | None" = None
     cancel_reason: str | None = None
     started: float = field(default_factory=time.monotonic)
+    epoch: int = 0
 
 
 class RealtimeConnection:
-    def __init__(self, ws: WebSocket, session: Session, sessions: SessionManager, pipeline: PipelineSpec, ga: bool, model: str) -> None:
-        self.ws = ws
+    """The conversation logic of one realtime-style session, independent of the transport:
+    everything it says goes out as session events (`session.emit`), which a transport
+    writer (`send_json_events` here, `protocols.duplex`, `protocols.webrtc`) puts on
+    its wire. Audio deltas carry raw PCM16 bytes; writers encode them for their wire."""
+
+    # Response events get an `epoch` field (the duplex protocol's extension).
+    tag_epochs = False
+
+    def __init__(self, session: Session, sessions: SessionManager, pipeline: PipelineSpec, ga: bool, model: str) -> None:
         self.session = session
         self.sessions = sessions
         self.pipeline = pipeline
@@ -379,22 +388,28 @@ class RealtimeConnection:
         return GA_NAMES.get(beta_name, beta_name) if self.ga else beta_name
 
     def emit(self, type: str, fence: Any = None, **data: Any) -> None:
+        if self.tag_epochs and type.startswith("response."):
+            resp = self.response
+            rid = data.get("response_id") or (data.get("response") or {}).get("id")
+            data["epoch"] = resp.epoch if resp is not None and resp.id == rid else self.session.epoch
         self.session.emit(self.name(type), data, fence=fence)
 
     def error(self, err: ClientError, event_id: str | None = None) -> None:
         e = {"type": err.type, "code": err.code, "message": err.message, "param": err.param, "event_id": event_id}
         self.session.emit("error", {"error": e})
 
-    async def writer(self) -> None:
-        async for ev in self.session.events():
-            # last fence check before the wire: nothing of a cancelled turn goes out
-            if ev.fence is not None and ev.fence.is_stale_against(self.session.fence):
-                metrics.DROPPED_STALE.labels(hop="adapter").inc()
-                continue
-            self._events += 1
-            await self.ws.send_text(json.dumps({"type": ev.type, "event_id": f"event_{self._events:06d}", **ev.data}))
-            if ev.type in ("session.expired", "session.closed"):
-                break
+    async def shutdown(self, reason: str) -> None:
+        """Stop this connection's work (the session is ending or the client left for good)."""
+        try:
+            if self.response is not None:
+                await self.cancel_response(reason, restart_input=False)
+        except Exception:  # noqa: BLE001 - the rest is stopped regardless
+            log.exception("session %s: cancelling the response failed", self.session.id)
+        for task in self.collecting:
+            task.cancel()
+        if self.input is not None:
+            await self.input.close()
+            self.input = None
 
     # ---- conversation ----
     def add_item(self, item: Item, done: bool = True) -> None:
@@ -453,7 +468,12 @@ class RealtimeConnection:
             raise ClientError("invalid_value", "'audio' must be 16-bit PCM: an even number of bytes.", "audio")
         if not raw:
             return
-        pcm = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
+        await self.append_pcm(np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0)
+
+    async def append_pcm(self, pcm: np.ndarray) -> None:
+        """Append float32 mono audio at the model rate (`RATE`)."""
+        if not len(pcm):
+            return
         ms = len(pcm) * 1000 // RATE
         td = self.cfg.turn_detection
         if td is None:
@@ -652,7 +672,7 @@ class RealtimeConnection:
         part_type = "output_audio" if audio_out else "output_text"
         part0: dict[str, Any] = {"type": part_type, "transcript": ""} if audio_out else {"type": part_type, "text": ""}
         item = Item(_id("item"), "assistant", [part0], status="in_progress")
-        resp = Response(_id("resp"), item, audio_out)
+        resp = Response(_id("resp"), item, audio_out, epoch=self.session.epoch)
         # the latest user audio (if any) is spliced into the prompt at its placeholder
         embeds = None
         for it in reversed(self.items.values()):
@@ -724,7 +744,7 @@ class RealtimeConnection:
                     if first:
                         metrics.TTFP_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
                         first = False
-                    self.emit("response.audio.delta", fence, delta=base64.b64encode(data).decode(), **ids)
+                    self.emit("response.audio.delta", fence, delta=data, **ids)
                 self.session.touch()
         except RequestAborted:
             status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
@@ -838,6 +858,51 @@ class RealtimeConnection:
             raise ClientError("invalid_value", f"Invalid value: '{t}'. Supported event types are the Realtime client events.", "type")
 
 
+def wire_data(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Event data for a JSON wire: audio bytes become base64."""
+    return {k: base64.b64encode(v).decode() if isinstance(v, (bytes, bytearray)) else v for k, v in data.items()}
+
+
+async def send_events(ws: WebSocket, session: Session, frame: Callable[[SessionEvent], str | bytes | None]) -> None:
+    """Write the session's events to `ws` until this attachment ends. The last fence
+    check before the wire: nothing of a cancelled turn goes out. `frame` renders an
+    event (text or binary; None skips it)."""
+    async for ev in session.events():
+        if ev.fence is not None and ev.fence.is_stale_against(session.fence):
+            metrics.DROPPED_STALE.labels(hop="adapter").inc()
+            continue
+        out = frame(ev)
+        if isinstance(out, bytes):
+            await ws.send_bytes(out)
+        elif out is not None:
+            await ws.send_text(out)
+        if ev.type in ("session.expired", "session.closed"):
+            break
+
+
+async def next_message(ws: WebSocket, *others: "asyncio.Future[Any]") -> str | bytes | None:
+    """The next text or binary message, or None when the client left or one of
+    `others` (e.g. the writer) finished first."""
+    receive = asyncio.ensure_future(ws.receive())
+    done, _ = await asyncio.wait({receive, *others}, return_when=asyncio.FIRST_COMPLETED)
+    if receive not in done:
+        receive.cancel()
+        return None
+    msg = receive.result()
+    if msg["type"] == "websocket.disconnect":
+        return None
+    data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
+    return data if data is not None else b""
+
+
+async def close_websocket(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
+    if ws.application_state == WebSocketState.CONNECTED:
+        try:
+            await ws.close(code, reason)
+        except RuntimeError:
+            pass
+
+
 def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> APIRouter:
     router = APIRouter()
 
@@ -850,45 +915,37 @@ def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> A
         except SessionError as exc:
             await reject_websocket(ws, exc)
             return
-        conn = RealtimeConnection(ws, session, sessions, pipeline, ga, model)
+        conn = RealtimeConnection(session, sessions, pipeline, ga, model)
+        count = 0
+
+        def frame(ev: SessionEvent) -> str:
+            nonlocal count
+            count += 1
+            return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **wire_data(ev.data)})
+
         writer: asyncio.Task[None] | None = None
+        ended: asyncio.Future[Any] | None = None
         reason = "client_disconnected"
         try:
             await ws.accept()
             conn.emit("session.created", session=conn.cfg.wire(ga, session.id))
-            writer = asyncio.get_running_loop().create_task(conn.writer())
-            while True:
-                receive = asyncio.ensure_future(ws.receive())
-                done, _ = await asyncio.wait({receive, writer}, return_when=asyncio.FIRST_COMPLETED)
-                if writer in done:
-                    receive.cancel()
-                    reason = "ended"
-                    break
-                msg = receive.result()
-                if msg["type"] == "websocket.disconnect":
-                    break
-                data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
-                if data is None:
-                    continue
-                await conn.handle(data)
+            writer = asyncio.get_running_loop().create_task(send_events(ws, session, frame))
+            ended = asyncio.ensure_future(session.closed.wait())
+            while (data := await next_message(ws, writer, ended)) is not None:
+                if data:
+                    await conn.handle(data)
+            if writer.done() or ended.done():
+                reason = "ended"
         except (WebSocketDisconnect, RuntimeError):
             pass
         finally:
-            try:
-                if conn.response is not None:
-                    await conn.cancel_response("client_disconnected", restart_input=False)
-            except Exception:  # noqa: BLE001 - the session is ended below regardless
-                log.exception("realtime session %s: cancelling at close failed", session.id)
-            for task in conn.collecting:
-                task.cancel()
+            if ended is not None:
+                ended.cancel()
+            await conn.shutdown("client_disconnected")
             await sessions.end(session, reason)
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
-            if ws.application_state == WebSocketState.CONNECTED:
-                try:
-                    await ws.close(1000)
-                except RuntimeError:
-                    pass
+            await close_websocket(ws, 1008 if session.close_reason == "slow_consumer" else 1000, session.close_reason or "")
 
     return router

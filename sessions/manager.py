@@ -127,7 +127,7 @@ class SessionManager:
         t0 = time.perf_counter()
         sid = f"sess_{secrets.token_hex(12)}"
         slot = Slot(sid, kind, principal)
-        session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events)
+        session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events, self.spec.max_pending_events)
         # The directory entry is written with the slot, in the same atomic step.
         record = {**self._record(session), "state": SessionState.ACTIVE.value}
         evicted: set[str] = set()
@@ -231,6 +231,12 @@ class SessionManager:
         if s.state in (SessionState.CLOSING, SessionState.CLOSED):
             raise IllegalTransition(session_id, s.state.value, "close")
         await self.end(s, reason)
+
+    def _slow_consumer(self, s: Session) -> None:
+        """An attached client stopped reading and its event queue is full: end it."""
+        log.warning("session %s (%s): the client is not reading (%d events queued); ending it", s.id, s.kind, len(s._events))
+        s._events.clear()  # what it did not read is gone; the final event goes out first
+        asyncio.get_running_loop().create_task(self.end(s, "slow_consumer"))
 
     async def expire(self, session_id: str, reason: str = "idle_timeout") -> None:
         await self.end(self.get(session_id), reason)

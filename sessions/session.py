@@ -79,6 +79,7 @@ class Session:
         params: Mapping[str, Any],
         principal: str,
         replay_limit: int,
+        pending_limit: int = 1 << 30,
     ) -> None:
         self._manager = manager
         self.id = session_id
@@ -103,7 +104,9 @@ class Session:
         self._attach_gen = 0
         self._seq = 0
         self._replay_limit = replay_limit
+        self._pending_limit = pending_limit
         self.dropped_events = 0
+        self.overflowed = False  # the attached client stopped reading (slow_consumer)
         self.closed = asyncio.Event()
 
     # ---- state machine ---------------------------------------------------------------
@@ -250,6 +253,13 @@ class Session:
             return False
         if fence is not None and fence.is_stale_against(self.fence):
             metrics.DROPPED_STALE.labels(hop="session").inc()
+            return False
+        if self.state == SessionState.ACTIVE and (self.overflowed or len(self._events) >= self._pending_limit):
+            # The attached client does not read: end the session rather than let its
+            # queue grow without bound (others are unaffected).
+            if not self.overflowed:
+                self.overflowed = True
+                self._manager._slow_consumer(self)
             return False
         self._seq += 1
         self._events.append(SessionEvent(type, dict(data or {}), fence, self._seq))

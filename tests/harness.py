@@ -31,7 +31,9 @@ SERVER_OVERLAY = {
             {"key": LIMITED_KEY, "principal": "limited"},
         ]
     },
-    "sessions": {"principal_caps": {"limited": 1}},
+    # short grace so the duplex tests see expiry; a small client queue bound so the
+    # slow-consumer test fills it with one long answer
+    "sessions": {"principal_caps": {"limited": 1}, "disconnect_grace_s": 4, "reaper_interval_s": 0.5, "max_pending_events": 300},
     # Answers run to their token limit (the stop token is masked until then): the
     # random tiny thinker would otherwise stop at a random point, and tests that need
     # an answer still running (cancel, barge-in, disconnect) would depend on chance.
@@ -180,3 +182,27 @@ class LateEmitter(StageProcessor):
 
     def release_session(self, session_id: str) -> None:
         type(self).released.append(session_id)
+
+
+def speech_pcm16(text: str, rate: int = 24000) -> bytes:
+    """Real speech: espeak-ng to WAV, resampled to `rate` PCM16 (required: no skip)."""
+    import shutil
+    import subprocess
+    import tempfile
+    import wave
+
+    import soxr
+
+    exe = shutil.which("espeak-ng")
+    assert exe, "espeak-ng is required for the server-VAD tests (apt-get install espeak-ng)"
+    with tempfile.NamedTemporaryFile(suffix=".wav") as f:
+        subprocess.run([exe, "-v", "en-us", "-s", "170", "-w", f.name, text], check=True, capture_output=True)
+        w = wave.open(f.name)
+        w_rate = w.getframerate()
+        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
+    y = soxr.resample(pcm, w_rate, rate)
+    return (np.clip(y, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def silence(seconds: float, rate: int = 24000) -> bytes:
+    return bytes(int(rate * seconds) * 2)

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, LIMITED_KEY, http_client
+from tests.harness import ADMIN_HEADERS, ADMIN_KEY, LIMITED_KEY, http_client, silence, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -295,30 +295,6 @@ async def test_disconnect_mid_response_frees_all_engine_work(server):
         state = left()
     assert state == ((0, 0), []), state
     api.close()
-
-
-def speech_pcm16(text: str) -> bytes:
-    """Real speech: espeak-ng to WAV, resampled to 24 kHz PCM16 (required: no skip)."""
-    import shutil
-    import subprocess
-    import tempfile
-    import wave
-
-    import soxr
-
-    exe = shutil.which("espeak-ng")
-    assert exe, "espeak-ng is required for the server-VAD tests (apt-get install espeak-ng)"
-    with tempfile.NamedTemporaryFile(suffix=".wav") as f:
-        subprocess.run([exe, "-v", "en-us", "-s", "170", "-w", f.name, text], check=True, capture_output=True)
-        w = wave.open(f.name)
-        rate = w.getframerate()
-        pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768.0
-    y = soxr.resample(pcm, rate, 24000)
-    return (np.clip(y, -1, 1) * 32767).astype("<i2").tobytes()
-
-
-def silence(seconds: float) -> bytes:
-    return bytes(int(24000 * seconds) * 2)
 
 
 @pytest.mark.parametrize("dialect", ["ga", "beta"])

@@ -1,0 +1,396 @@
+"""`/v1/duplex`: full-duplex voice over one WebSocket, on the voice pipeline.
+
+The control plane is the OpenAI Realtime GA protocol (`protocols.realtime`: the same
+events, the same conversation logic), with these extensions:
+
+- The server speaks first: `session.created` carries `session.capabilities`
+  (`supports_barge_in`, `supports_session_resume`, `chunk_period_ms`, `input_formats`,
+  `output_formats`, `heartbeat_s`, `replay_buffer_events`) and a `resume_token`.
+- Audio flows both ways all the time. In: binary frames `[0x01][PCM16 LE mono]` or
+  `input_audio_buffer.append` events, at the declared input rate
+  (`session.audio.input.format.rate`, one of `RATES`; resampled to the model's 24 kHz
+  with soxr). Out: `response.output_audio.delta` events, or binary frames `[0x01][PCM16]`
+  when `session.audio.output.transport` is `"binary"`, at `session.audio.output.format.rate`.
+- Every server event carries `server_event_seq`, monotonic over the whole session
+  (across reconnects), and every `response.*` event the `epoch` its response ran under.
+  Barge-in and cancel advance the epoch; nothing of an older epoch is sent after that.
+- `playback.ack {response_id, played_ms}`: what the user has heard. When the user
+  talks over the agent, the answer in history is cut to the last acknowledged point
+  (`conversation.item.truncated`), so the conversation holds only what was heard.
+- Heartbeats: a `heartbeat` event every `heartbeat_s`; clients may send `heartbeat`.
+- A dropped connection detaches the session; the answer in progress keeps running.
+  Within `sessions.disconnect_grace_s` the client re-attaches with
+  `session.resume {session_id, resume_token}` (its first event on a new socket, or the
+  `session_id` and `resume_token` query parameters, which do not take a session slot)
+  and gets `session.resumed`; the events produced while it was away are **replayed**
+  from the session's bounded buffer (`sessions.replay_buffer_events`; the oldest are
+  dropped first, and `session.resumed.dropped_events` says how many). A session past
+  its grace answers `session.expired`. Each resume issues a new `resume_token`.
+- `session.close` → `session.closed`, then the socket closes (1000). A fault in the
+  server → an `error` event, then close 1011.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, Mapping
+
+import numpy as np
+import soxr
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from omni_rt.specs import PipelineSpec
+from protocols.audio_formats import pcm16_bytes
+from protocols.auth import principal_of
+from protocols.realtime import (
+    RATE,
+    ClientError,
+    RealtimeConnection,
+    TurnDetection,
+    apply_session_update,
+    close_websocket,
+    next_message,
+    send_events,
+    wire_data,
+)
+from protocols.sessions_api import realtime_error_event, reject_websocket
+from sessions import Session, SessionError, SessionEvent, SessionGone, SessionManager, SessionState
+
+log = logging.getLogger("protocols.duplex")
+
+AUDIO_FRAME = 0x01
+RATES = (8000, 16000, 24000, 44100, 48000)
+CHUNK_PERIOD_MS = 20  # the input frame period the server is tuned for (any length is accepted)
+MAX_FRAME_BYTES = 1 << 20
+HEARTBEAT_S = 5.0
+WS_INTERNAL_ERROR = 1011
+
+
+class DuplexConnection(RealtimeConnection):
+    tag_epochs = True
+
+    def __init__(self, session: Session, sessions: SessionManager, pipeline: PipelineSpec, model: str) -> None:
+        super().__init__(session, sessions, pipeline, True, model)
+        self.in_rate = RATE
+        self.out_rate = RATE
+        self.binary_out = False
+        self._in_rs: soxr.ResampleStream | None = None
+        self._out_rs: dict[str, soxr.ResampleStream] = {}
+        self.out_seq = 0  # server_event_seq: monotonic across attachments
+        self.played: dict[str, Any] = {}  # response id -> its item (for playback acks)
+
+    # ---- session shape -----------------------------------------------------------------
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "supports_barge_in": True,
+            "supports_session_resume": True,
+            "chunk_period_ms": CHUNK_PERIOD_MS,
+            "input_formats": [{"type": "audio/pcm", "rates": list(RATES), "binary_frame_type": AUDIO_FRAME}],
+            "output_formats": [{"type": "audio/pcm", "rates": list(RATES)}],
+            "output_transports": ["json", "binary"],
+            "heartbeat_s": HEARTBEAT_S,
+            "replay_buffer_events": self.sessions.spec.replay_buffer_events,
+            "disconnect_grace_s": self.sessions.spec.disconnect_grace_s,
+        }
+
+    def session_wire(self) -> dict[str, Any]:
+        s = self.cfg.wire(True, self.session.id)
+        s["audio"]["input"]["format"] = {"type": "audio/pcm", "rate": self.in_rate}
+        s["audio"]["output"]["format"] = {"type": "audio/pcm", "rate": self.out_rate}
+        s["audio"]["output"]["transport"] = "binary" if self.binary_out else "json"
+        s["capabilities"] = self.capabilities()
+        return s
+
+    def _update(self, body: Any) -> None:
+        """The duplex keys of a session.update (rates, output transport); the rest goes
+        through the realtime rules."""
+        if not isinstance(body, Mapping):
+            raise ClientError("invalid_type", "'session' must be an object.", "session")
+        body = json.loads(json.dumps(body))  # a copy we may strip
+        audio = body.get("audio")
+        in_rate, out_rate, binary = self.in_rate, self.out_rate, self.binary_out
+        if isinstance(audio, dict):
+            for side in ("input", "output"):
+                part = audio.get(side)
+                if not isinstance(part, dict) or "format" not in part:
+                    continue
+                fmt = part.pop("format")
+                param = f"session.audio.{side}.format"
+                if not isinstance(fmt, Mapping) or fmt.get("type", "audio/pcm") != "audio/pcm":
+                    raise ClientError("invalid_value", f"'{param}' must be {{type: audio/pcm, rate: N}}.", param)
+                rate = fmt.get("rate", RATE)
+                if not isinstance(rate, int) or isinstance(rate, bool) or rate not in RATES:
+                    raise ClientError("invalid_value", f"Unsupported sample rate {rate!r}; use one of {', '.join(map(str, RATES))}.", f"{param}.rate")
+                if side == "input":
+                    in_rate = rate
+                else:
+                    out_rate = rate
+            out = audio.get("output")
+            if isinstance(out, dict) and "transport" in out:
+                t = out.pop("transport")
+                if t not in ("json", "binary"):
+                    raise ClientError("invalid_value", "'session.audio.output.transport' must be 'json' or 'binary'.", "session.audio.output.transport")
+                binary = t == "binary"
+        for key in ("input_audio_format", "output_audio_format"):
+            if key in body:
+                raise ClientError("invalid_value", f"'session.{key}' is the beta shape; use session.audio.*.format.", f"session.{key}")
+        cfg = self._apply(body)
+        self.cfg, self.binary_out = cfg, binary
+        if in_rate != self.in_rate:
+            self.in_rate, self._in_rs = in_rate, None
+        if out_rate != self.out_rate:
+            self.out_rate, self._out_rs = out_rate, {}
+
+    def _apply(self, body: Mapping[str, Any]) -> Any:
+        return apply_session_update(self.cfg, body, self.pipeline.voices)
+
+    # ---- audio ---------------------------------------------------------------------------
+    async def audio_frame(self, frame: bytes) -> None:
+        if len(frame) < 2 or frame[0] != AUDIO_FRAME:
+            kind = f"0x{frame[0]:02x}" if frame else "empty"
+            raise ClientError("invalid_frame", f"Binary frames are [0x01][PCM16 audio]; got a {kind} frame of {len(frame)} bytes.")
+        if len(frame) - 1 > MAX_FRAME_BYTES:
+            raise ClientError("invalid_frame", f"An audio frame may carry at most {MAX_FRAME_BYTES} bytes.")
+        if (len(frame) - 1) % 2:
+            raise ClientError("invalid_frame", "Audio frames carry 16-bit PCM: an even number of bytes after the type byte.")
+        await self.append_input(np.frombuffer(frame, "<i2", offset=1).astype(np.float32) / 32768.0)
+
+    async def append_input(self, pcm: np.ndarray) -> None:
+        """Audio at the declared input rate."""
+        if self.in_rate != RATE:
+            if self._in_rs is None:
+                self._in_rs = soxr.ResampleStream(self.in_rate, RATE, 1, dtype="float32")
+            pcm = self._in_rs.resample_chunk(pcm)
+        await self.append_pcm(pcm)
+
+    def out_audio(self, response_id: str, pcm16: bytes) -> bytes:
+        if self.out_rate == RATE:
+            return pcm16
+        rs = self._out_rs.get(response_id)
+        if rs is None:
+            self._out_rs = {response_id: soxr.ResampleStream(RATE, self.out_rate, 1, dtype="float32")}
+            rs = self._out_rs[response_id]
+        y = rs.resample_chunk(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0)
+        return pcm16_bytes(y)
+
+    # ---- playback ------------------------------------------------------------------------
+    def ack(self, ev: Mapping[str, Any]) -> None:
+        rid, played = ev.get("response_id"), ev.get("played_ms")
+        if not isinstance(played, int) or isinstance(played, bool) or played < 0:
+            raise ClientError("invalid_value", "'played_ms' must be a non-negative integer.", "played_ms")
+        item = self.played.get(rid) if isinstance(rid, str) else None
+        if item is None:
+            raise ClientError("response_not_found", f"No response {rid!r} with audio on this session.", "response_id")
+        item.heard_ms = max(item.heard_ms or 0, min(played, item.audio_ms))
+
+    async def speech_started(self, at_ms: int, td: TurnDetection) -> None:
+        await super().speech_started(at_ms, td)
+        if td.interrupt_response:
+            # the user talks over what is still playing: keep only what was heard
+            for item in list(self.played.values()):
+                heard = item.heard_ms
+                if heard is not None and heard < item.audio_ms and item.id in self.items:
+                    self.item_truncate({"item_id": item.id, "content_index": 0, "audio_end_ms": heard})
+                    item.audio_ms = heard
+
+    async def create_response(self, ev: Mapping[str, Any], event_id: str | None) -> None:
+        await super().create_response(ev, event_id)
+        if self.response is not None and self.response.audio_out:
+            self.played[self.response.id] = self.response.item
+            while len(self.played) > 16:
+                self.played.pop(next(iter(self.played)))
+
+    # ---- events --------------------------------------------------------------------------
+    async def dispatch(self, t: str, ev: dict[str, Any], event_id: str | None) -> None:
+        if t == "session.update":
+            if "session" not in ev:
+                raise ClientError("missing_required_parameter", "Missing required parameter: 'session'.", "session")
+            self._update(ev["session"])
+            self.emit("session.updated", session=self.session_wire())
+        elif t == "playback.ack":
+            self.ack(ev)
+        elif t == "heartbeat":
+            pass  # handle() already counted it as activity
+        elif t == "session.close":
+            await self.sessions.end(self.session, "client_closed")
+        elif t == "session.resume":
+            raise ClientError("invalid_value", "session.resume must be the first event on a new connection.", "type")
+        else:
+            await super().dispatch(t, ev, event_id)
+
+    def frame(self, ev: SessionEvent) -> str | bytes:
+        self.out_seq += 1
+        if ev.type == "response.output_audio.delta":
+            audio = self.out_audio(ev.data["response_id"], ev.data["delta"])
+            if self.binary_out:
+                return bytes([AUDIO_FRAME]) + audio
+            data = wire_data({**ev.data, "delta": audio})
+        else:
+            data = wire_data(ev.data)
+        return json.dumps({"type": ev.type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **data})
+
+    def direct(self, type: str, **data: Any) -> str:
+        """An event sent on this socket only (not queued for replay)."""
+        self.out_seq += 1
+        return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **data})
+
+
+def _refusal(exc: SessionError, session_id: str) -> dict[str, Any]:
+    if isinstance(exc, SessionGone):
+        return {"type": "session.expired", "session_id": session_id, "reason": exc.reason}
+    return realtime_error_event(exc)
+
+
+def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> APIRouter:
+    router = APIRouter()
+
+    async def resume(ws: WebSocket, sid: Any, token: Any, principal: str) -> tuple[Session, DuplexConnection]:
+        if not isinstance(sid, str) or not sid:
+            raise ClientError("missing_required_parameter", "Missing required parameter: 'session_id'.", "session_id")
+        s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
+        conn = s.data.get("duplex")
+        if not isinstance(conn, DuplexConnection):  # a session of another kind
+            raise ClientError("invalid_value", f"Session {sid} is not a duplex session.", "session_id")
+        return s, conn
+
+    async def attach(ws: WebSocket, session: Session, conn: DuplexConnection, first: bool, principal: str) -> tuple[Session, DuplexConnection] | None:
+        """Serve one attachment. Returns the session to switch to when the client
+        resumes another one as its first event; None when this connection is over."""
+        gen = session._attach_gen
+        loop = asyncio.get_running_loop()
+        writer = loop.create_task(send_events(ws, session, conn.frame))
+        ended = asyncio.ensure_future(session.closed.wait())
+
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(HEARTBEAT_S)
+                if session.state == SessionState.ACTIVE and session._attach_gen == gen:
+                    session.emit("heartbeat", {"interval_s": HEARTBEAT_S})
+
+        beat = loop.create_task(heartbeat())
+        switch: tuple[Session, DuplexConnection] | None = None
+        try:
+            while (data := await next_message(ws, writer, ended)) is not None:
+                if isinstance(data, bytes) and data[:1] != b"{":
+                    try:
+                        session.touch()
+                        await conn.audio_frame(data)
+                    except ClientError as err:
+                        conn.error(err)
+                    continue
+                if first:
+                    first = False
+                    try:
+                        ev = json.loads(data)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        ev = None
+                    if isinstance(ev, dict) and ev.get("type") == "session.resume":
+                        try:
+                            switch = await resume(ws, ev.get("session_id"), ev.get("resume_token"), principal)
+                            break
+                        except ClientError as err:
+                            conn.error(err)
+                        except SessionGone as exc:
+                            session.emit("session.expired", {"session_id": ev.get("session_id"), "reason": exc.reason})
+                        except SessionError as exc:
+                            session.emit("error", {"error": realtime_error_event(exc)["error"]})
+                        first = True  # a refused resume may be retried
+                        continue
+                await conn.handle(data)
+        finally:
+            beat.cancel()
+            ended.cancel()
+            writer.cancel()
+            await asyncio.gather(writer, beat, return_exceptions=True)
+        if switch is not None:
+            return switch
+        if session.is_open and session._attach_gen == gen and session.state == SessionState.ACTIVE:
+            await sessions.detach(session.id)  # resumable for disconnect_grace_s
+        return None
+
+    @router.websocket("/v1/duplex")
+    async def duplex(ws: WebSocket) -> None:
+        principal = principal_of(ws).name
+        model = ws.query_params.get("model") or pipeline.models[0]
+        session: Session | None = None
+        try:
+            if ws.query_params.get("session_id"):
+                await ws.accept()
+                sid = ws.query_params["session_id"]
+                try:
+                    session, conn = await resume(ws, sid, ws.query_params.get("resume_token"), principal)
+                except (SessionError, ClientError) as exc:
+                    if isinstance(exc, ClientError):
+                        await ws.send_json({"type": "error", "error": {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param}})
+                    else:
+                        await ws.send_json(_refusal(exc, sid))
+                    await close_websocket(ws, 1008, "resume refused")
+                    return
+                resumed = True
+            else:
+                try:
+                    session = await sessions.open("duplex", pipeline.name, principal=principal)
+                except SessionError as exc:
+                    await reject_websocket(ws, exc)
+                    return
+                conn = DuplexConnection(session, sessions, pipeline, model)
+                _own(session, conn)
+                await ws.accept()
+                conn.emit("session.created", session=conn.session_wire(), resume_token=session.issue_resume_token())
+                resumed = False
+            first = not resumed
+            while True:
+                if resumed:
+                    dropped = session.dropped_events - session.data.get("dropped_seen", 0)
+                    session.data["dropped_seen"] = session.dropped_events
+                    await ws.send_text(
+                        conn.direct(
+                            "session.resumed",
+                            session=conn.session_wire(),
+                            resume_token=session.issue_resume_token(),
+                            replayed_events=len(session._events),
+                            dropped_events=dropped,
+                        )
+                    )
+                nxt = await attach(ws, session, conn, first, principal)
+                if nxt is None:
+                    break
+                # the client resumed an older session: the fresh one is not needed
+                fresh = session
+                session, conn = nxt
+                await sessions.end(fresh, "replaced_by_resume")
+                resumed, first = True, False
+        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+            if session is not None and session.state == SessionState.ACTIVE:
+                await sessions.detach(session.id)
+        except Exception as exc:  # noqa: BLE001 - a fault: tell the client, close 1011
+            log.exception("duplex session %s failed", session.id if session else "-")
+            try:
+                await ws.send_json({"type": "error", "error": {"type": "server_error", "code": "internal_error", "message": str(exc) or type(exc).__name__, "param": None}})
+            except Exception:  # noqa: BLE001
+                pass
+            if session is not None:
+                await sessions.end(session, "server_error")
+            await close_websocket(ws, WS_INTERNAL_ERROR, "internal error")
+            return
+        if session is not None and session.state == SessionState.CLOSED:
+            reason = session.close_reason or ""
+            await close_websocket(ws, 1008 if reason == "slow_consumer" else 1000, reason)
+        else:
+            await close_websocket(ws)
+
+    return router
+
+
+def _own(session: Session, conn: DuplexConnection) -> None:
+    """The connection's state lives in the session (it survives reconnects) and stops
+    with it."""
+    session.data["duplex"] = conn
+
+    async def stop() -> None:
+        await conn.shutdown("session_ended")
+
+    session.add_finalizer(stop)
