@@ -98,3 +98,9 @@ class _StageCollector:
 
 STAGES = _StageCollector()
 REGISTRY.register(STAGES)  # type: ignore[arg-type]
+
+WEBRTC_FRAME_GAP_SECONDS = Histogram(
+    "omni_rt_webrtc_frame_gap_seconds",
+    "Time between consecutive outbound 20 ms audio frames of a WebRTC call (pacing)",
+    buckets=(0.005, 0.01, 0.015, 0.019, 0.021, 0.025, 0.03, 0.04, 0.06, 0.1, 0.25, 1.0),
+)

@@ -28,6 +28,7 @@ from protocols.openai_http import (
 )
 from protocols.chat import ChatService, build_chat_router
 from protocols.duplex import build_duplex_router
+from protocols.webrtc import build_webrtc_router, configure_ice
 from protocols.realtime import build_realtime_router
 from protocols.sessions_api import build_sessions_router
 from sessions import SessionManager
@@ -224,5 +225,10 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
     if "voice" in profiles:
         app.include_router(build_realtime_router(sessions, specs["voice"]))
         app.include_router(build_duplex_router(sessions, specs["voice"]))
+        hosts = overlay.server.webrtc_host_addresses
+        if hosts is None and overlay.server.host in ("127.0.0.1", "localhost"):
+            hosts = ["127.0.0.1"]  # a loopback server: offer loopback candidates (aioice skips them)
+        configure_ice(hosts)
+        app.include_router(build_webrtc_router(sessions, specs["voice"], overlay.server.webrtc_ice_servers))
         app.include_router(build_chat_router(ChatService(sessions, specs["voice"])))
     return app

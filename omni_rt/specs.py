@@ -205,6 +205,10 @@ class ServerSpec(_Strict):
     max_input_chars: int = Field(4096, ge=1)
     torch_threads: int = Field(1, ge=1, le=256, description="intra-op threads for torch engines in this process")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    webrtc_host_addresses: list[str] | None = Field(
+        None, description="addresses WebRTC calls offer as host candidates (default: 127.0.0.1 when host is loopback, else every non-loopback address)"
+    )
+    webrtc_ice_servers: list[str] = Field([], description="STUN/TURN URLs for WebRTC calls, e.g. stun:stun.example.org:3478")
 
 
 SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "video")

@@ -1,0 +1,151 @@
+"""WebRTC calls on the shared server with the aiortc client: ICE on loopback only (no
+STUN, host candidates limited to 127.0.0.1 on both sides)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from clients.webrtc import CallClient, CallRefused, use_host_addresses
+from tests.harness import ADMIN_HEADERS, ADMIN_KEY, LIMITED_KEY, http_client, silence, speech_pcm16
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+use_host_addresses(["127.0.0.1"])
+
+
+def calls(api) -> set[str]:
+    return {s["id"] for s in api.get("/v1/sessions").json()["data"] if s["kind"] == "webrtc"}
+
+
+async def test_a_call_end_to_end(server):
+    api = http_client(server.url, ADMIN_HEADERS)
+    call = await CallClient.connect(server.url, ADMIN_KEY, session={"type": "realtime", "max_output_tokens": 8})
+    try:
+        created = await call.until("session.created")
+        assert created["session"]["id"] == call.call_id and call.call_id in calls(api)
+        assert created["session"]["max_output_tokens"] == 8  # the offer's session config applies
+        call.mic.say(silence(0.3) + speech_pcm16("Hello, can you tell me what the weather is like today?") + silence(1.0))
+        seen: list = []
+        stopped = await call.until("input_audio_buffer.speech_stopped", seen)
+        done = await call.until("response.done", seen)
+        assert done["response"]["status"] == "completed"
+        await call.until("output_audio_buffer.stopped", seen)
+        types = [e["type"] for e in seen]
+        assert "input_audio_buffer.speech_started" in types and "output_audio_buffer.started" in types
+        assert "response.output_audio.delta" not in types  # audio goes over RTP
+        assert any(t == "response.output_audio_transcript.delta" for t in types)
+        heard = call.heard(stopped["_t"])
+        assert len(heard) > 0 and int(np.abs(heard.astype(np.int32)).max()) > 64, "no audible reply arrived over RTP"
+        assert call.first_sound(stopped["_t"]) is not None
+        # frames keep coming (silence) at the real-time pace between answers
+        n0 = len(call.frames)
+        await asyncio.sleep(1.0)
+        assert 25 <= len(call.frames) - n0 <= 75
+    finally:
+        status = await call.hangup()
+    assert status == 204
+    assert call.call_id not in calls(api)
+    api.close()
+
+
+async def test_barge_in_clears_the_servers_output_buffer(server):
+    call = await CallClient.connect(
+        server.url,
+        ADMIN_KEY,
+        session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}},
+    )
+    try:
+        assert (await call.until("session.created"))["session"]["audio"]["input"]["turn_detection"]["create_response"] is False
+        call.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]})
+        call.send("response.create", response={"max_output_tokens": 120})
+        seen: list = []
+        created = await call.until("response.created", seen)
+        rid = created["response"]["id"]
+        await call.until("output_audio_buffer.started", seen)
+        await asyncio.sleep(0.5)  # the agent is audibly speaking
+        assert call.first_sound(time.monotonic() - 0.5) is not None
+        call.mic.say(speech_pcm16("Stop, please listen to me."))
+        after: list = []
+        cleared = await call.until("output_audio_buffer.cleared", after)
+        done = await call.until("response.done", after)
+        assert done["response"]["id"] == rid and done["response"]["status"] == "cancelled"
+        assert done["response"]["status_details"]["reason"] == "turn_detected"
+        assert cleared["response_id"] == rid
+        # history keeps what was played: the answer's item is cut to the audio sent
+        cut = await call.until("conversation.item.truncated", after)
+        assert cut["item_id"] == done["response"]["output"][0]["id"] and cut["audio_end_ms"] > 0
+        # from ~100 ms after the clear, the call is silent (nothing of the old answer plays)
+        await asyncio.sleep(1.0)
+        tail = call.heard(cleared["_t"] + 0.1)
+        assert len(tail) >= 0.5 * call.frame_rate and int(np.abs(tail.astype(np.int32)).max()) <= 64
+    finally:
+        await call.hangup()
+
+
+async def test_json_offer_and_hangup(server):
+    from aiortc import RTCConfiguration, RTCPeerConnection
+
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.addTransceiver("audio")
+    pc.createDataChannel("oai-events")
+    await pc.setLocalDescription(await pc.createOffer())
+    async with httpx.AsyncClient(base_url=server.url, headers=ADMIN_HEADERS, timeout=30) as http:
+        r = await http.post("/offer", json={"sdp": pc.localDescription.sdp, "type": "offer"})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["type"] == "answer" and body["sdp"].startswith("v=0") and "m=audio" in body["sdp"]
+        r = await http.post(f"/v1/realtime/calls/{body['call_id']}/hangup")
+        assert r.status_code == 204
+        r = await http.delete(f"/v1/realtime/calls/{body['call_id']}")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "call_not_found"
+    await pc.close()
+
+
+async def test_bad_offers_get_clear_errors(server):
+    from aiortc import RTCConfiguration, RTCPeerConnection
+
+    pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+    pc.createDataChannel("oai-events")  # no audio at all
+    await pc.setLocalDescription(await pc.createOffer())
+    no_audio = pc.localDescription.sdp
+    await pc.close()
+    api = http_client(server.url, ADMIN_HEADERS)
+    before = calls(api)
+    sdp_headers = {"content-type": "application/sdp"}
+    for body, code in (
+        ("hello", "invalid_sdp"),
+        ("", "invalid_sdp"),
+        (no_audio, "invalid_sdp"),
+        ("v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\nnonsense\r\n", "invalid_sdp"),
+        ("v=0\r\n" + "a=x\r\n" * 20000 + "m=audio 9 RTP 0\r\n", "invalid_sdp"),
+    ):
+        r = api.post("/v1/realtime/calls", content=body, headers=sdp_headers)
+        assert r.status_code == 400, (body[:40], r.text)
+        assert r.json()["error"]["code"] == code and r.json()["error"]["message"]
+    r = api.post("/v1/realtime/calls", json={"sdp": "v=0"})
+    assert r.status_code == 415
+    r = api.post("/offer", content=b"{nope", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = api.post("/offer", json={"sdp": "v=0", "type": "answer"})
+    assert r.status_code == 400
+    assert calls(api) == before  # nothing was left behind
+    # the server keeps serving calls
+    call = await CallClient.connect(server.url, ADMIN_KEY)
+    assert (await call.until("session.created"))["session"]["id"] == call.call_id
+    await call.hangup()
+    api.close()
+
+
+async def test_a_call_over_the_cap_is_refused_with_429(server):
+    first = await CallClient.connect(server.url, LIMITED_KEY)  # principal "limited": one session
+    try:
+        with pytest.raises(CallRefused) as info:
+            await CallClient.connect(server.url, LIMITED_KEY)
+        assert info.value.status == 429 and '"session_limit"' in info.value.body
+    finally:
+        await first.hangup()
