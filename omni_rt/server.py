@@ -28,6 +28,7 @@ from protocols.openai_http import (
 )
 from protocols.chat import ChatService, build_chat_router
 from protocols.duplex import build_duplex_router
+from protocols.pages import build_pages_router
 from protocols.webrtc import build_webrtc_router, configure_ice
 from protocols.realtime import build_realtime_router
 from protocols.sessions_api import build_sessions_router
@@ -222,6 +223,7 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
     model_ids = [(m, name) for name, spec in specs.items() for m in spec.models]
     app.include_router(build_router(speech, model_ids))
     app.include_router(build_sessions_router(sessions))
+    app.include_router(build_pages_router(list(specs)))
     if "voice" in profiles:
         app.include_router(build_realtime_router(sessions, specs["voice"]))
         app.include_router(build_duplex_router(sessions, specs["voice"]))

@@ -4,7 +4,7 @@ Accepted forms: `Authorization: Bearer <key>` (OpenAI SDKs) and `Authorization:
 Api-Key <key>` (openpi-client). The key's principal is what per-principal session caps
 count; it lands in `scope["state"]["principal"]` (`request.state.principal`). With no
 keys configured every caller is the admin principal `anonymous`. Without a valid key
-every route except the open ones (`/health`, `/healthz`) answers 401 in the OpenAI
+every route except the open ones (`/health`, `/healthz`, and a plain GET of the pages `/` and `/demo`) answers 401 in the OpenAI
 error shape; a WebSocket handshake is refused with 401 where the server supports
 handshake responses, else closed with 1008 (policy violation).
 """
@@ -18,6 +18,8 @@ from typing import Any, Awaitable, Callable, Iterable
 
 ANONYMOUS = "anonymous"
 OPEN_PATHS = frozenset({"/health", "/healthz"})
+# Pages anyone may load with a plain GET (they hold no data; what they call needs a key).
+OPEN_PAGES = frozenset({"/", "/demo"})
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -95,7 +97,9 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         principal = self.keys.principal_for(_header(scope, b"authorization"))
-        if principal is None and scope.get("path") not in self.open_paths:
+        path = scope.get("path")
+        page = scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and path in OPEN_PAGES
+        if principal is None and path not in self.open_paths and not page:
             if scope["type"] == "http":
                 await _send_401(send, "http.response")
             elif "websocket.http.response" in scope.get("extensions", {}):
