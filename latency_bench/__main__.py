@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,text-overhead} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead} ...``."""
 
 from __future__ import annotations
 
@@ -92,6 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (server VAD; default 0)")
     r.add_argument("--json", help="write results here (JSON)")
 
+    d = sub.add_parser(
+        "duplex",
+        help="concurrent full-duplex voice sessions over /v1/duplex or WebRTC: reply latency, RTF, pacing, CPU",
+        description="S sessions at once, each speaking --turns utterances in real time with server VAD.",
+    )
+    d.add_argument("--transport", choices=("ws", "webrtc"), default="ws")
+    d.add_argument("--sessions", "-s", default="1,8,16", help="comma-separated concurrent session levels (default 1,8,16)")
+    d.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
+    d.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech, else noise")
+    d.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
+    d.add_argument("--url", help="http://host:port of a running server (default: start one)")
+    d.add_argument("--api-key")
+    d.add_argument("--port", type=int, default=8400, help="port of the server the bench starts (default 8400)")
+    d.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    d.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (default 0)")
+    d.add_argument("--json", help="write results here (JSON)")
+
     o = sub.add_parser(
         "text-overhead",
         help="text-only TTFT through omni-rt vs the same thinker on bare vLLM, same run",
@@ -127,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.text_overhead import main_text_overhead
 
         return main_text_overhead(args)
+    if args.cmd == "duplex":
+        from latency_bench.duplex import main_duplex
+
+        return main_duplex(args)
     if args.cmd == "realtime":
         from latency_bench.realtime import main_realtime
 

@@ -1,0 +1,267 @@
+"""Full-duplex voice bench: S concurrent sessions over `/v1/duplex` (WebSocket) or WebRTC.
+
+Each session streams the utterance as live 20 ms frames in real time (then silence),
+with server VAD deciding the turn, `turns` times. Per turn, measured on the client:
+- `reply_s`: end of speech (last speech frame sent) → first audio of the answer
+  (WebSocket: first audio frame; WebRTC: first audible RTP frame). Includes the VAD's
+  silence window (`silence_duration_ms`, 500 ms by default), as a user hears it.
+- `rtf`: the answer's generation time (response.created → response.done) / its audio.
+- pacing: WebRTC, the gap between consecutive RTP audio frames as received (the server
+  sends one every 20 ms, silence included); WebSocket, the playout stall a client
+  playing the chunks in real time would hear (a gap beyond the audio it has buffered).
+Per level: percentiles, the server process tree's CPU per session (when the bench
+started the server), and `--barge-in N` trials: the user talks over a long answer;
+speech_started at the client → the answer silent (WebRTC: the last audible frame of
+the old answer; WebSocket: the cancelled response.done, after which nothing of it
+arrives).
+
+Targets: RTF p50 < 1 at 16 sessions; p99 frame gap ≤ 40 ms at 8; barge-in p99 ≤ 100 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clients.duplex import DuplexClient, audio_of
+from clients.webrtc import CallClient, use_host_addresses
+from latency_bench import machine_info, utc_now, write_json
+from latency_bench.realtime import utterance
+from latency_bench.stats import summarize
+
+SCHEMA = "omni-rt.latency_bench.duplex/1"
+SILENCE = bytes(24000 * 2)
+AUDIBLE = 64  # |sample| above this counts as sound
+
+
+def _ws_stall_ms(chunks: list[tuple[float, int]]) -> list[float]:
+    """Playout stalls (ms) for chunks (arrival, samples @24 kHz) played back to back."""
+    stalls = []
+    play_end = None
+    for t, n in chunks:
+        if play_end is not None and t > play_end:
+            stalls.append((t - play_end) * 1000)
+        start = t if play_end is None or t > play_end else play_end
+        play_end = start + n / 24000
+    return stalls
+
+
+async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens: int) -> list[dict[str, Any]]:
+    out = []
+    c = await DuplexClient.connect(base.replace("http", "ws", 1) + "/v1/duplex", key)
+    try:
+        await c.update(max_output_tokens=tokens)
+        for _ in range(turns):
+            await c.stream_audio(pcm)
+            t_end = time.monotonic()
+            sender = asyncio.get_running_loop().create_task(c.stream_audio(SILENCE * 20))  # the line stays open
+            seen: list[dict[str, Any]] = []
+            try:
+                done = await c.until("response.done", seen)
+            finally:
+                sender.cancel()
+            rid = done["response"]["id"]
+            chunks = [(e["_t"], len(audio_of([e])) // 2) for e in seen if e["type"] == "response.output_audio.delta" and e.get("response_id") == rid]
+            created = next((e["_t"] for e in seen if e["type"] == "response.created"), None)
+            audio_s = sum(n for _, n in chunks) / 24000
+            ok = done["response"]["status"] == "completed" and bool(chunks)
+            out.append({
+                "ok": ok, "status": done["response"]["status"],
+                "reply_s": chunks[0][0] - t_end if chunks else None,
+                "rtf": (done["_t"] - created) / audio_s if ok and created and audio_s else None,
+                "audio_s": audio_s, "gaps_ms": _ws_stall_ms(chunks),
+            })
+    finally:
+        await c.close()
+    return out
+
+
+async def _rtc_session(base: str, key: str | None, pcm: bytes, turns: int, tokens: int) -> list[dict[str, Any]]:
+    out = []
+    call = await CallClient.connect(base, key, session={"type": "realtime", "max_output_tokens": tokens})
+    try:
+        for _ in range(turns):
+            done_saying = call.mic.say(pcm)
+            await done_saying.wait()
+            t_end = time.monotonic()
+            seen: list[dict[str, Any]] = []
+            done = await call.until("response.done", seen)
+            await call.until("output_audio_buffer.stopped", seen)
+            created = next((e["_t"] for e in seen if e["type"] == "response.created"), None)
+            first = call.first_sound(t_end, AUDIBLE)
+            heard = [x for t, x in call.frames if created is not None and t >= created]
+            audio_s = sum(len(x) for x in heard) / call.frame_rate if heard else 0.0
+            ok = done["response"]["status"] == "completed" and first is not None
+            out.append({
+                "ok": ok, "status": done["response"]["status"],
+                "reply_s": first - t_end if first else None,
+                "rtf": (done["_t"] - created) / audio_s if ok and created and audio_s else None,
+                "audio_s": audio_s,
+            })
+        times = np.array([t for t, _ in call.frames])
+        gaps = list(np.diff(times[len(times) // 10 :]) * 1000) if len(times) > 20 else []
+        if out:
+            out[-1]["gaps_ms"] = gaps
+    finally:
+        await call.hangup()
+    return out
+
+
+def _tree_cpu_s(ps: Any) -> float:
+    import psutil
+
+    total = 0.0
+    try:
+        procs = [ps] + ps.children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+async def run_level(transport: str, base: str, key: str | None, sessions: int, turns: int, pcm: bytes, tokens: int, ps: Any) -> dict[str, Any]:
+    fn = _ws_session if transport == "ws" else _rtc_session
+    cpu0, t0 = (_tree_cpu_s(ps) if ps else None), time.monotonic()
+    results = await asyncio.gather(*(fn(base, key, pcm, turns, tokens) for _ in range(sessions)), return_exceptions=True)
+    wall = time.monotonic() - t0
+    cpu = _tree_cpu_s(ps) - cpu0 if ps and cpu0 is not None else None
+    turns_, errors = [], []
+    for r in results:
+        if isinstance(r, BaseException):
+            errors.append(f"{type(r).__name__}: {r}")
+        else:
+            turns_.extend(r)
+    ok = [t for t in turns_ if t["ok"]]
+    gaps = [g for t in turns_ for g in t.get("gaps_ms", [])]
+    return {
+        "sessions": sessions, "turns": len(turns_), "failed": len(turns_) - len(ok) + len(errors), "errors": errors[:5],
+        "wall_s": round(wall, 3),
+        "reply_s": summarize([t["reply_s"] for t in ok]),
+        "rtf": summarize([t["rtf"] for t in ok]),
+        "frame_gap_ms": summarize(gaps) if gaps else {},
+        "cpu_cores_per_session": round(cpu / wall / sessions, 3) if cpu is not None and wall > 0 else None,
+        "samples": [{k: v for k, v in t.items() if k != "gaps_ms"} for t in turns_],
+    }
+
+
+async def barge_in(transport: str, base: str, key: str | None, pcm: bytes, trials: int) -> dict[str, Any]:
+    ms: list[float] = []
+    skipped = 0
+    for _ in range(trials):
+        if transport == "ws":
+            c = await DuplexClient.connect(base.replace("http", "ws", 1) + "/v1/duplex", key)
+            try:
+                await c.update(turn_detection={"type": "server_vad", "create_response": False})
+                await c.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]})
+                await c.send("response.create", response={"max_output_tokens": 120})
+                await c.until("response.output_audio.delta")
+                await c.stream_audio(pcm[: 24000 * 2], realtime=False)
+                seen: list[dict[str, Any]] = []
+                started = await c.until("input_audio_buffer.speech_started", seen)
+                done = await c.until("response.done", seen)
+                if done["response"]["status"] != "cancelled":
+                    skipped += 1
+                    continue
+                ms.append((done["_t"] - started["_t"]) * 1000)
+            finally:
+                await c.close()
+        else:
+            call = await CallClient.connect(base, key, session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad", "create_response": False}}}})
+            try:
+                call.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]})
+                call.send("response.create", response={"max_output_tokens": 120})
+                await call.until("output_audio_buffer.started")
+                await asyncio.sleep(0.3)
+                call.mic.say(pcm[: 24000 * 2])
+                seen = []
+                started = await call.until("input_audio_buffer.speech_started", seen)
+                done = await call.until("response.done", seen)
+                await asyncio.sleep(0.5)
+                if done["response"]["status"] != "cancelled":
+                    skipped += 1
+                    continue
+                t0 = started["_t"]
+                loud = [t for t, x in call.frames if t >= t0 and len(x) and int(np.abs(x.astype(np.int32)).max()) > AUDIBLE and t < t0 + 0.5]
+                ms.append(((max(loud) + 0.02) - t0) * 1000 if loud else 0.0)
+            finally:
+                await call.hangup()
+    return {"trials": trials, "measured": len(ms), "skipped": skipped, "speech_started_to_silent_ms": summarize(ms), "samples_ms": [round(x, 1) for x in ms]}
+
+
+def run(transport: str, base: str, key: str | None, levels: list[int], turns: int, tokens: int, wav: str | None, trials: int, ps: Any) -> dict[str, Any]:
+    pcm, source = utterance(wav)
+    pcm = SILENCE[:9600] + pcm + SILENCE[:24000]  # a breath before; the VAD's silence window after
+
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        if transport == "webrtc":
+            use_host_addresses(["127.0.0.1"]) if "127.0.0.1" in base or "localhost" in base else None
+        await run_level(transport, base, key, 1, 1, pcm, tokens, None)  # warm-up
+        lv = [await run_level(transport, base, key, s, turns, pcm, tokens, ps) for s in levels]
+        return lv, (await barge_in(transport, base, key, pcm, trials) if trials else None)
+
+    lv, barge = asyncio.run(go())
+    by = {x["sessions"]: x for x in lv}
+    targets: dict[str, Any] = {}
+    top = max(by)
+    r = by[top]["rtf"].get("p50")
+    targets[f"rtf_p50_at_{top}"] = {"goal": "< 1", "value": r, "met": r is not None and r < 1}
+    if 8 in by and by[8]["frame_gap_ms"]:
+        g = by[8]["frame_gap_ms"].get("p99")
+        targets["frame_gap_p99_ms_at_8"] = {"goal": "<= 40", "value": g, "met": g is not None and g <= 40}
+    if barge is not None:
+        p99 = barge["speech_started_to_silent_ms"].get("p99")
+        targets["barge_in_p99_ms"] = {"goal": "<= 100", "value": p99, "met": p99 is not None and p99 <= 100}
+    return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "transport": transport, "url": base,
+            "utterance": source, "utterance_s": round(len(pcm) / 48000, 3), "turns_per_session": turns,
+            "max_output_tokens": tokens, "levels": lv, "barge_in": barge, "targets": targets}
+
+
+def main_duplex(args: Any) -> int:
+    levels = [int(x) for x in str(args.sessions).split(",") if x.strip()]
+    if not levels or min(levels) < 1 or args.turns < 1:
+        print("error: --sessions levels and --turns must be >= 1")
+        return 2
+    server = None
+    base = args.url
+    ps = None
+    if base is None:
+        from latency_bench.server import ServerProcess
+
+        log_dir = Path(args.json).parent if args.json else Path("bench-out")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "duplex-server.log", env=dict(os.environ))
+        server.start()
+        server.wait_ready(timeout_s=600)
+        base = f"http://127.0.0.1:{args.port}"
+        ps = server._ps
+    try:
+        result = run(args.transport, base.rstrip("/"), args.api_key, levels, args.turns, args.max_output_tokens, args.wav, args.barge_in, ps)
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"duplex bench over {args.transport} ({result['utterance']}, {result['utterance_s']} s per turn, {args.turns} turns per session)")
+    print(f"{'S':>3} {'turns':>6} {'fail':>5} {'reply p50':>10} {'reply p90':>10} {'RTF p50':>8} {'gap p99 ms':>10} {'CPU/sess':>9}")
+    f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731
+    for lvl in result["levels"]:
+        print(f"{lvl['sessions']:>3} {lvl['turns']:>6} {lvl['failed']:>5} {f(lvl['reply_s'], 'p50'):>10} {f(lvl['reply_s'], 'p90'):>10} "
+              f"{f(lvl['rtf'], 'p50'):>8} {f(lvl['frame_gap_ms'], 'p99'):>10} {lvl['cpu_cores_per_session'] if lvl['cpu_cores_per_session'] is not None else '-':>9}")
+    if result["barge_in"]:
+        b = result["barge_in"]
+        print(f"barge-in: {b['measured']} measured ({b['skipped']} skipped): speech_started -> silent ms "
+              f"p50 {b['speech_started_to_silent_ms'].get('p50')} p99 {b['speech_started_to_silent_ms'].get('p99')}")
+    for name, t in result["targets"].items():
+        print(f"target {name}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
+    write_json(args.json, result)
+    if args.json:
+        print(f"\nwrote {args.json}")
+    return 1 if any(lvl["failed"] for lvl in result["levels"]) else 0
