@@ -104,3 +104,9 @@ WEBRTC_FRAME_GAP_SECONDS = Histogram(
     "Time between consecutive outbound 20 ms audio frames of a WebRTC call (pacing)",
     buckets=(0.005, 0.01, 0.015, 0.019, 0.021, 0.025, 0.03, 0.04, 0.06, 0.1, 0.25, 1.0),
 )
+
+WEBRTC_BARGE_IN_SILENT_SECONDS = Histogram(
+    "omni_rt_webrtc_barge_in_silent_seconds",
+    "WebRTC barge-in: the user's speech start detected by the server -> the first silent outbound frame",
+    buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0),
+)

@@ -113,6 +113,7 @@ class PacedAudioTrack:
         self._start: float | None = None
         self._pts = 0
         self.last_sent: float | None = None
+        self.cut_at: float | None = None  # when the user cut in (barge-in), until silent
 
     def push(self, fence: Any, response_id: str, pcm48: np.ndarray) -> bool:
         if self.buffered + len(pcm48) > MAX_BUFFERED_S * RTP_RATE:
@@ -156,6 +157,9 @@ class PacedAudioTrack:
         elif not filled and self.playing is not None:
             self.on_state("output_audio_buffer.stopped", self.playing)
             self.playing = None
+        if not filled and self.cut_at is not None:
+            metrics.WEBRTC_BARGE_IN_SILENT_SECONDS.observe(time.monotonic() - self.cut_at)
+            self.cut_at = None
         return out
 
     async def recv(self, track: Any) -> Any:
@@ -233,6 +237,8 @@ class WebRTCConnection(RealtimeConnection):
                 self.out.played.pop(old, None)
 
     async def speech_started(self, at_ms: int, td: Any) -> None:
+        if td.interrupt_response and (self.response is not None or self.out.buffered or self.out.playing is not None):
+            self.out.cut_at = time.monotonic()
         await super().speech_started(at_ms, td)
         if td.interrupt_response and (self.out.buffered or self.out.playing is not None):
             self.keep_heard(self.clear_output(None))  # an answer generated in full but still playing
