@@ -21,7 +21,7 @@ import time
 from typing import Any
 from urllib.parse import urlencode
 
-from clients.realtime import RATE, RealtimeError, read_wav_pcm16, write_wav_pcm16
+from clients.realtime import RATE, RealtimeError, next_event, read_wav_pcm16, write_wav_pcm16
 
 AUDIO_FRAME = b"\x01"
 FRAME_MS = 20
@@ -109,18 +109,7 @@ class DuplexClient:
     # ---- receiving ---------------------------------------------------------------------
     async def until(self, types: str | set[str], seen: list[dict[str, Any]] | None = None, timeout: float = 120) -> dict[str, Any]:
         """Events up to (and including) the first of `types`; errors raise unless asked for."""
-        want = {types} if isinstance(types, str) else set(types)
-        deadline = time.monotonic() + timeout
-        while True:
-            ev = await asyncio.wait_for(self.events.get(), max(0.01, deadline - time.monotonic()))
-            if seen is not None:
-                seen.append(ev)
-            if ev["type"] in want:
-                return ev
-            if ev["type"] == "error" and "error" not in want:
-                raise RealtimeError(ev)
-            if ev["type"] == "connection.closed":
-                raise ConnectionError(f"connection closed ({ev['code']} {ev['reason']}) before {sorted(want)}")
+        return await next_event(self.events, types, seen, timeout)
 
     def drain(self) -> list[dict[str, Any]]:
         out = []

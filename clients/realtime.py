@@ -50,6 +50,23 @@ class TurnResult:
         return len(self.audio) / 2 / RATE
 
 
+async def next_event(queue: "asyncio.Queue[dict[str, Any]]", types: str | set[str], seen: list[dict[str, Any]] | None = None, timeout: float = 120) -> dict[str, Any]:
+    """Events from `queue` up to (and including) the first of `types`. An `error` event
+    raises RealtimeError unless asked for; `connection.closed` raises ConnectionError."""
+    want = {types} if isinstance(types, str) else set(types)
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = await asyncio.wait_for(queue.get(), max(0.01, deadline - time.monotonic()))
+        if seen is not None:
+            seen.append(ev)
+        if ev["type"] in want:
+            return ev
+        if ev["type"] == "error" and "error" not in want:
+            raise RealtimeError(ev)
+        if ev["type"] == "connection.closed":
+            raise ConnectionError(f"connection closed ({ev.get('code')} {ev.get('reason')}) before {sorted(want)}")
+
+
 def read_wav_pcm16(path: str) -> bytes:
     """A WAV file as PCM16 mono 24 kHz (resampled with soxr when needed)."""
     with wave.open(path, "rb") as w:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.realtime import RATE, read_wav_pcm16, write_wav_pcm16
+from clients.realtime import RATE, next_event, read_wav_pcm16, write_wav_pcm16
 
 RTP_RATE = 48000
 FRAME = RTP_RATE // 50  # 20 ms
@@ -174,16 +174,8 @@ class CallClient:
         self.channel.send(json.dumps({"type": type, **data}))
 
     async def until(self, types: str | set[str], seen: list[dict[str, Any]] | None = None, timeout: float = 120) -> dict[str, Any]:
-        want = {types} if isinstance(types, str) else set(types)
-        deadline = time.monotonic() + timeout
-        while True:
-            ev = await asyncio.wait_for(self.events.get(), max(0.01, deadline - time.monotonic()))
-            if seen is not None:
-                seen.append(ev)
-            if ev["type"] in want:
-                return ev
-            if ev["type"] == "error" and "error" not in want:
-                raise RuntimeError(f"{ev['error'].get('code')}: {ev['error'].get('message')}")
+        """Data-channel events up to (and including) the first of `types`."""
+        return await next_event(self.events, types, seen, timeout)
 
     # ---- what was heard ------------------------------------------------------------------
     def heard(self, since: float = 0.0) -> np.ndarray:

@@ -5,7 +5,6 @@ consumers. Answers run to their token limit (tests.harness.SERVER_OVERLAY)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import socket
 import time
