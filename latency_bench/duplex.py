@@ -55,7 +55,8 @@ async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens
     out = []
     c = await DuplexClient.connect(base.replace("http", "ws", 1) + "/v1/duplex", key)
     try:
-        await c.update(max_output_tokens=tokens)
+        # audio as 20 ms binary frames paced in real time by the server, as a player wants it
+        await c.update(max_output_tokens=tokens, audio={"output": {"transport": "binary", "pacing": "realtime"}})
         for _ in range(turns):
             await c.stream_audio(pcm)  # lead-in and speech
             t_end = time.monotonic()
@@ -66,7 +67,7 @@ async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens
             finally:
                 sender.cancel()
             rid = done["response"]["id"]
-            chunks = [(e["_t"], len(audio_of([e])) // 2) for e in seen if e["type"] == "response.output_audio.delta" and e.get("response_id") == rid]
+            chunks = [(e["_t"], len(e["audio"]) // 2) for e in seen if e["type"] == "audio.binary"]
             created = next((e["_t"] for e in seen if e["type"] == "response.created"), None)
             audio_s = sum(n for _, n in chunks) / 24000
             ok = done["response"]["status"] == "completed" and bool(chunks)
@@ -74,7 +75,8 @@ async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens
                 "ok": ok, "status": done["response"]["status"],
                 "reply_s": chunks[0][0] - t_end if chunks else None,
                 "rtf": (done["_t"] - created) / audio_s if ok and created and audio_s else None,
-                "audio_s": audio_s, "gaps_ms": _ws_stall_ms(chunks),
+                "audio_s": audio_s, "stalls_ms": _ws_stall_ms(chunks),
+                "gaps_ms": [(b[0] - a[0]) * 1000 for a, b in zip(chunks, chunks[1:])],
             })
     finally:
         await c.close()
@@ -142,14 +144,16 @@ async def run_level(transport: str, base: str, key: str | None, sessions: int, t
             turns_.extend(r)
     ok = [t for t in turns_ if t["ok"]]
     gaps = [g for t in turns_ for g in t.get("gaps_ms", [])]
+    stalls = [g for t in turns_ for g in t.get("stalls_ms", [])]
     return {
         "sessions": sessions, "turns": len(turns_), "failed": len(turns_) - len(ok) + len(errors), "errors": errors[:5],
         "wall_s": round(wall, 3),
         "reply_s": summarize([t["reply_s"] for t in ok]),
         "rtf": summarize([t["rtf"] for t in ok]),
         "frame_gap_ms": summarize(gaps) if gaps else {},
+        "playout_stall_ms": summarize(stalls) if stalls else {},
         "cpu_cores_per_session": round(cpu / wall / sessions, 3) if cpu is not None and wall > 0 else None,
-        "samples": [{k: v for k, v in t.items() if k != "gaps_ms"} for t in turns_],
+        "samples": [{k: v for k, v in t.items() if k not in ("gaps_ms", "stalls_ms")} for t in turns_],
     }
 
 

@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections import deque
 from typing import Any, Mapping
 
 import numpy as np
@@ -42,6 +44,7 @@ import soxr
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
+from omni_rt import metrics
 from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import pcm16_bytes
 from protocols.auth import principal_of
@@ -53,7 +56,6 @@ from protocols.realtime import (
     apply_session_update,
     close_websocket,
     next_message,
-    send_events,
     wire_data,
 )
 from protocols.sessions_api import realtime_error_event, reject_websocket
@@ -66,6 +68,8 @@ RATES = (8000, 16000, 24000, 44100, 48000)
 CHUNK_PERIOD_MS = 20  # the input frame period the server is tuned for (any length is accepted)
 MAX_FRAME_BYTES = 1 << 20
 HEARTBEAT_S = 5.0
+PACING_LEAD_S = 0.1  # paced audio is sent this far ahead of real time (network jitter)
+SEND_TIMEOUT_S = 10.0  # a paced send blocked this long: the client is not reading
 WS_INTERNAL_ERROR = 1011
 
 
@@ -77,6 +81,7 @@ class DuplexConnection(RealtimeConnection):
         self.in_rate = RATE
         self.out_rate = RATE
         self.binary_out = False
+        self.paced = False  # session.audio.output.pacing: "realtime" sends audio as 20 ms frames in real time
         self._in_rs: soxr.ResampleStream | None = None
         self._out_rs: dict[str, soxr.ResampleStream] = {}
         self.out_seq = 0  # server_event_seq: monotonic across attachments
@@ -91,6 +96,7 @@ class DuplexConnection(RealtimeConnection):
             "input_formats": [{"type": "audio/pcm", "rates": list(RATES), "binary_frame_type": AUDIO_FRAME}],
             "output_formats": [{"type": "audio/pcm", "rates": list(RATES)}],
             "output_transports": ["json", "binary"],
+            "output_pacing": ["none", "realtime"],
             "heartbeat_s": HEARTBEAT_S,
             "replay_buffer_events": self.sessions.spec.replay_buffer_events,
             "disconnect_grace_s": self.sessions.spec.disconnect_grace_s,
@@ -101,6 +107,7 @@ class DuplexConnection(RealtimeConnection):
         s["audio"]["input"]["format"] = {"type": "audio/pcm", "rate": self.in_rate}
         s["audio"]["output"]["format"] = {"type": "audio/pcm", "rate": self.out_rate}
         s["audio"]["output"]["transport"] = "binary" if self.binary_out else "json"
+        s["audio"]["output"]["pacing"] = "realtime" if self.paced else "none"
         s["capabilities"] = self.capabilities()
         return s
 
@@ -111,7 +118,7 @@ class DuplexConnection(RealtimeConnection):
             raise ClientError("invalid_type", "'session' must be an object.", "session")
         body = json.loads(json.dumps(body))  # a copy we may strip
         audio = body.get("audio")
-        in_rate, out_rate, binary = self.in_rate, self.out_rate, self.binary_out
+        in_rate, out_rate, binary, paced = self.in_rate, self.out_rate, self.binary_out, self.paced
         if isinstance(audio, dict):
             for side in ("input", "output"):
                 part = audio.get(side)
@@ -134,11 +141,16 @@ class DuplexConnection(RealtimeConnection):
                 if t not in ("json", "binary"):
                     raise ClientError("invalid_value", "'session.audio.output.transport' must be 'json' or 'binary'.", "session.audio.output.transport")
                 binary = t == "binary"
+            if isinstance(out, dict) and "pacing" in out:
+                pacing = out.pop("pacing")
+                if pacing not in ("none", "realtime"):
+                    raise ClientError("invalid_value", "'session.audio.output.pacing' must be 'none' or 'realtime'.", "session.audio.output.pacing")
+                paced = pacing == "realtime"
         for key in ("input_audio_format", "output_audio_format"):
             if key in body:
                 raise ClientError("invalid_value", f"'session.{key}' is the beta shape; use session.audio.*.format.", f"session.{key}")
         cfg = self._apply(body)
-        self.cfg, self.binary_out = cfg, binary
+        self.cfg, self.binary_out, self.paced = cfg, binary, paced
         if in_rate != self.in_rate:
             self.in_rate, self._in_rs = in_rate, None
         if out_rate != self.out_rate:
@@ -222,15 +234,96 @@ class DuplexConnection(RealtimeConnection):
             await super().dispatch(t, ev, event_id)
 
     def frame(self, ev: SessionEvent) -> str | bytes:
-        self.out_seq += 1
         if ev.type == "response.output_audio.delta":
-            audio = self.out_audio(ev.data["response_id"], ev.data["delta"])
-            if self.binary_out:
-                return bytes([AUDIO_FRAME]) + audio
-            data = wire_data({**ev.data, "delta": audio})
-        else:
-            data = wire_data(ev.data)
-        return json.dumps({"type": ev.type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **data})
+            return self.render(ev.type, {**ev.data, "delta": self.out_audio(ev.data["response_id"], ev.data["delta"])})
+        return self.render(ev.type, ev.data)
+
+    def render(self, type: str, data: Mapping[str, Any]) -> str | bytes:
+        """One event on the wire (audio already at the output rate)."""
+        self.out_seq += 1
+        if type == "response.output_audio.delta" and self.binary_out:
+            return bytes([AUDIO_FRAME]) + data["delta"]
+        return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **wire_data(data)})
+
+    async def write(self, ws: WebSocket) -> None:
+        """This attachment's writer: events as they come, or with pacing "realtime",
+        audio cut into 20 ms frames sent in real time (PACING_LEAD_S ahead), the other
+        events in order between them. Unsent events go back to the session when the
+        attachment ends (replayed on resume); a barge-in drops the unsent old audio."""
+        session = self.session
+        pending: deque[SessionEvent] = deque()
+        wake, room = asyncio.Event(), asyncio.Event()
+        over = False
+
+        async def pull() -> None:
+            nonlocal over
+            async for ev in session.events():
+                pending.append(ev)
+                wake.set()
+                # Unpaced, take one event at a time: a client that does not read then
+                # backs up the session's own queue (its slow-consumer bound). Paced,
+                # events wait here for their time.
+                while pending and not self.paced:
+                    room.clear()
+                    await room.wait()
+            over = True
+            wake.set()
+
+        async def send(out: str | bytes) -> None:
+            sending = ws.send_bytes(out) if isinstance(out, bytes) else ws.send_text(out)
+            if not self.paced:
+                await sending
+                return
+            try:
+                await asyncio.wait_for(sending, SEND_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                log.warning("duplex session %s: the client has not read for %.0f s; ending it", session.id, SEND_TIMEOUT_S)
+                asyncio.get_running_loop().create_task(self.sessions.end(session, "slow_consumer"))
+                raise
+
+        puller = asyncio.get_running_loop().create_task(pull())
+        clock, ahead = 0.0, 0.0  # the stream clock and the audio seconds sent on it
+        try:
+            while True:
+                if not pending:
+                    if over:
+                        return
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                ev = pending[0]
+                if ev.fence is not None and ev.fence.is_stale_against(session.fence):
+                    metrics.DROPPED_STALE.labels(hop="adapter").inc()
+                    pending.popleft()
+                    room.set()
+                    continue
+                if ev.type != "response.output_audio.delta" or not self.paced:
+                    await send(self.frame(ev))
+                    pending.popleft()
+                    room.set()
+                    if ev.type in ("session.expired", "session.closed"):
+                        return
+                    continue
+                pcm = self.out_audio(ev.data["response_id"], ev.data["delta"])
+                pending.popleft()
+                room.set()
+                step = self.out_rate * 2 // 50  # 20 ms
+                for i in range(0, len(pcm), step):
+                    now = time.monotonic()
+                    if now > clock + ahead:  # idle or behind: the stream clock starts again
+                        clock, ahead = now, 0.0
+                    due = clock + ahead - PACING_LEAD_S
+                    if due > now:
+                        await asyncio.sleep(due - now)
+                    if ev.fence is not None and ev.fence.is_stale_against(session.fence):
+                        break  # barge-in / cancel: the rest of this answer is dropped
+                    part = pcm[i : i + step]
+                    await send(self.render(ev.type, {**ev.data, "delta": part}))
+                    ahead += len(part) / 2 / self.out_rate
+        finally:
+            puller.cancel()
+            await asyncio.gather(puller, return_exceptions=True)
+            session.requeue(pending)
 
     def direct(self, type: str, **data: Any) -> str:
         """An event sent on this socket only (not queued for replay)."""
@@ -261,7 +354,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
         resumes another one as its first event; None when this connection is over."""
         gen = session._attach_gen
         loop = asyncio.get_running_loop()
-        writer = loop.create_task(send_events(ws, session, conn.frame))
+        writer = loop.create_task(conn.write(ws))
         ended = asyncio.ensure_future(session.closed.wait())
 
         async def heartbeat() -> None:

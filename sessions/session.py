@@ -19,7 +19,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 
 from omni_rt import metrics
 from omni_rt.payloads import Fence, Payload
@@ -267,6 +267,15 @@ class Session:
             self._trim_replay()
         self._wakeup.set()
         return True
+
+    def requeue(self, events: Iterable[SessionEvent]) -> None:
+        """Put events a writer took but did not send back at the front (in order), for
+        the next attachment's replay."""
+        back = list(events)
+        if back and self.state != SessionState.CLOSED:
+            self._events.extendleft(reversed(back))
+            if self.state == SessionState.DETACHED:
+                self._trim_replay()
 
     def _trim_replay(self) -> None:
         while len(self._events) > self._replay_limit:

@@ -90,6 +90,26 @@ async def test_binary_audio_both_ways_at_declared_rates(server):
         await c.close()
 
 
+async def test_realtime_pacing_sends_20ms_frames_no_faster_than_real_time(server):
+    c = await connect(server)
+    try:
+        u = await c.update(turn_detection=None, audio={"output": {"transport": "binary", "pacing": "realtime"}})
+        assert u["session"]["audio"]["output"]["pacing"] == "realtime"
+        await ask(c, "Say something", 16)
+        seen: list = []
+        done = await c.until("response.done", seen)
+        frames = [e for e in seen if e["type"] == "audio.binary"]
+        assert done["response"]["status"] == "completed" and len(frames) > 10
+        assert all(len(f["audio"]) <= 960 for f in frames)  # 20 ms at 24 kHz
+        audio_s = sum(len(f["audio"]) for f in frames) / 48000
+        # paced: the frames take about as long to arrive as they last (sent 100 ms ahead)
+        assert frames[-1]["_t"] - frames[0]["_t"] >= audio_s - 0.1 - 0.1
+        # and response.done comes after the answer's last frame
+        assert seen.index(frames[-1]) < seen.index(done)
+    finally:
+        await c.close()
+
+
 async def test_barge_in_stops_the_answer_and_keeps_only_what_was_heard(server):
     speech = speech_pcm16("Wait, stop, I have another question.")
     c = await connect(server)
