@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="S sessions at once, each speaking --turns utterances in real time with server VAD.",
     )
     d.add_argument("--transport", choices=("ws", "webrtc"), default="ws")
+    d.add_argument("--pacing", choices=("realtime", "none"), default="realtime",
+                   help="WebSocket output pacing (default realtime: frame gaps; none: generation RTF)")
     d.add_argument("--sessions", "-s", default="1,8,16", help="comma-separated concurrent session levels (default 1,8,16)")
     d.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
     d.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech, else noise")

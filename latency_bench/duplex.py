@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from clients.duplex import DuplexClient, audio_of
+from clients.duplex import DuplexClient
 from clients.webrtc import CallClient, use_host_addresses
 from latency_bench import machine_info, utc_now, write_json
 from latency_bench.realtime import utterance
@@ -51,12 +51,15 @@ def _ws_stall_ms(chunks: list[tuple[float, int]]) -> list[float]:
     return stalls
 
 
+PACING = {"value": "realtime"}  # --pacing of the WebSocket sessions
+
+
 async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens: int) -> list[dict[str, Any]]:
     out = []
     c = await DuplexClient.connect(base.replace("http", "ws", 1) + "/v1/duplex", key)
     try:
-        # audio as 20 ms binary frames paced in real time by the server, as a player wants it
-        await c.update(max_output_tokens=tokens, audio={"output": {"transport": "binary", "pacing": "realtime"}})
+        # binary audio; paced: 20 ms frames in real time by the server, as a player wants it
+        await c.update(max_output_tokens=tokens, audio={"output": {"transport": "binary", "pacing": PACING["value"]}})
         for _ in range(turns):
             await c.stream_audio(pcm)  # lead-in and speech
             t_end = time.monotonic()
@@ -66,7 +69,6 @@ async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens
                 done = await c.until("response.done", seen)
             finally:
                 sender.cancel()
-            rid = done["response"]["id"]
             chunks = [(e["_t"], len(e["audio"]) // 2) for e in seen if e["type"] == "audio.binary"]
             created = next((e["_t"] for e in seen if e["type"] == "response.created"), None)
             audio_s = sum(n for _, n in chunks) / 24000
@@ -230,7 +232,12 @@ def run(transport: str, base: str, key: str | None, levels: list[int], turns: in
     targets: dict[str, Any] = {}
     top = max(by)
     r = by[top]["rtf"].get("p50")
-    targets[f"rtf_p50_at_{top}"] = {"goal": "< 1", "value": r, "met": r is not None and r < 1}
+    if transport == "ws" and PACING["value"] == "realtime":
+        # paced, response.done waits for the audio's real-time delivery: this RTF is ~1 by
+        # construction; generation speed is measured with --pacing none
+        targets[f"rtf_p50_at_{top}"] = {"goal": "< 1", "value": r, "met": None, "note": "paced delivery; run --pacing none for generation RTF"}
+    else:
+        targets[f"rtf_p50_at_{top}"] = {"goal": "< 1", "value": r, "met": r is not None and r < 1}
     if 8 in by and by[8]["frame_gap_ms"]:
         g = by[8]["frame_gap_ms"].get("p99")
         targets["frame_gap_p99_ms_at_8"] = {"goal": "<= 40", "value": g, "met": g is not None and g <= 40}
@@ -247,11 +254,13 @@ def run(transport: str, base: str, key: str | None, levels: list[int], turns: in
                 targets["barge_in_p99_ms_server"] = {"goal": "<= 100", "value_le": server_p99 * 1000, "met": server_p99 <= 0.1,
                                                      "measured": "at the server: speech start -> first silent outbound frame (histogram bucket bound)"}
     return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "transport": transport, "url": base,
+            "pacing": PACING["value"] if transport == "ws" else "realtime (RTP)",
             "utterance": source, "utterance_s": round(len(pcm) / 48000, 3), "turns_per_session": turns,
             "max_output_tokens": tokens, "levels": lv, "barge_in": barge, "targets": targets}
 
 
 def main_duplex(args: Any) -> int:
+    PACING["value"] = args.pacing
     levels = [int(x) for x in str(args.sessions).split(",") if x.strip()]
     if not levels or min(levels) < 1 or args.turns < 1:
         print("error: --sessions levels and --turns must be >= 1")
@@ -285,7 +294,8 @@ def main_duplex(args: Any) -> int:
         print(f"barge-in: {b['measured']} measured ({b['skipped']} skipped): speech_started -> silent ms "
               f"p50 {b['speech_started_to_silent_ms'].get('p50')} p99 {b['speech_started_to_silent_ms'].get('p99')}")
     for name, t in result["targets"].items():
-        print(f"target {name}: {t.get('value', t.get('value_le'))} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
+        verdict = "n/a" if t["met"] is None else "met" if t["met"] else "NOT met"
+        print(f"target {name}: {t.get('value', t.get('value_le'))} {t['goal']} -> {verdict}")
     write_json(args.json, result)
     if args.json:
         print(f"\nwrote {args.json}")
