@@ -11,6 +11,9 @@ events, the same conversation logic), with these extensions:
   (`session.audio.input.format.rate`, one of `RATES`; resampled to the model's 24 kHz
   with soxr). Out: `response.output_audio.delta` events, or binary frames `[0x01][PCM16]`
   when `session.audio.output.transport` is `"binary"`, at `session.audio.output.format.rate`.
+  With `session.audio.output.pacing: "realtime"` the answer goes out as 20 ms frames in
+  real time (PACING_LEAD_S ahead) with the other events in order between them; a
+  barge-in drops what was not sent yet. `"none"` (default) sends audio as generated.
 - Every server event carries `server_event_seq`, monotonic over the whole session
   (across reconnects), and every `response.*` event the `epoch` its response ran under.
   Barge-in and cancel advance the epoch; nothing of an older epoch is sent after that.
