@@ -304,8 +304,8 @@ class DuplexConnection(RealtimeConnection):
                     await send(self.frame(ev))
                     pending.popleft()
                     room.set()
-                    if ev.type in ("session.expired", "session.closed"):
-                        return
+                    if ev.type in ("session.expired", "session.closed") and ev.data.get("session_id") == session.id:
+                        return  # this session's end (not a refused resume of another)
                     continue
                 pcm = self.out_audio(ev.data["response_id"], ev.data["delta"])
                 pending.popleft()

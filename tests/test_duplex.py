@@ -231,6 +231,10 @@ async def test_grace_expiry_frees_the_session_and_its_work(server):
     await c2.send("session.resume", session_id=sid, resume_token=token)
     expired = await c2.until("session.expired")
     assert expired["session_id"] == sid and expired["reason"] == "disconnect_grace_expired"
+    # the socket and its own fresh session go on
+    await manual(c2)
+    await ask(c2, "Hello", 8)
+    assert (await c2.until("response.done"))["response"]["status"] == "completed"
     await c2.close()
     api.close()
 
