@@ -193,9 +193,12 @@ class ThinkerProcessor(StageProcessor):
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
 
-    def prompt_embeds(self, messages: list[Mapping[str, str]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
+    def prompt_ids(self, messages: list[Mapping[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_embeds(self, messages: list[Mapping[str, str]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
+        ids = self.prompt_ids(messages)
         embed = self.embed
         assert embed is not None
 
@@ -230,7 +233,15 @@ class ThinkerProcessor(StageProcessor):
             raise StageError("thinker: no messages to respond to")
         if audio is not None and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
-        emb, _ = self.prompt_embeds(messages, audio)
+        # Text only: token ids, the engine's fast path (no embedding rows to ship to the
+        # engine process). With audio: prompt embeddings with the audio spliced in.
+        prompt: dict[str, Any]
+        if audio is None:
+            ids = self.prompt_ids(messages)
+            prompt, n_in = {"prompt_token_ids": ids}, len(ids)
+        else:
+            emb, _ = self.prompt_embeds(messages, audio)
+            prompt, n_in = {"prompt_embeds": emb}, int(emb.shape[0])
         a = self.args
         sampling: dict[str, Any] = {
             "temperature": a["temperature"],
@@ -245,13 +256,13 @@ class ThinkerProcessor(StageProcessor):
         }
         if ctx.params.get("seed") is not None:
             sampling["seed"] = int(ctx.params["seed"])
-        ctx.add_usage(input_tokens=int(emb.shape[0]))
+        ctx.add_usage(input_tokens=n_in)
         gen = getattr(self.engine, "generate", None)
         if gen is None:
             raise StageError("thinker stage needs an AR engine with generate()")
         out_ids: list[int] = []
         sent = ""
-        async for toks in gen(f"{ctx.request_id}-thinker", prompt_embeds=emb, sampling=sampling):
+        async for toks in gen(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
             out_ids.extend(t for t in toks if t not in self.stop_ids)
             ctx.add_usage(output_tokens=len(toks))
             text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
