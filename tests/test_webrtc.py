@@ -45,7 +45,7 @@ async def test_a_call_end_to_end(server):
         # frames keep coming (silence) at the real-time pace between answers
         n0 = len(call.frames)
         await asyncio.sleep(1.0)
-        assert 25 <= len(call.frames) - n0 <= 75
+        assert 10 <= len(call.frames) - n0 <= 100  # ~50 a second, give or take jitter buffering
     finally:
         status = await call.hangup()
     assert status == 204
