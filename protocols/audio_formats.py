@@ -174,6 +174,26 @@ def pcm16_bytes(x: np.ndarray) -> bytes:
     return _to_s16(np.asarray(x, dtype=np.float32).reshape(-1)).tobytes()
 
 
+class Pcm16Resampler:
+    """PCM16 chunks of consecutive streams resampled `src` -> `dst` Hz. soxr keeps its
+    filter state between the chunks of one stream; a new `key` (e.g. a response id)
+    starts a new stream."""
+
+    def __init__(self, src: int, dst: int) -> None:
+        self.src, self.dst = src, dst
+        self._key: Any = None
+        self._rs: Any = None
+
+    def convert(self, key: Any, pcm16: bytes) -> bytes:
+        if self.src == self.dst:
+            return pcm16
+        if self._rs is None or key != self._key:
+            import soxr
+
+            self._key, self._rs = key, soxr.ResampleStream(self.src, self.dst, 1, dtype="float32")
+        return pcm16_bytes(self._rs.resample_chunk(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0))
+
+
 def _wav_header(sample_rate: int) -> bytes:
     return (
         b"RIFF"

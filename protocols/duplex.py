@@ -49,7 +49,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from omni_rt import metrics
 from omni_rt.specs import PipelineSpec
-from protocols.audio_formats import pcm16_bytes
+from protocols.audio_formats import Pcm16Resampler
 from protocols.auth import principal_of
 from protocols.realtime import (
     RATE,
@@ -86,7 +86,7 @@ class DuplexConnection(RealtimeConnection):
         self.binary_out = False
         self.paced = False  # session.audio.output.pacing: "realtime" sends audio as 20 ms frames in real time
         self._in_rs: soxr.ResampleStream | None = None
-        self._out_rs: dict[str, soxr.ResampleStream] = {}
+        self._out = Pcm16Resampler(RATE, self.out_rate)
         self.out_seq = 0  # server_event_seq: monotonic across attachments
         self.played: dict[str, Any] = {}  # response id -> its item (for playback acks)
 
@@ -152,15 +152,12 @@ class DuplexConnection(RealtimeConnection):
         for key in ("input_audio_format", "output_audio_format"):
             if key in body:
                 raise ClientError("invalid_value", f"'session.{key}' is the beta shape; use session.audio.*.format.", f"session.{key}")
-        cfg = self._apply(body)
+        cfg = apply_session_update(self.cfg, body, self.pipeline.voices)
         self.cfg, self.binary_out, self.paced = cfg, binary, paced
         if in_rate != self.in_rate:
             self.in_rate, self._in_rs = in_rate, None
         if out_rate != self.out_rate:
-            self.out_rate, self._out_rs = out_rate, {}
-
-    def _apply(self, body: Mapping[str, Any]) -> Any:
-        return apply_session_update(self.cfg, body, self.pipeline.voices)
+            self.out_rate, self._out = out_rate, Pcm16Resampler(RATE, out_rate)
 
     # ---- audio ---------------------------------------------------------------------------
     async def audio_frame(self, frame: bytes) -> None:
@@ -182,14 +179,7 @@ class DuplexConnection(RealtimeConnection):
         await self.append_pcm(pcm)
 
     def out_audio(self, response_id: str, pcm16: bytes) -> bytes:
-        if self.out_rate == RATE:
-            return pcm16
-        rs = self._out_rs.get(response_id)
-        if rs is None:
-            self._out_rs = {response_id: soxr.ResampleStream(RATE, self.out_rate, 1, dtype="float32")}
-            rs = self._out_rs[response_id]
-        y = rs.resample_chunk(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0)
-        return pcm16_bytes(y)
+        return self._out.convert(response_id, pcm16)
 
     # ---- playback ------------------------------------------------------------------------
     def ack(self, ev: Mapping[str, Any]) -> None:
@@ -343,7 +333,7 @@ def _refusal(exc: SessionError, session_id: str) -> dict[str, Any]:
 def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> APIRouter:
     router = APIRouter()
 
-    async def resume(ws: WebSocket, sid: Any, token: Any, principal: str) -> tuple[Session, DuplexConnection]:
+    async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, DuplexConnection]:
         if not isinstance(sid, str) or not sid:
             raise ClientError("missing_required_parameter", "Missing required parameter: 'session_id'.", "session_id")
         s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
@@ -385,14 +375,13 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
                         ev = None
                     if isinstance(ev, dict) and ev.get("type") == "session.resume":
                         try:
-                            switch = await resume(ws, ev.get("session_id"), ev.get("resume_token"), principal)
+                            switch = await resume(ev.get("session_id"), ev.get("resume_token"), principal)
                             break
                         except ClientError as err:
                             conn.error(err)
-                        except SessionGone as exc:
-                            session.emit("session.expired", {"session_id": ev.get("session_id"), "reason": exc.reason})
                         except SessionError as exc:
-                            session.emit("error", {"error": realtime_error_event(exc)["error"]})
+                            refusal = _refusal(exc, str(ev.get("session_id")))
+                            session.emit(refusal.pop("type"), refusal)
                         first = True  # a refused resume may be retried
                         continue
                 await conn.handle(data)
@@ -417,7 +406,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
                 await ws.accept()
                 sid = ws.query_params["session_id"]
                 try:
-                    session, conn = await resume(ws, sid, ws.query_params.get("resume_token"), principal)
+                    session, conn = await resume(sid, ws.query_params.get("resume_token"), principal)
                 except (SessionError, ClientError) as exc:
                     if isinstance(exc, ClientError):
                         await ws.send_json({"type": "error", "error": {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param}})

@@ -357,7 +357,7 @@ class Response:
 class RealtimeConnection:
     """The conversation logic of one realtime-style session, independent of the transport:
     everything it says goes out as session events (`session.emit`), which a transport
-    writer (`send_json_events` here, `protocols.duplex`, `protocols.webrtc`) puts on
+    writer (`send_events` here, `protocols.duplex`, `protocols.webrtc`) puts on
     its wire. Audio deltas carry raw PCM16 bytes; writers encode them for their wire."""
 
     # Response events get an `epoch` field (the duplex protocol's extension).
@@ -381,7 +381,6 @@ class RealtimeConnection:
         self.vad: Vad | None = None
         self.speech_item: str | None = None
         self.collecting: set[asyncio.Task[None]] = set()
-        self._events = 0
 
     # ---- output ----
     def name(self, beta_name: str) -> str:

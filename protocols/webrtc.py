@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response
 
 from omni_rt import metrics
 from omni_rt.specs import PipelineSpec
-from protocols.audio_formats import pcm16_bytes
+from protocols.audio_formats import Pcm16Resampler
 from protocols.auth import principal_of
 from protocols.openai_http import APIError, error_response, session_api_error
 from protocols.realtime import RATE, ClientError, RealtimeConnection, apply_session_update, wire_data
@@ -89,8 +89,6 @@ class PacedAudioTrack:
     """The agent's voice: 20 ms frames at 48 kHz, paced in real time; silence when
     there is nothing to say. Chunks carry their turn's fence and are dropped once stale
     (a barge-in silences the track from the next frame on)."""
-
-    kind = "audio"
 
     def __init__(self, session: Session, on_state: Any) -> None:
         from aiortc.mediastreams import MediaStreamTrack
@@ -196,7 +194,7 @@ class WebRTCConnection(RealtimeConnection):
         super().__init__(session, sessions, pipeline, True, model)
         self.out = PacedAudioTrack(session, self._playback_state)
         self.answers: dict[str, Any] = {}  # response id -> its item (recent answers)
-        self._out_rs: tuple[str, soxr.ResampleStream] | None = None
+        self._out = Pcm16Resampler(RATE, RTP_RATE)
 
     def _playback_state(self, type: str, response_id: str | None) -> None:
         self.session.emit(type, {"response_id": response_id})
@@ -244,10 +242,7 @@ class WebRTCConnection(RealtimeConnection):
             self.keep_heard(self.clear_output(None))  # an answer generated in full but still playing
 
     def audio_out(self, fence: Any, response_id: str, pcm16: bytes) -> bool:
-        if self._out_rs is None or self._out_rs[0] != response_id:
-            self._out_rs = (response_id, soxr.ResampleStream(RATE, RTP_RATE, 1, dtype="float32"))
-        y = self._out_rs[1].resample_chunk(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0)
-        return self.out.push(fence, response_id, np.frombuffer(pcm16_bytes(y), "<i2"))
+        return self.out.push(fence, response_id, np.frombuffer(self._out.convert(response_id, pcm16), "<i2"))
 
     async def dispatch(self, t: str, ev: dict[str, Any], event_id: str | None) -> None:
         if t in ("input_audio_buffer.append", "input_audio_buffer.commit") and self.cfg.turn_detection is not None:
