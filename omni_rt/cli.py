@@ -97,6 +97,12 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", help="Redis for the redis store (default redis://127.0.0.1:6379/0)")
 
 
+# Frames up to this size reach the protocols, which answer oversized ones in their own
+# error shape (a realtime append over 15 MiB of audio, an OpenPI observation over 64
+# MiB); the transport closes bigger ones with 1009.
+WS_MAX_BYTES = 128 * 1024 * 1024
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     overlay, source = _overlay(args)
     logging.basicConfig(level=overlay.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -114,9 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"omni-rt: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     app = create_app(overlay, source)
-    # Realtime appends may carry 15 MiB of audio (20 MiB of base64): frames up to 24 MiB
-    # reach the protocol, which answers oversized ones with an error event.
-    config = uvicorn.Config(app, host=host, port=port, log_level=overlay.server.log_level, lifespan="on", ws_max_size=24 * 1024 * 1024)
+    config = uvicorn.Config(app, host=host, port=port, log_level=overlay.server.log_level, lifespan="on", ws_max_size=WS_MAX_BYTES)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

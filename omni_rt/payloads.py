@@ -38,6 +38,7 @@ class PayloadKind(str, enum.Enum):
     LATENTS = "latents"
     IMAGE = "image"
     ACTIONS = "actions"
+    OBSERVATION = "observation"  # a robot's observation: named arrays, strings in meta["text"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Builders of the tiny reference checkpoints for the TTS / voice pipelines.
+"""Builders of the tiny reference checkpoints for the TTS, voice and robot pipelines.
 
 Real architectures, random weights, fixed seed, sized for 2 CPU cores:
 
@@ -389,13 +389,47 @@ def _fill_audio_encoder(out: Path) -> None:
     save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "model.safetensors"))
 
 
+# π0-shaped policy: 3 camera slots (14x14 patches of 224x224, pooled to 4x4 tokens each),
+# a 48-byte prompt, state and actions padded to 32 dims, a 16-step chunk, 10 flow steps.
+POLICY_CONFIG = {
+    "name": "omni-rt-tiny-policy",
+    "image_slots": 3,
+    "image_size": 224,
+    "patch": 14,
+    "grid": 4,
+    "width": 64,
+    "heads": 4,
+    "prefix_layers": 1,
+    "expert_layers": 2,
+    "prompt_len": 48,
+    "max_state_dim": 32,
+    "max_action_dim": 32,
+    "action_horizon": 16,
+    "num_steps": 10,
+}
+
+
+def _fill_policy(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from pipelines.robot import PolicyNet
+
+    torch.manual_seed(SEED + 3)
+    net = PolicyNet(POLICY_CONFIG).eval()
+    (out / "config.json").write_text(json.dumps({"model_type": "omni_rt_flow_policy", **POLICY_CONFIG}, indent=2) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "model.safetensors"))
+
+
 THINKER_DIRNAME = "tiny-qwen2-thinker"
 AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
+POLICY_DIRNAME = "tiny-flow-policy"
 _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "talker": (TALKER_DIRNAME, _fill_talker),
     "code2wav": (CODE2WAV_DIRNAME, _fill_code2wav),
     "thinker": (THINKER_DIRNAME, _fill_thinker),
     "audio_encoder": (AUDIO_ENCODER_DIRNAME, _fill_audio_encoder),
+    "policy": (POLICY_DIRNAME, _fill_policy),
 }
 
 

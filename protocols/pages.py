@@ -30,6 +30,10 @@ def build_pages_router(pipelines: list[str]) -> APIRouter:
             ("WS", "/v1/duplex", "full-duplex voice with resume"),
             ("POST", "/v1/realtime/calls", "WebRTC call (SDP offer → answer)"),
         ]
+    if "robot" in pipelines:
+        rows += [
+            ("WS", "/", "OpenPI policy (openpi-client; also /v1/openpi)"),
+        ]
     items = "".join(f"<tr><td>{m}</td><td><code>{html.escape(p)}</code></td><td>{html.escape(d)}</td></tr>" for m, p, d in rows)
     demo_link = '<p><a href="/demo">Voice agent demo</a> (WebRTC, in this browser)</p>' if voice else ""
     index = (

@@ -895,11 +895,11 @@ async def next_message(ws: WebSocket, *others: "asyncio.Future[Any]") -> str | b
 
 
 async def close_websocket(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
-    if ws.application_state == WebSocketState.CONNECTED:
+    if ws.application_state == WebSocketState.CONNECTED and ws.client_state != WebSocketState.DISCONNECTED:
         try:
             await ws.close(code, reason)
-        except RuntimeError:
-            pass
+        except (RuntimeError, WebSocketDisconnect):
+            pass  # the client is already gone
 
 
 def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> APIRouter:

@@ -1,10 +1,11 @@
 """Torch generation engine: a batched step loop over an `nn.Module`.
 
-Requests submit one item each (a numpy array without the batch dimension) with a
+Requests submit one item each (a numpy array without the batch dimension, or a dict
+of them for a module method with several inputs: `op` names the method) with a
 priority (lower runs first; e.g. a stream's first chunk, which decides time to first
 audio, goes ahead of steady-state chunks). The loop takes whatever is queued, most
 urgent first (up to `max_batch`, waiting at most `max_wait_ms` for more once the first
-item is there), stacks items of equal shape and dtype into one batch,
+item is there), stacks items of the same op, shapes and dtypes into one batch,
 runs the module on a dedicated thread (never on the event loop), and hands each
 request its slice of the result. New requests join at the next step: continuous
 batching across concurrent streams.
@@ -33,8 +34,15 @@ log = logging.getLogger("omni_rt.engines.torch")
 class _Item:
     priority: int
     seq: int
-    x: np.ndarray = field(compare=False)
-    future: "asyncio.Future[np.ndarray]" = field(compare=False)
+    x: Any = field(compare=False)  # an array, or named arrays for a module method (`op`)
+    future: "asyncio.Future[Any]" = field(compare=False)
+    op: str | None = field(default=None, compare=False)
+
+    def signature(self) -> tuple[Any, ...]:
+        if isinstance(self.x, dict):
+            return (self.op, tuple((k, v.shape, v.dtype.str) for k, v in sorted(self.x.items())))
+        return (self.op, self.x.shape, self.x.dtype.str)
+
 
 
 class TorchEngine(Engine):
@@ -101,16 +109,20 @@ class TorchEngine(Engine):
     def queue_depth(self) -> int:
         return self._queue.qsize() if self._queue is not None else 0
 
-    async def run(self, x: np.ndarray, priority: int = 1) -> np.ndarray:
+    async def run(self, x: Any, priority: int = 1, op: str | None = None) -> Any:
         """Run one item through the module (batched with concurrent callers).
 
-        Lower `priority` runs first; equal priorities run in arrival order. Cancelling
-        the awaiting task drops the item if it has not started yet.
+        `x` is an array (the module is called on the stacked batch) or a dict of arrays
+        (`module.<op>(**stacked)` is called; `op` None means `forward`). The result is
+        the item's slice of the module's output: an array, or a dict of arrays when the
+        module returns a dict. Lower `priority` runs first; equal priorities run in
+        arrival order. Cancelling the awaiting task drops the item if it has not
+        started yet.
         """
         if self._queue is None:
             raise EngineError(f"engine {self.name} is not started")
-        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Item(priority, next(self._seq), x, fut))
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Item(priority, next(self._seq), x, fut, op))
         return await fut
 
     async def _step_loop(self) -> None:
@@ -136,12 +148,12 @@ class TorchEngine(Engine):
             live = [it for it in batch if not it.future.done()]  # cancelled callers drop out
             groups: dict[tuple[Any, ...], list[_Item]] = {}
             for it in live:
-                groups.setdefault((it.x.shape, it.x.dtype.str), []).append(it)
+                groups.setdefault(it.signature(), []).append(it)
             # most urgent group first (items arrive sorted, so a group's first is its best)
             for items in sorted(groups.values(), key=lambda g: g[0]):
                 self._running = len(items)
                 try:
-                    out = await loop.run_in_executor(self._executor, self._forward, [it.x for it in items])
+                    out = await loop.run_in_executor(self._executor, self._forward, items[0].op, [it.x for it in items])
                 except Exception as exc:  # noqa: BLE001 - reported to every caller of the batch
                     log.exception("engine %s step failed", self.name)
                     for it in items:
@@ -157,10 +169,16 @@ class TorchEngine(Engine):
                     if not it.future.done():
                         it.future.set_result(y)
 
-    def _forward(self, xs: list[np.ndarray]) -> list[np.ndarray]:
+    def _forward(self, op: str | None, xs: list[Any]) -> list[Any]:
         assert self.module is not None
+        fn = self.module if op is None else getattr(self.module, op)
         with torch.inference_mode():
-            batch = torch.from_numpy(np.stack(xs)).to(self.device)
-            y = self.module(batch)
+            if isinstance(xs[0], dict):
+                y = fn(**{k: torch.from_numpy(np.stack([x[k] for x in xs])).to(self.device) for k in xs[0]})
+            else:
+                y = fn(torch.from_numpy(np.stack(xs)).to(self.device))
+            if isinstance(y, dict):
+                outs = {k: v.detach().cpu().numpy() for k, v in y.items()}
+                return [{k: v[i] for k, v in outs.items()} for i in range(len(xs))]
             out = y.detach().cpu().numpy()
         return [out[i] for i in range(len(xs))]

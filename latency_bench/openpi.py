@@ -1,0 +1,212 @@
+"""OpenPI robot-policy bench: R robots in lockstep loops against `/` (OpenPI msgpack).
+
+Per level R, R robots connect at once (each its own session and seed) and call
+`infer` with DROID-shaped observations (two 224x224x3 uint8 images, 8 floats of state,
+a prompt) back to back for `duration` seconds. Per call: round trip (send → reply),
+the server's `server_timing.infer_ms` (observation handed to the pipeline → actions
+back) and `policy_timing.infer_ms` (the policy stage's own time). Per level:
+percentiles, loop Hz per robot, server overhead = round trip − server infer_ms (what
+the protocol, session and transport cost around the policy), aggregate actions/s.
+
+In the same run, the same client measures a no-op openpi-style server (websockets +
+msgpack-numpy, as openpi's own server is built, constant actions) in its own process:
+its round trip is the floor any policy server pays for this observation.
+
+Targets: overhead p50 at 1 robot <= 1.25 x the no-op round trip p50; aggregate
+actions/s at 16 robots >= 3 x at 1 robot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from clients.openpi import OpenPIError, PolicyClient, droid_observation
+from latency_bench import machine_info, utc_now, write_json
+from latency_bench.stats import ratio, summarize
+
+SCHEMA = "omni-rt.latency_bench.openpi/1"
+
+
+def serve_noop(port: int) -> None:
+    """A no-op policy server built like openpi's: websockets asyncio server, metadata
+    first, msgpack-numpy observation in, constant actions and timings out."""
+    import numpy as np
+    from websockets.asyncio.server import serve
+
+    from clients.openpi import packb, unpackb
+
+    actions = np.zeros((10, 8), np.float32)
+
+    async def handler(ws: Any) -> None:
+        await ws.send(packb({"action_horizon": 10}))
+        prev_total = None
+        while True:
+            start = time.monotonic()
+            try:
+                obs = unpackb(await ws.recv())
+            except Exception:  # noqa: BLE001 - the client left
+                return
+            t = time.monotonic()
+            result = {"actions": actions, "echo": len(obs)}
+            infer = time.monotonic() - t
+            result["policy_timing"] = {"infer_ms": infer * 1000}
+            result["server_timing"] = {"infer_ms": infer * 1000}
+            if prev_total is not None:
+                result["server_timing"]["prev_total_ms"] = prev_total * 1000
+            await ws.send(packb(result))
+            prev_total = time.monotonic() - start
+
+    async def main() -> None:
+        async with serve(handler, "127.0.0.1", port, compression=None, max_size=None) as server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+async def _robot(url: str, api_key: str | None, seed: int, duration: float, warmup: int) -> dict[str, Any]:
+    obs = droid_observation(seed)
+    try:
+        robot = await PolicyClient.connect(url, api_key, seed=seed)
+    except (OpenPIError, OSError) as exc:
+        return {"ok": False, "error": str(exc), "calls": []}
+    calls: list[dict[str, float | None]] = []
+    horizon = 0
+    async with robot:
+        try:
+            for _ in range(warmup):
+                await robot.infer(obs)
+            t_end = time.perf_counter() + duration
+            t_start = time.perf_counter()
+            while time.perf_counter() < t_end:
+                t = time.perf_counter()
+                reply = await robot.infer(obs)
+                rt = (time.perf_counter() - t) * 1000
+                horizon = int(reply["actions"].shape[0])
+                calls.append({"rt_ms": rt, "server_infer_ms": reply["server_timing"]["infer_ms"],
+                              "policy_infer_ms": reply["policy_timing"]["infer_ms"]})
+            wall = time.perf_counter() - t_start
+        except (OpenPIError, OSError) as exc:
+            return {"ok": False, "error": str(exc), "calls": calls}
+    return {"ok": True, "calls": calls, "wall_s": wall, "horizon": horizon}
+
+
+async def run_level(url: str, api_key: str | None, robots: int, duration: float, warmup: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_robot(url, api_key, i, duration, warmup) for i in range(robots)))
+    wall = time.perf_counter() - t0
+    calls = [c for r in results for c in r["calls"]]
+    rt = [c["rt_ms"] for c in calls]
+    overhead = [c["rt_ms"] - c["server_infer_ms"] for c in calls]
+    outside_policy = [c["rt_ms"] - c["policy_infer_ms"] for c in calls]
+    ok = [r for r in results if r["ok"]]
+    actions = sum(len(r["calls"]) * r.get("horizon", 0) for r in ok)
+    span = max((r["wall_s"] for r in ok), default=0.0)
+    return {
+        "robots": robots,
+        "calls": len(calls),
+        "failed_robots": len(results) - len(ok),
+        "errors": sorted({r["error"] for r in results if not r["ok"]}),
+        "wall_s": round(wall, 3),
+        "round_trip_ms": summarize(rt),
+        "server_infer_ms": summarize([c["server_infer_ms"] for c in calls]),
+        "policy_infer_ms": summarize([c["policy_infer_ms"] for c in calls]),
+        "overhead_ms": summarize(overhead),
+        "outside_policy_ms": summarize(outside_policy),
+        "loop_hz_per_robot": round(sum(len(r["calls"]) / r["wall_s"] for r in ok) / len(ok), 2) if ok else None,
+        "actions_per_s": round(actions / span, 1) if span > 0 else None,
+    }
+
+
+async def noop_baseline(url: str, duration: float, warmup: int) -> dict[str, Any]:
+    r = await _robot(url, None, 0, duration, warmup)
+    if not r["ok"]:
+        return {"ok": False, "error": r["error"]}
+    return {"ok": True, "calls": len(r["calls"]), "round_trip_ms": summarize([c["rt_ms"] for c in r["calls"]])}
+
+
+def run(url: str, api_key: str | None, levels: list[int], duration: float, warmup: int, noop_url: str | None) -> dict[str, Any]:
+    async def go() -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        base = await noop_baseline(noop_url, duration, warmup) if noop_url else None
+        return base, [await run_level(url, api_key, r, duration, warmup) for r in levels]
+
+    base, lv = asyncio.run(go())
+    by = {lvl["robots"]: lvl for lvl in lv}
+    targets: dict[str, Any] = {}
+    if base is not None and base.get("ok") and 1 in by:
+        floor = base["round_trip_ms"]["p50"]
+        over = by[1]["overhead_ms"]["p50"]
+        r = ratio(over, floor)
+        targets["overhead_p50_vs_noop_round_trip"] = {"goal": "<= 1.25", "value": r, "overhead_ms": over, "noop_ms": floor,
+                                                       "met": r is not None and r <= 1.25}
+    if 1 in by and 16 in by:
+        r = ratio(by[16]["actions_per_s"], by[1]["actions_per_s"])
+        targets["actions_per_s_16_over_1"] = {"goal": ">= 3", "value": r, "met": r is not None and r >= 3}
+    return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": url,
+            "observation": "droid: 2 x uint8[224,224,3], 7+1 float64 state, prompt", "duration_s": duration,
+            "noop_server": base, "levels": lv, "targets": targets}
+
+
+def main_openpi(args: Any) -> int:
+    levels = [int(x) for x in str(args.robots).split(",") if x.strip()]
+    if not levels or min(levels) < 1 or args.duration <= 0 or args.warmup < 0:
+        print("error: --robots levels must be >= 1, --duration > 0, --warmup >= 0")
+        return 2
+    log_dir = Path(args.json).parent if args.json else Path("bench-out")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = None
+    url = args.url
+    noop = None
+    try:
+        if url is None:
+            from latency_bench.server import ServerProcess
+
+            server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "openpi-server.log", env=dict(os.environ))
+            server.start()
+            server.wait_ready(timeout_s=600)
+            url = f"ws://127.0.0.1:{args.port}"
+        noop = subprocess.Popen(
+            [sys.executable, "-c", f"from latency_bench.openpi import serve_noop; serve_noop({args.noop_port})"],
+            process_group=0,
+        )
+        _wait_port(args.noop_port)
+        result = run(url, args.api_key, levels, args.duration, args.warmup, f"ws://127.0.0.1:{args.noop_port}")
+    finally:
+        if noop is not None:
+            noop.terminate()
+            noop.wait(10)
+        if server is not None:
+            server.stop()
+    b = result["noop_server"]
+    if b and b.get("ok"):
+        print(f"no-op openpi-style server: round trip p50 {b['round_trip_ms']['p50']:.3f} ms, p99 {b['round_trip_ms']['p99']:.3f} ms")
+    print(f"{'R':>3} {'calls':>6} {'RT p50':>8} {'RT p99':>8} {'infer p50':>9} {'ovh p50':>8} {'ovh p99':>8} {'Hz/robot':>9} {'actions/s':>10}")
+    for lvl in result["levels"]:
+        f = lambda d, k: f"{d[k]:.2f}" if d.get(k) is not None else "-"  # noqa: E731
+        print(f"{lvl['robots']:>3} {lvl['calls']:>6} {f(lvl['round_trip_ms'], 'p50'):>8} {f(lvl['round_trip_ms'], 'p99'):>8} "
+              f"{f(lvl['server_infer_ms'], 'p50'):>9} {f(lvl['overhead_ms'], 'p50'):>8} {f(lvl['overhead_ms'], 'p99'):>8} "
+              f"{lvl['loop_hz_per_robot']:>9} {lvl['actions_per_s']:>10}")
+    for name, t in result["targets"].items():
+        print(f"target {name}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
+    write_json(args.json, result)
+    if args.json:
+        print(f"\nwrote {args.json}")
+    return 1 if any(lvl["failed_robots"] for lvl in result["levels"]) else 0
+
+
+def _wait_port(port: int, timeout_s: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"the no-op server did not listen on port {port}")
