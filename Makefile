@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) -m latency_bench sessions --store memory --json bench-out/sessions-memory.json
 	$(PY) -m latency_bench sessions --store redis --json bench-out/sessions-redis.json
 	$(PY) -m latency_bench tts --compare --concurrency 1,8,32 --json bench-out/tts-compare.json
+	$(PY) -m latency_bench openpi --robots 1,4,16 --json bench-out/openpi.json
 
 clean:
 	rm -rf $(VENV) .cache bench-out

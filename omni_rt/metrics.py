@@ -42,6 +42,12 @@ E2E_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
 
+POLICY_INFER_SECONDS = Histogram(
+    "omni_rt_policy_infer_seconds",
+    "Robot policy calls: observation handed to the pipeline -> action chunk back",
+    buckets=(0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.2, 0.5, 1, 2),
+)
+
 BARGE_IN_SECONDS = Histogram(
     "omni_rt_barge_in_seconds",
     "Speech start during a response -> the response cancelled and its stages stopped",

@@ -109,7 +109,11 @@ class Runtime:
                 aux = {
                     k: build_engine(a.engine, a.model, a.engine_args, proc_cls, k, f"{rname}.{k}") for k, a in spec.aux.items()
                 }
-                replicas.append(Replica(i, engine, aux, proc_cls(spec, engine, aux)))
+                try:
+                    processor = proc_cls(spec, engine, aux)
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise SpecError(f"pipelines.{pipeline}.stages.{name}.processor_args: {exc}") from None
+                replicas.append(Replica(i, engine, aux, processor))
             self.pools[name] = StagePool(spec, replicas)
         self.orchestrator = Orchestrator(self.profiles, self.pools, self.connectors)
 

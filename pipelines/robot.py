@@ -120,9 +120,14 @@ class Layout:
     @classmethod
     def parse(cls, name: str, raw: Mapping[str, Any], config: Mapping[str, Any]) -> "Layout":
         known = {"images", "state", "state_dims", "action_dim", "action_horizon", "prompt", "default_prompt"}
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"layouts.{name}: a layout is a mapping of {sorted(known)}")
         bad = set(raw) - known
         if bad:
             raise ValueError(f"layouts.{name}: unknown keys {sorted(bad)}; known: {sorted(known)}")
+        missing = {"action_dim", "action_horizon"} - set(raw)
+        if missing:
+            raise ValueError(f"layouts.{name}: {', '.join(sorted(missing))} missing")
         lay = cls(
             name=name,
             images=tuple(raw.get("images", ())),
@@ -254,9 +259,7 @@ class PolicyProcessor(StageProcessor):
         state = np.zeros(self.max_state, np.float32)
         at = 0
         for key, dim in zip(lay.state, lay.state_dims):
-            v = arrays[key]
-            if v.dtype.kind not in "fiub":
-                raise StageError(f"observation {key!r}: state is numeric, got {v.dtype}")
+            v = arrays[key]  # numeric: payloads carry no other dtypes
             v = v.reshape(-1) if v.ndim <= 1 else v
             if v.shape != (dim,):
                 raise StageError(f"observation {key!r}: expected shape [{dim}], got {list(arrays[key].shape)}")

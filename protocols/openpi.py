@@ -240,7 +240,7 @@ class PolicyConnection:
             raise StageError("the policy returned no actions")
         s.data["episode"] = result.meta["episode"]
         infer_ms = (time.perf_counter() - t0) * 1000.0
-        metrics.E2E_SECONDS.labels(api="openpi").observe(infer_ms / 1000.0)
+        metrics.POLICY_INFER_SECONDS.observe(infer_ms / 1000.0)
         server_timing = {"infer_ms": infer_ms}
         if self.prev_total_ms is not None:
             server_timing["prev_total_ms"] = self.prev_total_ms
@@ -291,9 +291,8 @@ def build_openpi_router(sessions: SessionManager, pipeline: str, policy: Callabl
         except SessionError as exc:
             await reject_websocket(ws, exc, lambda e: f"{e.code}: {e.message}")
             return
+        session.data["episode"] = pol.new_episode(seed)
         conn = PolicyConnection(ws, session, pol, meta["layout"])
-        conn.reset(seed)
-        conn.episodes = 0
         reason = "client_disconnected"
         try:
             await ws.accept()

@@ -73,7 +73,7 @@ async def test_barge_in_clears_the_servers_output_buffer(server):
         created = await call.until("response.created", seen)
         rid = created["response"]["id"]
         await call.until("output_audio_buffer.started", seen)
-        await asyncio.sleep(0.5)  # the agent is audibly speaking
+        await speaking_steadily(call, seen)
         assert call.first_sound(time.monotonic() - 0.5) is not None
         call.mic.say(speech_pcm16("Stop, please listen to me."))
         after: list = []
@@ -101,6 +101,25 @@ async def test_barge_in_clears_the_servers_output_buffer(server):
     finally:
         await call.hangup()
         api.close()
+
+
+async def speaking_steadily(call: CallClient, seen: list, hold_s: float = 0.5) -> None:
+    """Wait until the agent's audio has played for `hold_s` without a pause. (The
+    random tiny talker may give a phrase only a few frames of audio: the buffer then
+    runs dry until the next phrase, and a barge-in there has nothing to clear.)"""
+    playing = True  # called right after output_audio_buffer.started
+    for _ in range(60):
+        await asyncio.sleep(hold_s)
+        changed = False
+        while not call.events.empty():
+            ev = call.events.get_nowait()
+            seen.append(ev)
+            assert ev["type"] != "response.done", "the answer ended before the barge-in"
+            if ev["type"] in ("output_audio_buffer.started", "output_audio_buffer.stopped"):
+                playing, changed = ev["type"] == "output_audio_buffer.started", True
+        if playing and not changed:
+            return
+    raise AssertionError("the agent never spoke steadily for half a second")
 
 
 def barge_ins_within_100ms(metrics: str) -> float:
