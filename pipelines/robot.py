@@ -74,14 +74,20 @@ class PolicyNet(torch.nn.Module):
         half = w // 2
         self.register_buffer("freqs", torch.exp(-math.log(10000.0) * torch.arange(half) / half), persistent=False)
 
-    def encode(self, images: torch.Tensor, state: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-        """images uint8 [B, slots, S, S, 3], state f32 [B, max_state_dim], prompt int64
-        [B, prompt_len] -> prefix [B, P, width]."""
+    def encode(self, images: torch.Tensor, image_mask: torch.Tensor, state: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+        """images uint8 [B, slots, S, S, 3] (slots without a camera: image_mask False,
+        not computed), state f32 [B, max_state_dim], prompt int64 [B, prompt_len] ->
+        prefix [B, P, width]."""
         b, n, p = images.shape[0], self.side, self.p
-        patches = images.reshape(b * self.slots, n, p, n, p, 3).permute(0, 1, 3, 2, 4, 5).reshape(b * self.slots, n * n, p * p * 3)
-        x = torch.nn.functional.gelu(self.patch(patches.float() / 127.5 - 1.0))  # [B*slots, n², w]
-        x = torch.nn.functional.avg_pool2d(x.transpose(1, 2).reshape(b * self.slots, -1, n, n), n // self.grid)
-        tok = x.flatten(2).transpose(1, 2)  # [B*slots, grid², w]
+        mask = image_mask.reshape(-1)
+        present = images.reshape(b * self.slots, *images.shape[2:])[mask]
+        patches = present.reshape(-1, n, p, n, p, 3).permute(0, 1, 3, 2, 4, 5).reshape(-1, n * n, p * p * 3)
+        # pixels / 127.5 - 1 folded into the patch projection
+        w = self.patch.weight / 127.5
+        x = torch.nn.functional.gelu(torch.nn.functional.linear(patches.float(), w, self.patch.bias - self.patch.weight.sum(1)))
+        x = torch.nn.functional.avg_pool2d(x.transpose(1, 2).reshape(x.shape[0], -1, n, n), n // self.grid)
+        tok = x.new_zeros(b * self.slots, self.grid * self.grid, x.shape[1])
+        tok[mask] = x.flatten(2).transpose(1, 2)  # [cameras, grid², w]
         tok = (tok.reshape(b, self.slots, -1, tok.shape[-1]) + self.slot_emb).flatten(1, 2)
         prefix = torch.cat([tok, self.byte_emb(prompt), self.state_proj(state)[:, None]], dim=1)
         return self.prefix_enc(prefix)
@@ -254,8 +260,10 @@ class PolicyProcessor(StageProcessor):
                 f"images {list(lay.images)} and state {list(lay.state)})"
             )
         images = np.zeros((self.slots, self.size, self.size, 3), np.uint8)
+        image_mask = np.zeros(self.slots, np.bool_)
         for i, key in enumerate(lay.images):
             images[i] = _image(key, arrays[key], self.size)
+            image_mask[i] = True
         state = np.zeros(self.max_state, np.float32)
         at = 0
         for key, dim in zip(lay.state, lay.state_dims):
@@ -274,7 +282,7 @@ class PolicyProcessor(StageProcessor):
         raw = text.encode()[: self.prompt_len]
         prompt = np.full(self.prompt_len, PROMPT_PAD, np.int64)
         prompt[: len(raw)] = np.frombuffer(raw, np.uint8)
-        return {"images": images, "state": state, "prompt": prompt}
+        return {"images": images, "image_mask": image_mask, "state": state, "prompt": prompt}
 
     # ---- inference -----------------------------------------------------------------------
     async def run(self, ctx: StageContext) -> None:

@@ -38,10 +38,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omni_rt import metrics
 from omni_rt.payloads import Payload, PayloadError, PayloadKind
-from omni_rt.request import RequestAborted
+from omni_rt.request import RequestAborted, RequestStream
 from omni_rt.stage import StageError
 from protocols.auth import principal_of
-from protocols.realtime import close_websocket, next_message
+from protocols.realtime import close_websocket
 from protocols.sessions_api import reject_websocket
 from sessions import Session, SessionError, SessionManager
 from sessions.errors import IllegalTransition
@@ -202,6 +202,8 @@ class PolicyConnection:
         self.layout = layout
         self.episodes = 0
         self.prev_total_ms: float | None = None
+        self.waiting = False  # between calls, waiting for the next observation
+        self.told = False  # the robot was told its session ended
 
     def reset(self, seed: int | None) -> dict[str, Any]:
         self.session.data["episode"] = self.policy.new_episode(seed)
@@ -209,7 +211,9 @@ class PolicyConnection:
         self.session.touch()
         return {"reset": True, "episode": self.episodes, "seed": self.session.data["episode"]["seed"]}
 
-    async def handle(self, data: bytes) -> bytes:
+    async def handle(self, data: bytes) -> tuple[bytes, RequestStream | None]:
+        """The reply to one frame, and the request still winding down (if any): it is
+        finished after the reply went out, off the robot's critical path."""
         if len(data) > MAX_OBSERVATION_BYTES:
             raise ProtocolError(f"observation frame of {len(data)} bytes exceeds the {MAX_OBSERVATION_BYTES}-byte limit")
         obj = unpackb(data)
@@ -218,15 +222,16 @@ class PolicyConnection:
         if "endpoint" in obj:
             if obj["endpoint"] != "reset":
                 raise ProtocolError(f"unknown endpoint {obj['endpoint']!r}; this server knows 'reset'")
-            return packb(self.reset(_seed(obj.get("seed"))))
+            return packb(self.reset(_seed(obj.get("seed")))), None
         arrays, texts = flatten(obj)
-        return packb(await self.infer(arrays, texts))
+        reply, stream = await self.infer(arrays, texts)
+        return packb(reply), stream
 
-    async def infer(self, arrays: dict[str, np.ndarray], texts: dict[str, str]) -> dict[str, Any]:
+    async def infer(self, arrays: dict[str, np.ndarray], texts: dict[str, str]) -> tuple[dict[str, Any], RequestStream]:
         s = self.session
         t0 = time.perf_counter()
         stream = s.submit({"layout": self.layout, "episode": s.data["episode"]})
-        async with stream:
+        try:
             try:
                 payload = Payload(PayloadKind.OBSERVATION, s.fence, arrays=arrays, meta={"text": texts})
             except PayloadError as exc:
@@ -234,42 +239,73 @@ class PolicyConnection:
             s.send_input(stream, payload)
             stream.end_input()
             result: Payload | None = None
-            async for _stage, p, _last in stream.payloads():
+            async for _stage, p, last in stream.payloads():
                 result = p
-        if result is None:
-            raise StageError("the policy returned no actions")
+                if last:
+                    break  # the chunk is complete; the request winds down after the reply
+            if result is None:
+                raise StageError("the policy returned no actions")
+        except BaseException:
+            await stream.close()
+            raise
         s.data["episode"] = result.meta["episode"]
         infer_ms = (time.perf_counter() - t0) * 1000.0
         metrics.POLICY_INFER_SECONDS.observe(infer_ms / 1000.0)
         server_timing = {"infer_ms": infer_ms}
         if self.prev_total_ms is not None:
             server_timing["prev_total_ms"] = self.prev_total_ms
-        return {
+        reply = {
             "actions": result.arrays["actions"],
             "policy_timing": {"infer_ms": float(result.meta["infer_ms"])},
             "server_timing": server_timing,
         }
+        return reply, stream
+
+    @staticmethod
+    async def finish(stream: RequestStream) -> None:
+        """Let a request whose result was sent complete, then free it."""
+        try:
+            async for _ in stream.events():
+                pass
+        finally:
+            await stream.close()
+
+    def _ended(self) -> "_Refusal":
+        return _Refusal(f"session ended by the server ({self.session.close_reason or 'aborted'})", WS_GOING_AWAY)
+
+    async def _watch(self) -> None:
+        """A session ended by the server (idle lease, operator) while the robot is
+        between calls: tell it why and close. (During a call the aborted request
+        reports it.)"""
+        await self.session.closed.wait()
+        if self.waiting:
+            self.told = True
+            await _refuse(self.ws, self._ended())
 
     async def serve(self) -> None:
-        closed_wait = asyncio.ensure_future(self.session.closed.wait())
+        watcher = asyncio.ensure_future(self._watch())
         try:
             while True:
                 t_wait = time.perf_counter()
-                msg = await next_message(self.ws, closed_wait)
-                if msg is None:
-                    if closed_wait.done():
-                        raise _Refusal(f"session ended by the server ({self.session.close_reason})", WS_GOING_AWAY)
-                    return  # the client left
-                if isinstance(msg, str):
+                self.waiting = True
+                msg = await self.ws.receive()
+                self.waiting = False
+                if msg["type"] == "websocket.disconnect" or self.told:
+                    return  # the client left, or was told the session ended
+                if msg.get("bytes") is None:
                     raise ProtocolError("openpi frames are binary msgpack; got a text frame")
                 try:
-                    reply = await self.handle(msg)
+                    reply, stream = await self.handle(msg["bytes"])
                 except (RequestAborted, IllegalTransition):
-                    raise _Refusal(f"session ended by the server ({self.session.close_reason or 'aborted'})", WS_GOING_AWAY) from None
-                await self.ws.send_bytes(reply)
+                    raise self._ended() from None
+                try:
+                    await self.ws.send_bytes(reply)
+                finally:
+                    if stream is not None:
+                        await self.finish(stream)
                 self.prev_total_ms = (time.perf_counter() - t_wait) * 1000.0
         finally:
-            closed_wait.cancel()
+            watcher.cancel()
 
 
 def build_openpi_router(sessions: SessionManager, pipeline: str, policy: Callable[[], Policy]) -> APIRouter:

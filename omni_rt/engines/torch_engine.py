@@ -129,6 +129,10 @@ class TorchEngine(Engine):
         assert self._queue is not None
         loop = asyncio.get_running_loop()
         while True:
+            # Let the callers of the last batch run first: each computes its next item
+            # (the next chunk, the next denoising step) and queues it, so streams that
+            # are in flight together stay in the same batch instead of alternating.
+            await asyncio.sleep(0)
             first = await self._queue.get()
             batch = [first]
             deadline = time.monotonic() + self.max_wait
