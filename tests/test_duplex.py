@@ -281,7 +281,10 @@ async def test_a_client_that_never_reads_is_dropped_and_others_are_unaffected(se
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a tiny window: the server's writes back up
     host, port = server.url.split("//")[1].split(":")
     sock.connect((host, int(port)))
-    slow = await websockets.connect(url(server), sock=sock, additional_headers={"Authorization": f"Bearer {ADMIN_KEY}"}, max_size=None, max_queue=1)
+    # no keepalive pings: a client that never reads would time its own pings out and
+    # leave (then the session ends by grace expiry instead of as a slow consumer)
+    slow = await websockets.connect(url(server), sock=sock, additional_headers={"Authorization": f"Bearer {ADMIN_KEY}"}, max_size=None,
+                                    max_queue=1, ping_interval=None)
     created = json.loads(await slow.recv())
     sid = created["session"]["id"]
     # 48 kHz JSON audio: the most bytes per event, so the kernel's socket buffers (MBs
