@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image} ...``."""
 
 from __future__ import annotations
 
@@ -135,6 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noop-port", type=int, default=8501, help="port of the no-op baseline server (default 8501)")
     p.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     p.add_argument("--json", help="write results here (JSON)")
+    im = sub.add_parser(
+        "image",
+        help="concurrent /v1/images/generations callers: requests/s, latency, step batching",
+        description="C callers at once, each sending image requests back to back for --duration seconds.",
+    )
+    im.add_argument("--concurrency", "-c", default="1,4", help="comma-separated levels (default 1,4)")
+    im.add_argument("--duration", type=float, default=10.0, help="seconds per level (default 10)")
+    im.add_argument("--warmup", type=int, default=2, help="uncounted requests first (default 2)")
+    im.add_argument("--size", help="image size (default: the pipeline's)")
+    im.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
+    im.add_argument("--url", help="http://host:port of a running server (default: start one)")
+    im.add_argument("--api-key")
+    im.add_argument("--port", type=int, default=8600, help="port of the server the bench starts (default 8600)")
+    im.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    im.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
@@ -169,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.realtime import main_realtime
 
         return main_realtime(args)
+    if args.cmd == "image":
+        from latency_bench.image import main_image
+
+        return main_image(args)
     if args.cmd == "openpi":
         from latency_bench.openpi import main_openpi
 

@@ -31,6 +31,7 @@ def import_processor(path: str) -> type[StageProcessor]:
 
 
 _TORCH_ARGS = {"max_batch", "max_wait_ms", "threads", "device"}
+_DIFFUSERS_ARGS = {"max_batch", "threads", "device", "max_sequence_length"}
 
 
 def build_engine(
@@ -52,6 +53,15 @@ def build_engine(
         from omni_rt.engines.torch_engine import TorchEngine
 
         return TorchEngine(factory(model, role), name=name, **engine_args)
+    if kind == "diffusers":
+        bad = set(engine_args) - _DIFFUSERS_ARGS
+        if bad:
+            raise SpecError(f"stage {name}: unknown diffusers engine_args {sorted(bad)}; known: {sorted(_DIFFUSERS_ARGS)}")
+        if model is None:
+            raise SpecError(f"stage {name}: a diffusers engine needs a model (a diffusers pipeline directory)")
+        from omni_rt.engines.diffusers_engine import DiffusersEngine
+
+        return DiffusersEngine(model, name=name, **engine_args)
     if kind == "fake":
         from omni_rt.engines.fake import FakeArEngine
 

@@ -28,6 +28,7 @@ from protocols.openai_http import (
 )
 from protocols.chat import ChatService, build_chat_router
 from protocols.duplex import build_duplex_router
+from protocols.images import ImageService, build_images_router
 from protocols.openpi import build_openpi_router
 from protocols.pages import build_pages_router
 from protocols.webrtc import build_webrtc_router, configure_ice
@@ -234,6 +235,10 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
         configure_ice(hosts)
         app.include_router(build_webrtc_router(sessions, specs["voice"], overlay.server.webrtc_ice_servers))
         app.include_router(build_chat_router(ChatService(sessions, specs["voice"])))
+    if "image" in profiles:
+        dit = runtime.pools[profiles["image"].entry]
+        limits = lambda: dit.replicas[0].processor.limits()  # type: ignore[attr-defined]  # noqa: E731
+        app.include_router(build_images_router(ImageService(sessions, specs["image"], limits)))
     if "robot" in profiles:
         entry = runtime.pools[profiles["robot"].entry]
         app.include_router(build_openpi_router(sessions, "robot", lambda: entry.replicas[0].processor))  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ class AuxEngineSpec(_Strict):
 class StageSpec(_Strict):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     kind: Literal["ar", "generation", "diffusion"]
-    engine: Literal["vllm", "torch", "fake"]
+    engine: Literal["vllm", "torch", "diffusers", "fake"]
     processor: str = Field(pattern=r"^[\w.]+:\w+$", description="'module:Class' of the stage's processor")
     model: str | None = Field(None, description="local checkpoint dir, or 'tiny:<name>' for a built tiny checkpoint")
     engine_args: dict[str, Any] = {}

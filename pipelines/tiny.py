@@ -1,4 +1,4 @@
-"""Builders of the tiny reference checkpoints for the TTS, voice and robot pipelines.
+"""Builders of the tiny reference checkpoints for the TTS, voice, robot and image pipelines.
 
 Real architectures, random weights, fixed seed, sized for 2 CPU cores:
 
@@ -421,8 +421,53 @@ def _fill_policy(out: Path) -> None:
     save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "model.safetensors"))
 
 
+def _fill_image(out: Path) -> None:
+    """A FluxPipeline directory (loads with `FluxPipeline.from_pretrained`): a Flux
+    transformer (1 double + 1 single block, width 32), a 4-level VAE (8x, narrow), a
+    CLIP text encoder with a byte-level tokenizer and a T5 encoder with a character
+    unigram tokenizer, both built here (no hub)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    torch.manual_seed(SEED + 4)
+    chars = sorted(ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    bos, eos = len(vocab), len(vocab) + 1
+    vocab.update({"<|startoftext|>": bos, "<|endoftext|>": eos})
+    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(str(out / "tokenizer"))
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)] + [(chr(i), -2.0) for i in range(32, 127)]
+    t5_tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+    t5_tok.save_pretrained(str(out / "tokenizer_2"))
+    clip = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          max_position_embeddings=77, projection_dim=32, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+    CLIPTextModel(clip).save_pretrained(str(out / "text_encoder"))
+    t5 = T5Config(vocab_size=len(t5_tok), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, relative_attention_num_buckets=8)
+    T5EncoderModel(t5).save_pretrained(str(out / "text_encoder_2"))
+    FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                           joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6)).save_pretrained(str(out / "transformer"))
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  block_out_channels=(4, 8, 16, 32), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=256,
+                  shift_factor=0.0, scaling_factor=1.0, use_quant_conv=False, use_post_quant_conv=False).save_pretrained(str(out / "vae"))
+    FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                    max_image_seq_len=4096).save_pretrained(str(out / "scheduler"))
+    components = {
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (out / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", **components}, indent=2) + "\n")
+
+
 THINKER_DIRNAME = "tiny-qwen2-thinker"
 AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
+IMAGE_DIRNAME = "tiny-flux-image"
 POLICY_DIRNAME = "tiny-flow-policy"
 _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "talker": (TALKER_DIRNAME, _fill_talker),
@@ -430,6 +475,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "thinker": (THINKER_DIRNAME, _fill_thinker),
     "audio_encoder": (AUDIO_ENCODER_DIRNAME, _fill_audio_encoder),
     "policy": (POLICY_DIRNAME, _fill_policy),
+    "image": (IMAGE_DIRNAME, _fill_image),
 }
 
 

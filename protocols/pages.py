@@ -30,6 +30,8 @@ def build_pages_router(pipelines: list[str]) -> APIRouter:
             ("WS", "/v1/duplex", "full-duplex voice with resume"),
             ("POST", "/v1/realtime/calls", "WebRTC call (SDP offer → answer)"),
         ]
+    if "image" in pipelines:
+        rows += [("POST", "/v1/images/generations", "text to image (OpenAI)")]
     if "robot" in pipelines:
         rows += [
             ("WS", "/", "OpenPI policy (openpi-client; also /v1/openpi)"),

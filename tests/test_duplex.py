@@ -292,7 +292,9 @@ async def test_a_client_that_never_reads_is_dropped_and_others_are_unaffected(se
     await slow.send(json.dumps({"type": "session.update", "session": {"turn_detection": None, "audio": {"output": {"format": {"type": "audio/pcm", "rate": 48000}}}}}))
 
     async def keep_asking() -> None:
-        for i in range(12):
+        # until the session is dropped (cancelled below): on a loaded machine answers
+        # come slower and it takes more of them to fill the buffers
+        for i in range(40):
             await slow.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": f"Talk {i}"}]}}))
             await slow.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 120}}))
             await asyncio.sleep(4)
@@ -303,7 +305,7 @@ async def test_a_client_that_never_reads_is_dropped_and_others_are_unaffected(se
     await manual(other)
     await ask(other, "Hello", 8)
     assert (await other.until("response.done"))["response"]["status"] == "completed"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 160
     while sid in sessions_of(api) and time.monotonic() < deadline:
         await asyncio.sleep(0.25)
     assert sid not in sessions_of(api), "the session of a client that never reads was not ended"
