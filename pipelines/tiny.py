@@ -449,8 +449,9 @@ def _fill_image(out: Path) -> None:
     FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                            joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6)).save_pretrained(str(out / "transformer"))
     AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                  block_out_channels=(4, 8, 16, 32), layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=256,
-                  shift_factor=0.0, scaling_factor=1.0, use_quant_conv=False, use_post_quant_conv=False).save_pretrained(str(out / "vae"))
+                  block_out_channels=(4, 4, 8, 16), layers_per_block=0, latent_channels=4, norm_num_groups=4, sample_size=256,
+                  mid_block_add_attention=False, shift_factor=0.0, scaling_factor=1.0, use_quant_conv=False,
+                  use_post_quant_conv=False).save_pretrained(str(out / "vae"))
     FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                                     max_image_seq_len=4096).save_pretrained(str(out / "scheduler"))
     components = {
