@@ -48,6 +48,8 @@ POLICY_INFER_SECONDS = Histogram(
     buckets=(0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.2, 0.5, 1, 2),
 )
 
+WORLD_BUFFER_BYTES = Gauge("omni_rt_world_buffer_bytes", "Latent history held by world sessions (bytes)")
+
 BARGE_IN_SECONDS = Histogram(
     "omni_rt_barge_in_seconds",
     "Speech start during a response -> the response cancelled and its stages stopped",

@@ -30,6 +30,7 @@ from protocols.chat import ChatService, build_chat_router
 from protocols.duplex import build_duplex_router
 from protocols.images import ImageService, build_images_router
 from protocols.openpi import build_openpi_router
+from protocols.world import build_world_router
 from protocols.pages import build_pages_router
 from protocols.webrtc import build_webrtc_router, configure_ice
 from protocols.realtime import build_realtime_router
@@ -239,6 +240,10 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
         dit = runtime.pools[profiles["image"].entry]
         limits = lambda: dit.replicas[0].processor.limits()  # type: ignore[attr-defined]  # noqa: E731
         app.include_router(build_images_router(ImageService(sessions, specs["image"], limits)))
+    if "world" in profiles:
+        wdit = runtime.pools[profiles["world"].entry]
+        describe = lambda: wdit.replicas[0].processor.describe()  # type: ignore[attr-defined]  # noqa: E731
+        app.include_router(build_world_router(sessions, "world", describe))
     if "robot" in profiles:
         entry = runtime.pools[profiles["robot"].entry]
         app.include_router(build_openpi_router(sessions, "robot", lambda: entry.replicas[0].processor))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""Builders of the tiny reference checkpoints for the TTS, voice, robot and image pipelines.
+"""Builders of the tiny reference checkpoints for the TTS, voice, robot, image and world pipelines.
 
 Real architectures, random weights, fixed seed, sized for 2 CPU cores:
 
@@ -422,6 +422,28 @@ def _fill_policy(out: Path) -> None:
 
 
 def _fill_image(out: Path) -> None:
+    _fill_flux(out, SEED + 4)
+
+
+# The world model: the image checkpoint's architecture plus a conditioner that turns
+# the last `history_frames` frames' latents and an action into extra tokens.
+WORLD_CONFIG = {"action_dim": 4, "history_frames": 2, "latent_channels": 16, "joint_dim": 32, "pooled_dim": 32, "frame_size": 128}
+
+
+def _fill_world(out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from pipelines.world import WorldConditioner
+
+    _fill_flux(out, SEED + 5)
+    torch.manual_seed(SEED + 6)
+    cond = WorldConditioner(WORLD_CONFIG).eval()
+    (out / "world.json").write_text(json.dumps(WORLD_CONFIG, indent=2) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in cond.state_dict().items()}, str(out / "conditioner.safetensors"))
+
+
+def _fill_flux(out: Path, seed: int) -> None:
     """A FluxPipeline directory (loads with `FluxPipeline.from_pretrained`): a Flux
     transformer (1 double + 1 single block, width 32), a 4-level VAE (8x, narrow), a
     CLIP text encoder with a byte-level tokenizer and a T5 encoder with a character
@@ -431,7 +453,7 @@ def _fill_image(out: Path) -> None:
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
-    torch.manual_seed(SEED + 4)
+    torch.manual_seed(seed)
     chars = sorted(ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(chars)}
     vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
@@ -469,6 +491,7 @@ def _fill_image(out: Path) -> None:
 THINKER_DIRNAME = "tiny-qwen2-thinker"
 AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
+WORLD_DIRNAME = "tiny-flux-world"
 POLICY_DIRNAME = "tiny-flow-policy"
 _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "talker": (TALKER_DIRNAME, _fill_talker),
@@ -477,6 +500,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "audio_encoder": (AUDIO_ENCODER_DIRNAME, _fill_audio_encoder),
     "policy": (POLICY_DIRNAME, _fill_policy),
     "image": (IMAGE_DIRNAME, _fill_image),
+    "world": (WORLD_DIRNAME, _fill_world),
 }
 
 

@@ -32,6 +32,8 @@ def build_pages_router(pipelines: list[str]) -> APIRouter:
         ]
     if "image" in pipelines:
         rows += [("POST", "/v1/images/generations", "text to image (OpenAI)")]
+    if "world" in pipelines:
+        rows += [("WS", "/v1/world", "world-model rollouts (action in, frames out)")]
     if "robot" in pipelines:
         rows += [
             ("WS", "/", "OpenPI policy (openpi-client; also /v1/openpi)"),

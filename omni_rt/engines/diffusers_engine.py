@@ -41,7 +41,7 @@ log = logging.getLogger("omni_rt.engines.diffusers")
 SUPPORTED = ("FluxPipeline",)
 
 
-@dataclass
+@dataclass(eq=False)  # jobs are compared by identity (their fields hold tensors)
 class DiffusionJob:
     """One image (or frame) to denoise. `height`/`width` in pixels."""
 
@@ -53,6 +53,10 @@ class DiffusionJob:
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
     preview_every: int = 0
+    # Extra conditioning (e.g. a world model's history and action): tokens appended to
+    # the text tokens [T, joint_dim], and a vector added to the pooled text embedding.
+    context: torch.Tensor | None = None
+    pooled_bias: torch.Tensor | None = None
     # --- engine state ---
     id: int = 0
     arrived: float = 0.0
@@ -152,10 +156,11 @@ class DiffusersEngine(Engine):
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, job: DiffusionJob) -> AsyncIterator[dict[str, Any]]:
         """Events of one job: `progress {step, steps}` after each step, `latents
-        {step, latents}` every `preview_every` steps, then `image {image: uint8 HWC}`.
+        {step, latents}` every `preview_every` steps, then `image {image: uint8 HWC,
+        latents: the final packed latents}`.
         Leaving the iteration early cancels the job at the next step boundary."""
-        if self._new is None:
-            raise EngineError(f"engine {self.name} is not started")
+        if self._new is None or self._task is None or self._task.done():
+            raise EngineError(f"engine {self.name} is not running")
         m = self.size_multiple
         if job.height % m or job.width % m or job.height < m or job.width < m:
             raise EngineError(f"height and width must be positive multiples of {m}, got {job.width}x{job.height}")
@@ -177,6 +182,19 @@ class DiffusersEngine(Engine):
 
     # ---- the step loop ----------------------------------------------------------------------
     async def _loop(self) -> None:
+        try:
+            await self._run_loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: every waiting job hears of it instead of hanging
+            log.exception("engine %s: the step loop stopped", self.name)
+            assert self._new is not None
+            while not self._new.empty():
+                self._active.append(self._new.get_nowait())
+            self._fail(list(self._active), exc)
+            raise
+
+    async def _run_loop(self) -> None:
         assert self._new is not None
         loop = asyncio.get_running_loop()
         while True:
@@ -221,7 +239,8 @@ class DiffusersEngine(Engine):
                     self._fail(done, exc)
                     continue
                 for j, img in zip(done, images):
-                    j.events.put_nowait({"type": "image", "image": img})
+                    assert j.latents is not None
+                    j.events.put_nowait({"type": "image", "image": img, "latents": j.latents.numpy().copy()})
                     j.latents = None
                 self._active = [j for j in self._active if j not in done]
             # let the consumers run (and cancel) before the next step
@@ -246,8 +265,8 @@ class DiffusersEngine(Engine):
         return batch
 
     @staticmethod
-    def _shape(j: DiffusionJob) -> tuple[int, int, bool]:
-        return (j.height, j.width, j.cfg)
+    def _shape(j: DiffusionJob) -> tuple[int, int, bool, int]:
+        return (j.height, j.width, j.cfg, 0 if j.context is None else int(j.context.shape[0]))
 
     # ---- on the engine thread ----------------------------------------------------------------
     def _encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -268,8 +287,8 @@ class DiffusersEngine(Engine):
         channels = pipe.transformer.config.in_channels // 4
         cfg = pipe.scheduler.config
         for j, cond in zip(jobs, conds):
-            j.cond = cond
-            j.uncond = unconds.get(j.id)
+            j.cond = self._condition(j, cond)
+            j.uncond = self._condition(j, unconds[j.id]) if j.id in unconds else None
             h = 2 * (j.height // self.size_multiple)
             w = 2 * (j.width // self.size_multiple)
             gen = torch.Generator(device="cpu").manual_seed(j.seed)
@@ -282,6 +301,15 @@ class DiffusersEngine(Engine):
             sigmas = np.linspace(1.0, 1 / j.steps, j.steps)
             pipe.scheduler.set_timesteps(j.steps, device="cpu", sigmas=sigmas, mu=mu)
             j.sigmas = [float(s) for s in pipe.scheduler.sigmas]  # steps + 1, ending at 0
+
+    @staticmethod
+    def _condition(j: DiffusionJob, cond: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds, pooled = cond
+        if j.context is not None:
+            embeds = torch.cat([embeds, j.context.to(embeds.dtype)], dim=0)
+        if j.pooled_bias is not None:
+            pooled = pooled + j.pooled_bias.to(pooled.dtype)
+        return embeds, pooled
 
     def _step(self, batch: list[DiffusionJob]) -> None:
         pipe = self.pipe

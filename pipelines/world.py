@@ -1,0 +1,121 @@
+"""The `world` pipeline: an autoregressive diffusion world model (AR-DiT).
+
+Each step denoises the next frame's latents with the Flux transformer of a diffusers
+pipeline directory, conditioned on the prompt, on the latents of the last
+`history_frames` frames and on an action vector: a `WorldConditioner` (in the same
+directory, `world.json` + `conditioner.safetensors`) turns history and action into
+extra tokens beside the text tokens, and the action into a shift of the pooled text
+embedding. Frames run on the diffusers step engine, so the steps of every world
+session of the same frame size are batched together.
+
+The latent history is session state: it comes in as `params["history"]` (a list of
+packed latents, oldest first; missing frames are zeros) and the new frame's latents
+go back on the output payload (`arrays["latents"]`) for the session to keep. Frame
+`k` of a rollout uses noise seed `seed + k`, so a rollout is reproducible from its
+seed and actions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from omni_rt.engines.base import Engine, EngineError
+from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.specs import StageSpec
+from omni_rt.stage import StageContext, StageError, StageProcessor
+
+
+class WorldConditioner(torch.nn.Module):
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.history_frames = int(config["history_frames"])
+        d = int(config["joint_dim"])
+        self.latent_in = torch.nn.Linear(int(config["latent_channels"]), d)
+        self.frame_pos = torch.nn.Parameter(torch.randn(self.history_frames, 1, d) * 0.02)
+        self.action_token = torch.nn.Linear(int(config["action_dim"]), d)
+        self.action_pooled = torch.nn.Linear(int(config["action_dim"]), int(config["pooled_dim"]))
+
+    def forward(self, history: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """history [frames, tokens, channels], action [action_dim] -> (tokens
+        [frames * tokens + 1, joint_dim], pooled shift [pooled_dim])."""
+        h = (self.latent_in(history) + self.frame_pos).flatten(0, 1)
+        return torch.cat([h, self.action_token(action)[None]], dim=0), self.action_pooled(action)
+
+
+class WorldProcessor(StageProcessor):
+    ARGS = {"default_steps", "max_steps"}
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        assert spec.model is not None
+        args = dict(spec.processor_args)
+        bad = set(args) - self.ARGS
+        if bad:
+            raise ValueError(f"unknown world processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
+        self.default_steps = int(args.get("default_steps", 8))
+        self.max_steps = int(args.get("max_steps", 50))
+        path = Path(spec.model)
+        if not (path / "world.json").is_file():
+            raise ValueError(f"{path} has no world.json (a world model directory holds a diffusers pipeline plus world.json and conditioner.safetensors)")
+        self.config = json.loads((path / "world.json").read_text())
+        from safetensors.torch import load_file
+
+        self.conditioner = WorldConditioner(self.config).eval()
+        self.conditioner.load_state_dict(load_file(str(path / "conditioner.safetensors")))
+        self.action_dim = int(self.config["action_dim"])
+        self.history_frames = int(self.config["history_frames"])
+        self.frame_size = int(self.config.get("frame_size", 128))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "action_dim": self.action_dim,
+            "history_frames": self.history_frames,
+            "default_size": self.frame_size,
+            "default_steps": self.default_steps,
+            "max_steps": self.max_steps,
+            "size_multiple": self.engine.size_multiple if isinstance(self.engine, DiffusersEngine) and self.engine.pipe is not None else 16,
+        }
+
+    async def run(self, ctx: StageContext) -> None:
+        assert isinstance(self.engine, DiffusersEngine)
+        p = ctx.params
+        action = np.asarray(p["action"], np.float32)
+        if action.shape != (self.action_dim,) or not np.isfinite(action).all():
+            raise StageError(f"action must be {self.action_dim} finite numbers")
+        height, width = int(p["height"]), int(p["width"])
+        tokens = (height // self.engine.size_multiple) * (width // self.engine.size_multiple)
+        channels = int(self.config["latent_channels"])
+        hist = np.zeros((self.history_frames, tokens, channels), np.float32)
+        past = list(p.get("history") or [])[-self.history_frames :]
+        for i, lat in enumerate(past):  # right-aligned: the newest frame last
+            hist[self.history_frames - len(past) + i] = lat
+        with torch.inference_mode():
+            context, pooled_bias = self.conditioner(torch.from_numpy(hist), torch.from_numpy(action))
+        frame = int(p.get("frame_index", 0))
+        job = DiffusionJob(
+            prompt=str(p.get("prompt") or ""),
+            height=height,
+            width=width,
+            steps=int(p.get("steps") or self.default_steps),
+            seed=int(p.get("seed", 0)) + frame,
+            context=context,
+            pooled_bias=pooled_bias,
+        )
+        try:
+            async for ev in self.engine.generate(job):
+                if ev["type"] == "progress":
+                    await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": ev["step"], "total": ev["steps"]}))
+                elif ev["type"] == "image":
+                    await ctx.emit(
+                        Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": ev["image"], "latents": ev["latents"]}, meta={"frame_index": frame}),
+                        last=True,
+                    )
+        except EngineError as exc:
+            raise StageError(str(exc)) from None
+        ctx.add_usage(frames=1, steps=job.steps)

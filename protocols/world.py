@@ -1,0 +1,305 @@
+"""`/v1/world`: world-model rollout sessions over a WebSocket (JSON events, in the
+style of the realtime API).
+
+Client events (each may carry an `event_id`, echoed on errors):
+- `session.update {session: {prompt, width, height, steps, seed, image_format}}` —
+  any subset; a new size starts the history over. → `session.updated`.
+- `world.step {action: [numbers]}` — denoise the next frame conditioned on the
+  session's latent history and the action. → `world.step.started {step_id,
+  frame_index}`, `world.step.progress {step_id, step, steps}`…, `world.frame {step_id,
+  frame_index, format, width, height, image: base64}`, `world.step.done {step_id,
+  frame_index}`. A step sent while one runs supersedes it.
+- `world.cancel` — stop the running step. → `world.step.cancelled {step_id, reason}`.
+  Cancelled or superseded steps are fenced: none of their frames or progress arrive
+  after the `world.step.cancelled`, and the history does not take their frame.
+- `world.reset {prompt?, seed?}` — empty the history, frame index 0 → `world.reset.done`.
+- `session.close` → `session.closed`, then close 1000.
+
+Server: `session.created {session, resume_token}` first (`session` holds the settings
+plus `action_dim`, `history_frames`, `frame_index`). The latent history lives in the
+session (at most `history_frames` frames); a dropped connection detaches it (the
+running step is cancelled) and `?session_id=…&resume_token=…` resumes it within the
+grace period (`session.resumed`, the rollout continues from its buffer). Errors:
+`error {error: {type, code, message, param, event_id}}`, the socket stays open. Over
+a cap: an `error` event `session_limit`, then close 1013.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import secrets
+from typing import Any, Callable
+
+import numpy as np
+from fastapi import APIRouter
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from omni_rt import metrics
+from omni_rt.payloads import Fence
+from omni_rt.request import RequestAborted
+from omni_rt.stage import StageError
+from protocols.auth import principal_of
+from protocols.realtime import close_websocket, next_message, send_events
+from protocols.sessions_api import realtime_error_event, reject_websocket
+from sessions import Session, SessionError, SessionManager
+from sessions.session import SessionEvent
+
+log = logging.getLogger("protocols.world")
+
+FORMATS = {"jpeg": "JPEG", "png": "PNG"}
+
+
+class WorldError(ValueError):
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+
+def encode_frame(img: np.ndarray, fmt: str) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format=FORMATS[fmt], **({"quality": 90} if fmt == "jpeg" else {}))
+    return buf.getvalue()
+
+
+class WorldConnection:
+    def __init__(self, session: Session, sessions: SessionManager, model: dict[str, Any]) -> None:
+        self.session = session
+        self.sessions = sessions
+        self.model = model
+        if "world" not in session.data:
+            size = int(model["default_size"])
+            session.data["world"] = {
+                "prompt": "", "width": size, "height": size, "steps": int(model["default_steps"]),
+                "seed": secrets.randbelow(2**31), "image_format": "jpeg", "history": [], "frame_index": 0,
+            }
+            session.add_finalizer(lambda: self._account(-self.buffer_bytes()))
+        self.task: asyncio.Task[None] | None = None
+        self.step_id: str | None = None
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.session.data["world"]
+
+    def buffer_bytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.session.data.get("world", {}).get("history", []))
+
+    @staticmethod
+    def _account(delta: int) -> None:
+        metrics.WORLD_BUFFER_BYTES.inc(delta)
+
+    def wire(self) -> dict[str, Any]:
+        st = self.state
+        return {
+            "id": self.session.id, "object": "world.session", "prompt": st["prompt"], "width": st["width"], "height": st["height"],
+            "steps": st["steps"], "seed": st["seed"], "image_format": st["image_format"], "frame_index": st["frame_index"],
+            "action_dim": self.model["action_dim"], "history_frames": self.model["history_frames"],
+        }
+
+    def emit(self, type: str, fence: Fence | None = None, **data: Any) -> None:
+        self.session.emit(type, data, fence=fence)
+
+    def error(self, message: str, code: str = "invalid_value", param: str | None = None, event_id: Any = None) -> None:
+        self.emit("error", error={"type": "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id})
+
+    # ---- client events ------------------------------------------------------------------
+    async def handle(self, raw: str | bytes) -> bool:
+        """One client event; False when the client asked to close."""
+        try:
+            ev = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self.error(f"The event is not valid JSON: {exc}", "invalid_json")
+            return True
+        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+            self.error("An event is a JSON object with a string 'type'.", "invalid_event", "type")
+            return True
+        self.session.touch()
+        eid = ev.get("event_id")
+        try:
+            kind = ev["type"]
+            if kind == "session.update":
+                self.update(ev.get("session"))
+                self.emit("session.updated", session=self.wire())
+            elif kind == "world.step":
+                await self.step(ev.get("action"))
+            elif kind == "world.cancel":
+                if not await self.cancel("cancelled"):
+                    raise WorldError("No step is running.", "no_active_step")
+            elif kind == "world.reset":
+                await self.reset(ev)
+            elif kind == "session.close":
+                return False
+            else:
+                raise WorldError(f"Unknown event type {kind!r}; known: session.update, world.step, world.cancel, world.reset, session.close.", "invalid_event", "type")
+        except WorldError as exc:
+            self.error(exc.message, exc.code, exc.param, eid)
+        return True
+
+    def update(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise WorldError("'session' must be an object.", param="session")
+        known = {"prompt", "width", "height", "steps", "seed", "image_format"}
+        bad = set(body) - known
+        if bad:
+            raise WorldError(f"Unknown session field(s) {sorted(bad)}; known: {sorted(known)}.", "unknown_parameter", f"session.{sorted(bad)[0]}")
+        st, m = dict(self.state), self.model
+        if "prompt" in body:
+            if not isinstance(body["prompt"], str) or len(body["prompt"]) > 4000:
+                raise WorldError("'session.prompt' must be a string of at most 4000 characters.", param="session.prompt")
+            st["prompt"] = body["prompt"]
+        for side in ("width", "height"):
+            if side in body:
+                v = body[side]
+                mult = int(m["size_multiple"])
+                if not isinstance(v, int) or isinstance(v, bool) or not mult <= v <= 512 or v % mult:
+                    raise WorldError(f"'session.{side}' must be a multiple of {mult} between {mult} and 512.", param=f"session.{side}")
+                st[side] = v
+        if "steps" in body:
+            v = body["steps"]
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= int(m["max_steps"]):
+                raise WorldError(f"'session.steps' must be an integer between 1 and {m['max_steps']}.", param="session.steps")
+            st["steps"] = v
+        if "seed" in body:
+            v = body["seed"]
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 2**31:
+                raise WorldError("'session.seed' must be an integer in 0..2^31-1.", param="session.seed")
+            st["seed"] = v
+        if "image_format" in body:
+            if body["image_format"] not in FORMATS:
+                raise WorldError(f"'session.image_format' must be one of {', '.join(FORMATS)}.", param="session.image_format")
+            st["image_format"] = body["image_format"]
+        if (st["width"], st["height"]) != (self.state["width"], self.state["height"]):
+            self._account(-self.buffer_bytes())
+            st["history"] = []  # latents of another size cannot condition this one
+        self.session.data["world"] = st
+
+    async def step(self, action: Any) -> None:
+        dim = int(self.model["action_dim"])
+        if not isinstance(action, list) or len(action) != dim or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in action):
+            raise WorldError(f"'action' must be a list of {dim} numbers.", param="action")
+        if not np.isfinite(np.asarray(action, np.float64)).all():
+            raise WorldError("'action' must be finite.", param="action")
+        await self.cancel("superseded")
+        st = self.state
+        self.step_id = f"step_{secrets.token_hex(6)}"
+        params = {
+            "prompt": st["prompt"], "width": st["width"], "height": st["height"], "steps": st["steps"], "seed": st["seed"],
+            "frame_index": st["frame_index"], "history": list(st["history"]), "action": [float(a) for a in action],
+        }
+        stream = self.session.submit(params)
+        stream.end_input()
+        fence = self.session.fence  # the new turn's
+        self.emit("world.step.started", fence, step_id=self.step_id, frame_index=st["frame_index"])
+        self.task = asyncio.get_running_loop().create_task(self._run(stream, self.step_id, fence))
+
+    async def _run(self, stream: Any, step_id: str, fence: Fence) -> None:
+        try:
+            async with stream:
+                async for _stage, p, _last in stream.payloads():
+                    if "progress" in p.meta:
+                        self.emit("world.step.progress", fence, step_id=step_id, step=p.meta["progress"], steps=p.meta["total"])
+                        continue
+                    st = self.state
+                    data = await asyncio.to_thread(encode_frame, p.arrays["image"], st["image_format"])
+                    if fence.is_stale_against(self.session.fence):
+                        return
+                    # the frame and the history advance together (no await in between)
+                    history = (st["history"] + [p.arrays["latents"]])[-int(self.model["history_frames"]) :]
+                    self._account(sum(int(a.nbytes) for a in history) - self.buffer_bytes())
+                    st["history"] = history
+                    frame = st["frame_index"]
+                    st["frame_index"] = frame + 1
+                    h, w = p.arrays["image"].shape[:2]
+                    self.emit("world.frame", fence, step_id=step_id, frame_index=frame, format=st["image_format"], width=w, height=h,
+                              image=base64.b64encode(data).decode())
+                    self.emit("world.step.done", fence, step_id=step_id, frame_index=frame)
+        except RequestAborted:
+            pass
+        except StageError as exc:
+            self.emit("error", fence, error={"type": "server_error", "code": "step_failed", "message": str(exc), "param": None, "event_id": None})
+
+    async def cancel(self, reason: str) -> bool:
+        """Stop the running step, if any: the epoch advances first, so nothing of it is
+        delivered after the `world.step.cancelled` that follows."""
+        task = self.task
+        if task is None or task.done():
+            return False
+        await self.session.signal("cancel")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.emit("world.step.cancelled", step_id=self.step_id, reason=reason)
+        return True
+
+    async def reset(self, ev: dict[str, Any]) -> None:
+        body = {k: ev[k] for k in ("prompt", "seed") if k in ev}
+        if body:
+            self.update(body)
+        await self.cancel("reset")
+        self._account(-self.buffer_bytes())
+        self.state["history"] = []
+        self.state["frame_index"] = 0
+        self.emit("world.reset.done", session=self.wire())
+
+
+def build_world_router(sessions: SessionManager, pipeline: str, describe: Callable[[], dict[str, Any]]) -> APIRouter:
+    router = APIRouter()
+
+    @router.websocket("/v1/world")
+    async def world(ws: WebSocket) -> None:
+        principal = principal_of(ws).name
+        sid, token = ws.query_params.get("session_id"), ws.query_params.get("resume_token")
+        try:
+            if sid:
+                session = await sessions.resume(sid, token, principal)
+                resumed = True
+            else:
+                session = await sessions.open("world", pipeline, principal=principal)
+                resumed = False
+        except SessionError as exc:
+            await reject_websocket(ws, exc, realtime_error_event)
+            return
+        conn = WorldConnection(session, sessions, describe())
+        count = 0
+
+        def frame(ev: SessionEvent) -> str:
+            nonlocal count
+            count += 1
+            return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **ev.data})
+
+        writer: asyncio.Task[None] | None = None
+        ended: asyncio.Future[Any] | None = None
+        closing = False
+        try:
+            await ws.accept()
+            kind = "session.resumed" if resumed else "session.created"
+            conn.emit(kind, session=conn.wire(), resume_token=session.issue_resume_token())
+            writer = asyncio.get_running_loop().create_task(send_events(ws, session, frame))
+            ended = asyncio.ensure_future(session.closed.wait())
+            while (data := await next_message(ws, writer, ended)) is not None:
+                if not await conn.handle(data):
+                    closing = True
+                    break
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            if ended is not None:
+                ended.cancel()
+            await conn.cancel("client_disconnected")
+            if closing:
+                conn.emit("session.closed")
+                await asyncio.sleep(0)
+                await sessions.end(session, "closed")
+            elif session.is_open:
+                await sessions.detach(session.id)  # resumable within disconnect_grace_s
+            if writer is not None:
+                await asyncio.wait({writer}, timeout=2)
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
+            await close_websocket(ws, 1000)
+
+    return router
