@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image,world} ...``."""
 
 from __future__ import annotations
 
@@ -150,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--port", type=int, default=8600, help="port of the server the bench starts (default 8600)")
     im.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     im.add_argument("--json", help="write results here (JSON)")
+    w = sub.add_parser(
+        "world",
+        help="concurrent /v1/world rollouts: step latency, frames/s per session",
+        description="S world sessions at once, each stepping back to back for --duration seconds.",
+    )
+    w.add_argument("--sessions", "-s", default="1,4", help="comma-separated levels (default 1,4)")
+    w.add_argument("--duration", type=float, default=8.0, help="seconds per level (default 8)")
+    w.add_argument("--size", type=int, default=64, help="frame side in pixels (default 64)")
+    w.add_argument("--steps", type=int, help="denoising steps per frame (default: the pipeline's)")
+    w.add_argument("--url", help="ws://host:port/v1/world of a running server (default: start one)")
+    w.add_argument("--api-key")
+    w.add_argument("--port", type=int, default=8700, help="port of the server the bench starts (default 8700)")
+    w.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    w.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
@@ -184,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.realtime import main_realtime
 
         return main_realtime(args)
+    if args.cmd == "world":
+        from latency_bench.world import main_world
+
+        return main_world(args)
     if args.cmd == "image":
         from latency_bench.image import main_image
 
