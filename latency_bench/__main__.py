@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image,world} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image,world,video-edit} ...``."""
 
 from __future__ import annotations
 
@@ -164,6 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=8700, help="port of the server the bench starts (default 8700)")
     w.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     w.add_argument("--json", help="write results here (JSON)")
+    v = sub.add_parser("video-edit", help="live video editing: prompt edit -> first frame under the new prompt")
+    v.add_argument("--trials", type=int, default=10, help="generations, one edit each (default 10)")
+    v.add_argument("--size", type=int, default=64, help="frame side in pixels (default 64)")
+    v.add_argument("--steps", type=int, help="denoising steps per frame (default: the pipeline's)")
+    v.add_argument("--chunk-frames", type=int, default=4, help="frames per chunk (default 4)")
+    v.add_argument("--edit-after", type=int, default=5, help="edit when this frame arrives (default 5)")
+    v.add_argument("--url", help="ws://host:port/v1/realtime/video of a running server (default: start one)")
+    v.add_argument("--api-key")
+    v.add_argument("--port", type=int, default=8800, help="port of the server the bench starts (default 8800)")
+    v.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    v.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
@@ -198,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         from latency_bench.realtime import main_realtime
 
         return main_realtime(args)
+    if args.cmd == "video-edit":
+        from latency_bench.video_edit import main_video_edit
+
+        return main_video_edit(args)
     if args.cmd == "world":
         from latency_bench.world import main_world
 

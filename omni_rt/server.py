@@ -30,6 +30,7 @@ from protocols.chat import ChatService, build_chat_router
 from protocols.duplex import build_duplex_router
 from protocols.images import ImageService, build_images_router
 from protocols.openpi import build_openpi_router
+from protocols.videos import build_videos_router
 from protocols.world import build_world_router
 from protocols.pages import build_pages_router
 from protocols.webrtc import build_webrtc_router, configure_ice
@@ -244,6 +245,10 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
         wdit = runtime.pools[profiles["world"].entry]
         describe = lambda: wdit.replicas[0].processor.describe()  # type: ignore[attr-defined]  # noqa: E731
         app.include_router(build_world_router(sessions, "world", describe))
+    if "video_edit" in profiles:
+        vdit = runtime.pools[profiles["video_edit"].entry]
+        vdescribe = lambda: vdit.replicas[0].processor.describe()  # type: ignore[attr-defined]  # noqa: E731
+        app.include_router(build_videos_router(sessions, specs["video_edit"], vdescribe))
     if "robot" in profiles:
         entry = runtime.pools[profiles["robot"].entry]
         app.include_router(build_openpi_router(sessions, "robot", lambda: entry.replicas[0].processor))  # type: ignore[arg-type]

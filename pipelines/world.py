@@ -82,23 +82,18 @@ class WorldProcessor(StageProcessor):
             "size_multiple": self.engine.size_multiple if isinstance(self.engine, DiffusersEngine) and self.engine.pipe is not None else 16,
         }
 
-    async def run(self, ctx: StageContext) -> None:
+    def frame_job(self, p: Any, history: list[np.ndarray], action: np.ndarray, frame: int) -> DiffusionJob:
+        """The diffusion job of frame `frame`, conditioned on `history` and `action`."""
         assert isinstance(self.engine, DiffusersEngine)
-        p = ctx.params
-        action = np.asarray(p["action"], np.float32)
-        if action.shape != (self.action_dim,) or not np.isfinite(action).all():
-            raise StageError(f"action must be {self.action_dim} finite numbers")
         height, width = int(p["height"]), int(p["width"])
         tokens = (height // self.engine.size_multiple) * (width // self.engine.size_multiple)
-        channels = int(self.config["latent_channels"])
-        hist = np.zeros((self.history_frames, tokens, channels), np.float32)
-        past = list(p.get("history") or [])[-self.history_frames :]
+        hist = np.zeros((self.history_frames, tokens, int(self.config["latent_channels"])), np.float32)
+        past = history[-self.history_frames :]
         for i, lat in enumerate(past):  # right-aligned: the newest frame last
             hist[self.history_frames - len(past) + i] = lat
         with torch.inference_mode():
             context, pooled_bias = self.conditioner(torch.from_numpy(hist), torch.from_numpy(action))
-        frame = int(p.get("frame_index", 0))
-        job = DiffusionJob(
+        return DiffusionJob(
             prompt=str(p.get("prompt") or ""),
             height=height,
             width=width,
@@ -107,15 +102,30 @@ class WorldProcessor(StageProcessor):
             context=context,
             pooled_bias=pooled_bias,
         )
+
+    async def render(self, ctx: StageContext, job: DiffusionJob, frame: int, done_steps: int, total_steps: int, last: bool) -> np.ndarray:
+        """Run one frame's job, emitting progress and then the frame; its latents back."""
+        assert isinstance(self.engine, DiffusersEngine)
         try:
             async for ev in self.engine.generate(job):
                 if ev["type"] == "progress":
-                    await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": ev["step"], "total": ev["steps"]}))
+                    await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": done_steps + ev["step"], "total": total_steps}))
                 elif ev["type"] == "image":
                     await ctx.emit(
                         Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": ev["image"], "latents": ev["latents"]}, meta={"frame_index": frame}),
-                        last=True,
+                        last=last,
                     )
+                    return ev["latents"]
         except EngineError as exc:
             raise StageError(str(exc)) from None
+        raise StageError("the engine returned no frame")
+
+    async def run(self, ctx: StageContext) -> None:
+        p = ctx.params
+        action = np.asarray(p["action"], np.float32)
+        if action.shape != (self.action_dim,) or not np.isfinite(action).all():
+            raise StageError(f"action must be {self.action_dim} finite numbers")
+        frame = int(p.get("frame_index", 0))
+        job = self.frame_job(p, list(p.get("history") or []), action, frame)
+        await self.render(ctx, job, frame, 0, job.steps, last=True)
         ctx.add_usage(frames=1, steps=job.steps)

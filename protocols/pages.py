@@ -34,6 +34,11 @@ def build_pages_router(pipelines: list[str]) -> APIRouter:
         rows += [("POST", "/v1/images/generations", "text to image (OpenAI)")]
     if "world" in pipelines:
         rows += [("WS", "/v1/world", "world-model rollouts (action in, frames out)")]
+    if "video_edit" in pipelines:
+        rows += [
+            ("POST", "/v1/videos", "video jobs (OpenAI); GET/DELETE /v1/videos/{id}, …/content"),
+            ("WS", "/v1/realtime/video", "live video generation with prompt edits"),
+        ]
     if "robot" in pipelines:
         rows += [
             ("WS", "/", "OpenPI policy (openpi-client; also /v1/openpi)"),
