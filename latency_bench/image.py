@@ -10,10 +10,8 @@ each denoising step).
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -90,22 +88,10 @@ def main_image(args: Any) -> int:
         print("error: --concurrency levels must be >= 1 and --duration > 0")
         return 2
     fields = {k: v for k, v in (("size", args.size), ("num_inference_steps", args.steps)) if v is not None}
-    server = None
-    url = args.url
-    if url is None:
-        from latency_bench.server import ServerProcess
+    from latency_bench.server import bench_url
 
-        log_dir = Path(args.json).parent if args.json else Path("bench-out")
-        log_dir.mkdir(parents=True, exist_ok=True)
-        server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "image-server.log", env=dict(os.environ))
-        server.start()
-        server.wait_ready(timeout_s=600)
-        url = server.url
-    try:
+    with bench_url(args, "image") as url:
         result = run(url, args.api_key, levels, args.duration, args.warmup, fields)
-    finally:
-        if server is not None:
-            server.stop()
     print(f"{'C':>3} {'requests':>9} {'fail':>5} {'req/s':>7} {'lat p50':>8} {'lat p99':>8} {'rows/step':>9}")
     for lvl in result["levels"]:
         f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731

@@ -19,11 +19,9 @@ actions/s at 16 robots >= 3 x at 1 robot.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from clients.openpi import OpenPIError, PolicyClient, droid_observation
@@ -157,31 +155,19 @@ def main_openpi(args: Any) -> int:
     if not levels or min(levels) < 1 or args.duration <= 0 or args.warmup < 0:
         print("error: --robots levels must be >= 1, --duration > 0, --warmup >= 0")
         return 2
-    log_dir = Path(args.json).parent if args.json else Path("bench-out")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    server = None
-    url = args.url
-    noop = None
-    try:
-        if url is None:
-            from latency_bench.server import ServerProcess
+    from latency_bench.server import bench_url
 
-            server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "openpi-server.log", env=dict(os.environ))
-            server.start()
-            server.wait_ready(timeout_s=600)
-            url = f"ws://127.0.0.1:{args.port}"
+    with bench_url(args, "openpi", "ws") as url:
         noop = subprocess.Popen(
             [sys.executable, "-c", f"from latency_bench.openpi import serve_noop; serve_noop({args.noop_port})"],
             process_group=0,
         )
-        _wait_port(args.noop_port)
-        result = run(url, args.api_key, levels, args.duration, args.warmup, f"ws://127.0.0.1:{args.noop_port}")
-    finally:
-        if noop is not None:
+        try:
+            _wait_port(args.noop_port)
+            result = run(url, args.api_key, levels, args.duration, args.warmup, f"ws://127.0.0.1:{args.noop_port}")
+        finally:
             noop.terminate()
             noop.wait(10)
-        if server is not None:
-            server.stop()
     b = result["noop_server"]
     if b and b.get("ok"):
         print(f"no-op openpi-style server: round trip p50 {b['round_trip_ms']['p50']:.3f} ms, p99 {b['round_trip_ms']['p99']:.3f} ms")

@@ -15,7 +15,6 @@ Against a running server (`--url`) or a server it starts itself (default).
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 import tempfile
@@ -154,22 +153,10 @@ def main_realtime(args: Any) -> int:
     if not levels or min(levels) < 1 or args.turns < 1:
         print("error: --sessions levels and --turns must be >= 1")
         return 2
-    server = None
-    url = args.url
-    if url is None:
-        from latency_bench.server import ServerProcess
+    from latency_bench.server import bench_url
 
-        log_dir = Path(args.json).parent if args.json else Path("bench-out")
-        log_dir.mkdir(parents=True, exist_ok=True)
-        server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "realtime-server.log", env=dict(os.environ))
-        server.start()
-        server.wait_ready(timeout_s=600)
-        url = f"ws://127.0.0.1:{args.port}/v1/realtime"
-    try:
+    with bench_url(args, "realtime", "ws", "/v1/realtime") as url:
         result = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup, args.barge_in)
-    finally:
-        if server is not None:
-            server.stop()
     print(f"realtime bench ({result['utterance']}, {result['utterance_s']} s utterance, {args.turns} turns per session)")
     print(f"{'S':>3} {'turns':>6} {'fail':>5} {'TTFP p50':>9} {'TTFP p90':>9} {'E2E p50':>8} {'RTF p50':>8} {'audio s/s':>9}")
     for lvl in result["levels"]:

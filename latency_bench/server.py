@@ -14,6 +14,7 @@ process that maps them, so it is an upper bound on physical memory used.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -23,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
 import psutil
@@ -310,3 +311,22 @@ class ServerProcess:
                 f.seek(0)
             data = f.read().decode("utf-8", errors="replace")
         return "\n".join(data.splitlines()[-lines:])
+
+
+@contextlib.contextmanager
+def bench_url(args: Any, name: str, scheme: str = "http", path: str = "") -> Iterator[str]:
+    """`args.url` when given; else the URL (`scheme://127.0.0.1:{args.port}{path}`) of a
+    server started for the bench with overlay `args.deploy` (its log beside the JSON
+    output, `{name}-server.log`) and stopped afterwards."""
+    if getattr(args, "url", None):
+        yield args.url
+        return
+    log_dir = Path(args.json).parent if args.json else Path("bench-out")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / f"{name}-server.log", env=dict(os.environ))
+    server.start()
+    try:
+        server.wait_ready(timeout_s=600)
+        yield f"{scheme}://127.0.0.1:{args.port}{path}"
+    finally:
+        server.stop()

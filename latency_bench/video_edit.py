@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.client import connect
@@ -56,26 +54,13 @@ async def _trial(url: str, api_key: str | None, i: int, size: int, steps: int | 
 
 
 def main_video_edit(args: Any) -> int:
-    server = None
-    url = args.url
-    if url is None:
-        from latency_bench.server import ServerProcess
+    from latency_bench.server import bench_url
 
-        log_dir = Path(args.json).parent if args.json else Path("bench-out")
-        log_dir.mkdir(parents=True, exist_ok=True)
-        server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "video-edit-server.log", env=dict(os.environ))
-        server.start()
-        server.wait_ready(timeout_s=600)
-        url = f"ws://127.0.0.1:{args.port}/v1/realtime/video"
-
-    async def go() -> list[dict[str, Any]]:
+    async def go(url: str) -> list[dict[str, Any]]:
         return [await _trial(url, args.api_key, i, args.size, args.steps, args.chunk_frames, args.edit_after) for i in range(args.trials)]
 
-    try:
-        trials = asyncio.run(go())
-    finally:
-        if server is not None:
-            server.stop()
+    with bench_url(args, "video-edit", "ws", "/v1/realtime/video") as url:
+        trials = asyncio.run(go(url))
     ok = [t for t in trials if t["ok"]]
     result = {
         "schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": url, "size": args.size, "steps": args.steps,

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from clients.world import WorldClient, WorldError
@@ -72,22 +70,10 @@ def main_world(args: Any) -> int:
     if not levels or min(levels) < 1 or args.duration <= 0:
         print("error: --sessions levels must be >= 1 and --duration > 0")
         return 2
-    server = None
-    url = args.url
-    if url is None:
-        from latency_bench.server import ServerProcess
+    from latency_bench.server import bench_url
 
-        log_dir = Path(args.json).parent if args.json else Path("bench-out")
-        log_dir.mkdir(parents=True, exist_ok=True)
-        server = ServerProcess(port=args.port, deploy=args.deploy, log_path=log_dir / "world-server.log", env=dict(os.environ))
-        server.start()
-        server.wait_ready(timeout_s=600)
-        url = f"ws://127.0.0.1:{args.port}/v1/world"
-    try:
+    with bench_url(args, "world", "ws", "/v1/world") as url:
         lv = asyncio.run(_levels(url, args.api_key, levels, args.duration, args.size, args.steps))
-    finally:
-        if server is not None:
-            server.stop()
     by = {x["sessions"]: x for x in lv}
     result = {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": url, "size": args.size, "steps": args.steps,
               "duration_s": args.duration, "levels": lv,

@@ -879,6 +879,19 @@ async def send_events(ws: WebSocket, session: Session, frame: Callable[[SessionE
             break
 
 
+def numbered_json(render: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda data: data) -> Callable[[SessionEvent], str]:
+    """A `send_events` frame function: each event as JSON with a per-connection
+    `event_id` (`event_000001`, …) and its data rendered by `render`."""
+    count = 0
+
+    def frame(ev: SessionEvent) -> str:
+        nonlocal count
+        count += 1
+        return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **render(ev.data)})
+
+    return frame
+
+
 async def next_message(ws: WebSocket, *others: "asyncio.Future[Any]") -> str | bytes | None:
     """The next text or binary message, or None when the client left or one of
     `others` (e.g. the writer) finished first."""
@@ -915,12 +928,7 @@ def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> A
             await reject_websocket(ws, exc)
             return
         conn = RealtimeConnection(session, sessions, pipeline, ga, model)
-        count = 0
-
-        def frame(ev: SessionEvent) -> str:
-            nonlocal count
-            count += 1
-            return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **wire_data(ev.data)})
+        frame = numbered_json(wire_data)
 
         writer: asyncio.Task[None] | None = None
         ended: asyncio.Future[Any] | None = None

@@ -49,11 +49,10 @@ from omni_rt.specs import PipelineSpec
 from omni_rt.stage import StageError
 from protocols.auth import principal_of
 from protocols.openai_http import APIError, session_api_error
-from protocols.realtime import close_websocket, next_message, send_events
+from protocols.realtime import close_websocket, next_message, numbered_json, send_events
 from protocols.sessions_api import realtime_error_event, reject_websocket
 from protocols.world import FORMATS, WorldError, encode_frame
 from sessions import Session, SessionError, SessionManager
-from sessions.session import SessionEvent
 
 log = logging.getLogger("protocols.videos")
 
@@ -417,12 +416,7 @@ def build_videos_router(sessions: SessionManager, pipeline: PipelineSpec, descri
             await reject_websocket(ws, exc, realtime_error_event)
             return
         conn = VideoConnection(session, describe())
-        count = 0
-
-        def frame(ev: SessionEvent) -> str:
-            nonlocal count
-            count += 1
-            return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **ev.data})
+        frame = numbered_json()
 
         writer: asyncio.Task[None] | None = None
         ended: asyncio.Future[Any] | None = None

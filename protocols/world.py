@@ -43,10 +43,9 @@ from omni_rt.payloads import Fence
 from omni_rt.request import RequestAborted
 from omni_rt.stage import StageError
 from protocols.auth import principal_of
-from protocols.realtime import close_websocket, next_message, send_events
+from protocols.realtime import close_websocket, next_message, numbered_json, send_events
 from protocols.sessions_api import realtime_error_event, reject_websocket
 from sessions import Session, SessionError, SessionManager
-from sessions.session import SessionEvent
 
 log = logging.getLogger("protocols.world")
 
@@ -264,12 +263,7 @@ def build_world_router(sessions: SessionManager, pipeline: str, describe: Callab
             await reject_websocket(ws, exc, realtime_error_event)
             return
         conn = WorldConnection(session, sessions, describe())
-        count = 0
-
-        def frame(ev: SessionEvent) -> str:
-            nonlocal count
-            count += 1
-            return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **ev.data})
+        frame = numbered_json()
 
         writer: asyncio.Task[None] | None = None
         ended: asyncio.Future[Any] | None = None

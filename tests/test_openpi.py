@@ -22,7 +22,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from clients.openpi import OpenPIError, PolicyClient, aloha_observation, droid_observation
 from protocols.openpi import ProtocolError, flatten, packb, unpackb
 from tests.conftest import REPO
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, ALICE_KEY, LIMITED_KEY, http_client
+from tests.harness import ADMIN_HEADERS, ALICE_KEY, LIMITED_KEY, http_client
 
 
 def ws_url(server, path: str = "") -> str:

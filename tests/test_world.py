@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from clients.world import WorldClient, WorldError, decode_frame
+from clients.world import WorldClient
 from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
