@@ -68,7 +68,7 @@ class ImageProcessor(StageProcessor):
                 width=int(p["width"]),
                 steps=steps,
                 seed=s,
-                guidance_scale=float(p.get("guidance_scale") or self.guidance_scale),
+                guidance_scale=float(self.guidance_scale if p.get("guidance_scale") is None else p["guidance_scale"]),
                 negative_prompt=p.get("negative_prompt"),
             )
             for s in seeds
@@ -86,5 +86,11 @@ class ImageProcessor(StageProcessor):
             except EngineError as exc:
                 raise StageError(str(exc)) from None
 
-        await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
+        tasks = [asyncio.ensure_future(one(i, j)) for i, j in enumerate(jobs)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one image failing (or the request aborted) stops the others' engine jobs
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         ctx.add_usage(images=n, steps=steps * n)

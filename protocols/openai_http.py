@@ -151,7 +151,7 @@ async def parse_json(request: Request) -> Any:
         raise APIError(400, "The request body is empty; expected a JSON object.", code="invalid_json")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: also numbers too long to convert
         raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
 
 

@@ -55,6 +55,8 @@ WS_GOING_AWAY = 1001
 MAX_OBSERVATION_BYTES = 64 * 1024 * 1024
 MAX_NDIM = 8
 MAX_DEPTH = 8
+MAX_LIST_ITEMS = 65536
+MAX_MAP_ITEMS = 4096
 
 
 class ProtocolError(ValueError):
@@ -91,7 +93,7 @@ def _dtype(raw: Any) -> np.dtype:
         raise ProtocolError(f"array dtype must be a string like '<f4', got {type(raw).__name__}")
     try:
         dt = np.dtype(raw)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError):
         raise ProtocolError(f"unknown array dtype {raw!r}") from None
     if dt.kind in ("V", "O", "c") or dt.kind not in "biuf":
         raise ProtocolError(f"array dtype {raw!r} is not accepted (object, void, complex and string arrays are refused)")
@@ -124,7 +126,9 @@ def _unpack_hook(obj: dict[Any, Any]) -> Any:
 
 def unpackb(data: bytes) -> Any:
     try:
-        return msgpack.unpackb(data, object_hook=_unpack_hook, raw=False, strict_map_key=True)
+        # bounded containers: an observation is a few maps of arrays, never millions of items
+        return msgpack.unpackb(data, object_hook=_unpack_hook, raw=False, strict_map_key=True,
+                               max_array_len=MAX_LIST_ITEMS, max_map_len=MAX_MAP_ITEMS)
     except ProtocolError:
         raise
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
@@ -288,6 +292,8 @@ class PolicyConnection:
             while True:
                 t_wait = time.perf_counter()
                 self.waiting = True
+                if self.session.closed.is_set():  # ended while the last reply went out
+                    raise self._ended()
                 msg = await self.ws.receive()
                 self.waiting = False
                 if msg["type"] == "websocket.disconnect" or self.told:
@@ -300,10 +306,10 @@ class PolicyConnection:
                     raise self._ended() from None
                 try:
                     await self.ws.send_bytes(reply)
+                    self.prev_total_ms = (time.perf_counter() - t_wait) * 1000.0
                 finally:
                     if stream is not None:
                         await self.finish(stream)
-                self.prev_total_ms = (time.perf_counter() - t_wait) * 1000.0
         finally:
             watcher.cancel()
 
@@ -327,10 +333,10 @@ def build_openpi_router(sessions: SessionManager, pipeline: str, policy: Callabl
         except SessionError as exc:
             await reject_websocket(ws, exc, lambda e: f"{e.code}: {e.message}")
             return
-        session.data["episode"] = pol.new_episode(seed)
         conn = PolicyConnection(ws, session, pol, meta["layout"])
         reason = "client_disconnected"
         try:
+            session.data["episode"] = pol.new_episode(seed)
             await ws.accept()
             await ws.send_bytes(packb({**meta, "session_id": session.id, "seed": session.data["episode"]["seed"], "extensions": ["reset"]}))
             await conn.serve()

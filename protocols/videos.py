@@ -188,6 +188,10 @@ class VideoJobs:
             job.error = {"code": "cancelled", "message": "the job was deleted"}
             outcome = "deleted"
             raise
+        except Exception as exc:  # noqa: BLE001 - this job only; it must not stay in_progress
+            log.exception("video job %s failed", job.id)
+            job.status = "failed"
+            job.error = {"code": "generation_failed", "message": f"internal error ({type(exc).__name__})"}
         finally:
             await asyncio.shield(self.sessions.end(session, outcome))
             job.session = None
@@ -240,7 +244,7 @@ class VideoConnection:
     async def handle(self, raw: str | bytes) -> None:
         try:
             ev = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError) as exc:
             self.error(f"The event is not valid JSON: {exc}", "invalid_json")
             return
         if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
@@ -265,6 +269,8 @@ class VideoConnection:
                                  "invalid_event", "type")
         except WorldError as exc:
             self.error(exc.message, exc.code, exc.param, ev.get("event_id"))
+        except SessionError as exc:  # the session is ending; it says so itself
+            log.info("video session %s: %s", self.session.id, exc)
 
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
@@ -323,14 +329,20 @@ class VideoConnection:
                             break
                         self.history = (self.history + [p.arrays["latents"]])[-int(self.model["history_frames"]) :]
                         h, w = p.arrays["image"].shape[:2]
-                        self.emit("video.frame", fence, generation_id=gen_id, frame_index=self.next_frame, prompt_version=version,
+                        # committed (fenced just above): it goes out even if an edit follows,
+                        # before that edit's acknowledgement
+                        self.emit("video.frame", generation_id=gen_id, frame_index=self.next_frame, prompt_version=version,
                                   format=self.cfg["image_format"], width=w, height=h, image=base64.b64encode(data).decode())
                         self.next_frame += 1
-                        self.emit("generation.progress", fence, generation_id=gen_id, frames_done=self.next_frame, frames=self.total)
+                        self.emit("generation.progress", generation_id=gen_id, frames_done=self.next_frame, frames=self.total)
             except RequestAborted:
                 pass
-            except StageError as exc:
+            except (StageError, SessionError) as exc:
                 self.emit("error", fence, error={"type": "server_error", "code": "generation_failed", "message": str(exc), "param": None, "event_id": None})
+                return
+            except Exception:  # noqa: BLE001 - this session only
+                log.exception("video session %s: generation failed", self.session.id)
+                self.emit("error", fence, error={"type": "server_error", "code": "generation_failed", "message": "internal error", "param": None, "event_id": None})
                 return
             if self.restart:
                 self.restart = False
@@ -344,7 +356,7 @@ class VideoConnection:
             raise WorldError("'prompt' must be a string of at most 4000 characters.", param="prompt")
         self.cfg["prompt"] = prompt
         self.version += 1
-        if self.running():
+        if self.running() and self.session.is_open:
             # fence the chunk rendered under the old prompt; the generation continues
             self.restart = True
             await self.session.signal("cancel")
@@ -354,7 +366,8 @@ class VideoConnection:
         if not self.running():
             return False
         assert self.task is not None
-        await self.session.signal("cancel")
+        if self.session.is_open:
+            await self.session.signal("cancel")
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
         return True
@@ -368,13 +381,15 @@ def build_videos_router(sessions: SessionManager, pipeline: PipelineSpec, descri
     async def create(request: Request) -> JSONResponse:
         ctype = request.headers.get("content-type", "")
         if ctype.startswith("multipart/form-data") or ctype.startswith("application/x-www-form-urlencoded"):
-            form = await request.form()
-            raw: Any = {k: v for k, v in form.items() if isinstance(v, str)}
-            raw.update({k: "(file)" for k, v in form.items() if not isinstance(v, str)})
+            async with request.form() as form:
+                files = [k for k, v in form.items() if not isinstance(v, str)]
+                if files:
+                    raise APIError(400, f"File fields are not supported ({', '.join(files)}).", param=files[0], code="invalid_value")
+                raw: Any = dict(form.items())
         else:
             try:
                 raw = json.loads(await request.body() or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (ValueError, UnicodeDecodeError) as exc:
                 raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
             if not isinstance(raw, dict):
                 raise APIError(400, "The request body must be a JSON object.", code="invalid_json")

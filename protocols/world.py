@@ -111,7 +111,7 @@ class WorldConnection:
         """One client event; False when the client asked to close."""
         try:
             ev = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError) as exc:
             self.error(f"The event is not valid JSON: {exc}", "invalid_json")
             return True
         if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
@@ -137,6 +137,8 @@ class WorldConnection:
                 raise WorldError(f"Unknown event type {kind!r}; known: session.update, world.step, world.cancel, world.reset, session.close.", "invalid_event", "type")
         except WorldError as exc:
             self.error(exc.message, exc.code, exc.param, eid)
+        except SessionError as exc:  # the session is ending (operator, lease): it says so itself
+            log.info("world session %s: %s", self.session.id, exc)
         return True
 
     def update(self, body: Any) -> None:
@@ -147,6 +149,8 @@ class WorldConnection:
         if bad:
             raise WorldError(f"Unknown session field(s) {sorted(bad)}; known: {sorted(known)}.", "unknown_parameter", f"session.{sorted(bad)[0]}")
         st, m = dict(self.state), self.model
+        if ("width" in body or "height" in body) and self.task is not None and not self.task.done():
+            raise WorldError("The frame size cannot change while a step runs; cancel it first.", "step_active", "session.width")
         if "prompt" in body:
             if not isinstance(body["prompt"], str) or len(body["prompt"]) > 4000:
                 raise WorldError("'session.prompt' must be a string of at most 4000 characters.", param="session.prompt")
@@ -175,13 +179,17 @@ class WorldConnection:
         if (st["width"], st["height"]) != (self.state["width"], self.state["height"]):
             self._account(-self.buffer_bytes())
             st["history"] = []  # latents of another size cannot condition this one
-        self.session.data["world"] = st
+        self.state.update(st)  # in place: a running step holds this dict
 
     async def step(self, action: Any) -> None:
         dim = int(self.model["action_dim"])
         if not isinstance(action, list) or len(action) != dim or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in action):
             raise WorldError(f"'action' must be a list of {dim} numbers.", param="action")
-        if not np.isfinite(np.asarray(action, np.float64)).all():
+        try:
+            finite = bool(np.isfinite(np.asarray(action, np.float64)).all())
+        except OverflowError:
+            finite = False
+        if not finite:
             raise WorldError("'action' must be finite.", param="action")
         await self.cancel("superseded")
         st = self.state
@@ -214,13 +222,17 @@ class WorldConnection:
                     frame = st["frame_index"]
                     st["frame_index"] = frame + 1
                     h, w = p.arrays["image"].shape[:2]
-                    self.emit("world.frame", fence, step_id=step_id, frame_index=frame, format=st["image_format"], width=w, height=h,
+                    # committed: sent even if a cancel follows (it was fenced just above)
+                    self.emit("world.frame", step_id=step_id, frame_index=frame, format=st["image_format"], width=w, height=h,
                               image=base64.b64encode(data).decode())
-                    self.emit("world.step.done", fence, step_id=step_id, frame_index=frame)
+                    self.emit("world.step.done", step_id=step_id, frame_index=frame)
         except RequestAborted:
             pass
-        except StageError as exc:
+        except (StageError, SessionError) as exc:
             self.emit("error", fence, error={"type": "server_error", "code": "step_failed", "message": str(exc), "param": None, "event_id": None})
+        except Exception:  # noqa: BLE001 - this session only
+            log.exception("world session %s: a step failed", self.session.id)
+            self.emit("error", fence, error={"type": "server_error", "code": "step_failed", "message": "internal error", "param": None, "event_id": None})
 
     async def cancel(self, reason: str) -> bool:
         """Stop the running step, if any: the epoch advances first, so nothing of it is
@@ -228,7 +240,8 @@ class WorldConnection:
         task = self.task
         if task is None or task.done():
             return False
-        await self.session.signal("cancel")
+        if self.session.is_open:
+            await self.session.signal("cancel")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         self.emit("world.step.cancelled", step_id=self.step_id, reason=reason)
@@ -263,6 +276,7 @@ def build_world_router(sessions: SessionManager, pipeline: str, describe: Callab
             await reject_websocket(ws, exc, realtime_error_event)
             return
         conn = WorldConnection(session, sessions, describe())
+        attachment = session._attach_gen  # a resume elsewhere takes the session over
         frame = numbered_json()
 
         writer: asyncio.Task[None] | None = None
@@ -283,13 +297,18 @@ def build_world_router(sessions: SessionManager, pipeline: str, describe: Callab
         finally:
             if ended is not None:
                 ended.cancel()
-            await conn.cancel("client_disconnected")
-            if closing:
-                conn.emit("session.closed")
-                await asyncio.sleep(0)
-                await sessions.end(session, "closed")
-            elif session.is_open:
-                await sessions.detach(session.id)  # resumable within disconnect_grace_s
+            still_ours = session._attach_gen == attachment and session.state.value == "active"
+            try:
+                if still_ours:
+                    await conn.cancel("client_disconnected")
+                if closing and still_ours:
+                    conn.emit("session.closed")
+                    await asyncio.sleep(0)
+                    await sessions.end(session, "closed")
+                elif still_ours:
+                    await sessions.detach(session.id)  # resumable within disconnect_grace_s
+            except SessionError as exc:
+                log.info("world session %s: %s", session.id, exc)
             if writer is not None:
                 await asyncio.wait({writer}, timeout=2)
                 writer.cancel()

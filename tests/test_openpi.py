@@ -66,6 +66,8 @@ def _raw_array(dtype: str, shape: list[int], data: bytes, keys: type = bytes) ->
         (_raw_array("<f4", [2, 2], b"\0" * 12), "needs 16 bytes, got 12"),
         (_raw_array("<f4", [-1], b""), "non-negative"),
         (_raw_array("nonsense", [1], b"\0"), "unknown array dtype"),
+        (_raw_array("(1,f4", [1], b"\0" * 4), "unknown array dtype"),
+        (msgpack.packb({"x": list(range(70000))}), "msgpack"),
         (_raw_array("<f4", [1], b"\0" * 4, keys=str), "bytes keys"),
         (msgpack.packb({"a": 1})[:-1], "msgpack"),
         (b"\xc1\xc1\xc1", "msgpack"),

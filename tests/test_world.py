@@ -71,6 +71,21 @@ async def test_a_resumed_session_continues_from_its_buffer(server):
     assert all(close(x, y) for x, y in zip(straight, first + [third]))
 
 
+async def test_a_resume_elsewhere_takes_the_session_over_and_the_old_socket_leaves_it_alone(server):
+    a = await world(server, 9)
+    await a.step(ACTIONS_A[0])
+    b = await WorldClient.connect(url(server), ADMIN_KEY, session_id=a.session_id, resume_token=a.resume_token)
+    try:
+        assert b.first["type"] == "session.resumed" and b.session["frame_index"] == 1
+        await a.close()  # the old socket goes away after the takeover
+        await asyncio.sleep(0.3)
+        await b.step(ACTIONS_A[1])
+        await b.step(ACTIONS_A[2])
+        assert b.session["id"] == a.session_id
+    finally:
+        await b.close()
+
+
 async def test_cancel_and_supersede_are_fenced(server):
     w = await world(server, 3)
     async with w:
@@ -78,6 +93,8 @@ async def test_cancel_and_supersede_are_fenced(server):
         await w.send("world.step", action=ACTIONS_A[0])
         started = await w.until("world.step.started")
         await w.until("world.step.progress")
+        await w.send("session.update", session={"width": 128})  # not while a step runs
+        assert (await w.until("error"))["error"]["code"] == "step_active"
         await w.send("world.cancel")
         seen: list = []
         cancelled = await w.until("world.step.cancelled", seen)
@@ -136,6 +153,7 @@ async def test_closing_frees_the_latent_buffer(server):
         ({"type": "world.step", "action": [1, 2]}, "invalid_value"),
         ({"type": "world.step", "action": ["a", 1, 2, 3]}, "invalid_value"),
         ({"type": "world.step", "action": [1e400, 0, 0, 0]}, "invalid_value"),
+        ({"type": "world.step", "action": [10**400, 0, 0, 0]}, "invalid_value"),
         ({"type": "session.update", "session": {"width": 100}}, "invalid_value"),
         ({"type": "session.update", "session": {"steps": 0}}, "invalid_value"),
         ({"type": "session.update", "session": {"colour": "red"}}, "unknown_parameter"),

@@ -133,7 +133,10 @@ class DiffusersEngine(Engine):
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for job in self._active:
+        waiting = list(self._active)
+        while self._new is not None and not self._new.empty():
+            waiting.append(self._new.get_nowait())
+        for job in waiting:
             job.events.put_nowait({"type": "error", "error": f"engine {self.name} stopped"})
         self._active.clear()
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -228,7 +231,7 @@ class DiffusersEngine(Engine):
                 j.events.put_nowait({"type": "progress", "step": j.step, "steps": j.steps})
                 if j.preview_every and j.step % j.preview_every == 0 and j.step < j.steps:
                     assert j.latents is not None
-                    j.events.put_nowait({"type": "latents", "step": j.step, "latents": j.latents.numpy().copy()})
+                    j.events.put_nowait({"type": "latents", "step": j.step, "latents": j.latents.detach().cpu().numpy().copy()})
                 if j.step >= j.steps:
                     done.append(j)
             if done:
@@ -240,7 +243,7 @@ class DiffusersEngine(Engine):
                     continue
                 for j, img in zip(done, images):
                     assert j.latents is not None
-                    j.events.put_nowait({"type": "image", "image": img, "latents": j.latents.numpy().copy()})
+                    j.events.put_nowait({"type": "image", "image": img, "latents": j.latents.detach().cpu().numpy().copy()})
                     j.latents = None
                 self._active = [j for j in self._active if j not in done]
             # let the consumers run (and cancel) before the next step
@@ -306,9 +309,9 @@ class DiffusersEngine(Engine):
     def _condition(j: DiffusionJob, cond: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         embeds, pooled = cond
         if j.context is not None:
-            embeds = torch.cat([embeds, j.context.to(embeds.dtype)], dim=0)
+            embeds = torch.cat([embeds, j.context.to(embeds.device, embeds.dtype)], dim=0)
         if j.pooled_bias is not None:
-            pooled = pooled + j.pooled_bias.to(pooled.dtype)
+            pooled = pooled + j.pooled_bias.to(pooled.device, pooled.dtype)
         return embeds, pooled
 
     def _step(self, batch: list[DiffusionJob]) -> None:

@@ -119,8 +119,10 @@ class TorchEngine(Engine):
         arrival order. Cancelling the awaiting task drops the item if it has not
         started yet.
         """
-        if self._queue is None:
-            raise EngineError(f"engine {self.name} is not started")
+        if self._queue is None or self._loop_task is None or self._loop_task.done():
+            raise EngineError(f"engine {self.name} is not running")
+        if not isinstance(x, (np.ndarray, dict)):
+            raise EngineError(f"engine {self.name} takes an array or a dict of arrays, not {type(x).__name__}")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Item(priority, next(self._seq), x, fut, op))
         return await fut
@@ -172,6 +174,9 @@ class TorchEngine(Engine):
                 for it, y in zip(items, out):
                     if not it.future.done():
                         it.future.set_result(y)
+                for it in items[len(out) :]:  # the module returned fewer rows than it got
+                    if not it.future.done():
+                        it.future.set_exception(EngineError(f"engine {self.name} returned {len(out)} rows for {len(items)} items"))
 
     def _forward(self, op: str | None, xs: list[Any]) -> list[Any]:
         assert self.module is not None
