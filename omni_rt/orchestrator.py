@@ -252,7 +252,10 @@ class Orchestrator:
         exc = task.exception()
         if exc is not None:
             msg = str(exc) if isinstance(exc, StageError) else f"stage {name} failed: {type(exc).__name__}"
-            log.error("request %s stage %s failed", state.request_id, name, exc_info=exc)
+            if isinstance(exc, StageError):  # reported to the client (often its own bad input)
+                log.info("request %s stage %s failed: %s", state.request_id, name, exc)
+            else:
+                log.error("request %s stage %s failed", state.request_id, name, exc_info=exc)
             self._finish(state, "failed", error=msg)
             return
         state.done.add(name)
