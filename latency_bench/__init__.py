@@ -55,3 +55,14 @@ def write_json(path: str | os.PathLike | None, result: dict[str, Any]) -> None:
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, allow_nan=False))
     tmp.replace(p)
+
+
+def finish(path: str | os.PathLike | None, result: dict[str, Any]) -> None:
+    """A bench's closing lines: one line per target in `result["targets"]` (if any),
+    then the JSON written to `path` (if given)."""
+    for name, t in (result.get("targets") or {}).items():
+        verdict = "n/a" if t.get("met") is None else "met" if t["met"] else "NOT met"
+        print(f"target {name}: {t.get('value', t.get('value_le', ''))} {t.get('goal', '')} -> {verdict}")
+    write_json(path, result)
+    if path:
+        print(f"\nwrote {path}")

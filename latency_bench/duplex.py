@@ -30,7 +30,7 @@ import numpy as np
 
 from clients.duplex import DuplexClient
 from clients.webrtc import CallClient, use_host_addresses
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
 
@@ -293,10 +293,5 @@ def main_duplex(args: Any) -> int:
         b = result["barge_in"]
         print(f"barge-in: {b['measured']} measured ({b['skipped']} skipped): speech_started -> silent ms "
               f"p50 {b['speech_started_to_silent_ms'].get('p50')} p99 {b['speech_started_to_silent_ms'].get('p99')}")
-    for name, t in result["targets"].items():
-        verdict = "n/a" if t["met"] is None else "met" if t["met"] else "NOT met"
-        print(f"target {name}: {t.get('value', t.get('value_le'))} {t['goal']} -> {verdict}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if any(lvl["failed"] for lvl in result["levels"]) else 0

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from clients.images import ImageClient, ImageError
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.image/1"
@@ -97,9 +97,5 @@ def main_image(args: Any) -> int:
         f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731
         print(f"{lvl['concurrency']:>3} {lvl['requests']:>9} {lvl['failed']:>5} {lvl['requests_per_s']:>7} "
               f"{f(lvl['latency_s'], 'p50'):>8} {f(lvl['latency_s'], 'p99'):>8} {lvl['mean_rows_per_step']!s:>9}")
-    for name, t in result["targets"].items():
-        print(f"target {name}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if any(lvl["failed"] for lvl in result["levels"]) else 0

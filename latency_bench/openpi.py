@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from clients.openpi import OpenPIError, PolicyClient, droid_observation
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.openpi/1"
@@ -177,11 +177,7 @@ def main_openpi(args: Any) -> int:
         print(f"{lvl['robots']:>3} {lvl['calls']:>6} {f(lvl['round_trip_ms'], 'p50'):>8} {f(lvl['round_trip_ms'], 'p99'):>8} "
               f"{f(lvl['server_infer_ms'], 'p50'):>9} {f(lvl['overhead_ms'], 'p50'):>8} {f(lvl['overhead_ms'], 'p99'):>8} "
               f"{lvl['loop_hz_per_robot']:>9} {lvl['actions_per_s']:>10}")
-    for name, t in result["targets"].items():
-        print(f"target {name}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if any(lvl["failed_robots"] for lvl in result["levels"]) else 0
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from clients.realtime import RealtimeClient, RealtimeError, read_wav_pcm16
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.realtime/1"
@@ -167,9 +167,5 @@ def main_realtime(args: Any) -> int:
         b = result["barge_in"]
         print(f"barge-in: {b['measured']} measured ({b['skipped']} skipped): speech_started -> response.done ms "
               f"p50 {b['speech_started_to_done_ms']['p50']} p99 {b['speech_started_to_done_ms']['p99']}")
-    for name, t in result["targets"].items():
-        print(f"target {name}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if any(lvl["failed"] for lvl in result["levels"]) else 0

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any
 
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import percentile
 
 SCHEMA = "omni-rt.latency_bench.sessions/1"
@@ -126,9 +126,5 @@ def main_sessions(args: Any) -> int:
     for r in result["levels"]:
         a = r["admission_ms"]
         print(f"{r['concurrency']:>4} {r['cycles_per_s']:>10} {a['p50']:>11} {a['p99']:>11} {a['max']:>11} {r['close_ms']['p99']:>10} {r['refused']:>8}")
-    for name, chk in result["targets"].items():
-        print(f"target {name}: {chk.get('value', '')} {chk.get('goal', '')} -> {'met' if chk['met'] else 'NOT met'}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 0

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.text_overhead/1"
@@ -173,7 +173,5 @@ def main_text_overhead(args: Any) -> int:
               f"{len(r['omni_rt']['errors']) + len(r['bare_vllm']['errors']):>7}")
     t = result["targets"]["ttft_p50_ratio_at_max_c"]
     print(f"target ttft p50 ratio at C={t['concurrency']}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if any(r["omni_rt"]["errors"] or r["bare_vllm"]["errors"] for r in rows) else 0

@@ -15,7 +15,7 @@ from typing import Any
 
 from websockets.asyncio.client import connect
 
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import summarize
 
 SCHEMA = "omni-rt.latency_bench.video_edit/1"
@@ -75,7 +75,5 @@ def main_video_edit(args: Any) -> int:
     print(f"edit -> applied ms p50 {f(result['edit_to_ack_s'], 'p50')}; edit -> first new-prompt frame ms p50 "
           f"{f(result['edit_to_first_new_frame_s'], 'p50')} p90 {f(result['edit_to_first_new_frame_s'], 'p90')}; "
           f"frames/s p50 {result['frames_per_s'].get('p50')}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if result["failed"] else 0

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from clients.world import WorldClient, WorldError
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.world/1"
@@ -83,9 +83,7 @@ def main_world(args: Any) -> int:
         f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731
         print(f"{x['sessions']:>3} {x['frames']:>7} {x['failed_sessions']:>5} {f(x['step_to_frame_s'], 'p50'):>15} "
               f"{f(x['step_to_frame_s'], 'p99'):>7} {x['frames_per_s_per_session']!s:>17} {x['frames_per_s']!s:>9}")
-    write_json(args.json, result)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if any(x["failed_sessions"] for x in lv) else 0
 
 
