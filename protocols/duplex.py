@@ -345,7 +345,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
     async def attach(ws: WebSocket, session: Session, conn: DuplexConnection, first: bool, principal: str) -> tuple[Session, DuplexConnection] | None:
         """Serve one attachment. Returns the session to switch to when the client
         resumes another one as its first event; None when this connection is over."""
-        gen = session._attach_gen
+        gen = session.attachment
         loop = asyncio.get_running_loop()
         writer = loop.create_task(conn.write(ws))
         ended = asyncio.ensure_future(session.closed.wait())
@@ -353,7 +353,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
         async def heartbeat() -> None:
             while True:
                 await asyncio.sleep(HEARTBEAT_S)
-                if session.state == SessionState.ACTIVE and session._attach_gen == gen:
+                if session.attached_as(gen):
                     session.emit("heartbeat", {"interval_s": HEARTBEAT_S})
 
         beat = loop.create_task(heartbeat())
@@ -392,7 +392,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
             await asyncio.gather(writer, beat, return_exceptions=True)
         if switch is not None:
             return switch
-        if session.is_open and session._attach_gen == gen and session.state == SessionState.ACTIVE:
+        if session.attached_as(gen):
             await sessions.detach(session.id)  # resumable for disconnect_grace_s
         return None
 

@@ -276,7 +276,7 @@ def build_world_router(sessions: SessionManager, pipeline: str, describe: Callab
             await reject_websocket(ws, exc, realtime_error_event)
             return
         conn = WorldConnection(session, sessions, describe())
-        attachment = session._attach_gen  # a resume elsewhere takes the session over
+        attachment = session.attachment  # a resume elsewhere takes the session over
         frame = numbered_json()
 
         writer: asyncio.Task[None] | None = None
@@ -297,7 +297,7 @@ def build_world_router(sessions: SessionManager, pipeline: str, describe: Callab
         finally:
             if ended is not None:
                 ended.cancel()
-            still_ours = session._attach_gen == attachment and session.state.value == "active"
+            still_ours = session.attached_as(attachment)
             try:
                 if still_ours:
                     await conn.cancel("client_disconnected")

@@ -283,6 +283,16 @@ class Session:
             self.dropped_events += 1
             metrics.SESSION_EVENTS_DROPPED.labels(kind=self.kind).inc()
 
+    @property
+    def attachment(self) -> int:
+        """Changes each time a client's attachment ends (detach, takeover by a resume)."""
+        return self._attach_gen
+
+    def attached_as(self, attachment: int) -> bool:
+        """True while the attachment that read `attachment` is still the session's
+        active one (not detached, ended or taken over by a resume elsewhere)."""
+        return self.state == SessionState.ACTIVE and self._attach_gen == attachment
+
     def _end_attachment(self) -> None:
         self._attach_gen += 1
         self._wakeup.set()
