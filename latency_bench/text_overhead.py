@@ -1,18 +1,32 @@
-"""Text-only TTFT through omni-rt vs the same thinker on a bare vLLM `AsyncLLM`.
+"""Text-only TTFT through omni-rt's layers vs the same thinker on bare vLLM, same run.
 
-Same run, same machine, one after the other:
+Two comparisons, each side by side in one run:
 
-1. omni-rt: a server is started (default deploy) and, for each concurrency C, a closed
-   loop of streaming `POST /v1/chat/completions` (text only: one-shot session ->
-   orchestrator -> thinker on vLLM -> SSE) measures TTFT = request sent -> first
-   content delta.
-2. bare vLLM: the server is stopped and the same thinker checkpoint is started as an
-   `AsyncLLM` in this process with the same engine arguments; the same prompt (the
-   chat template rendered to token ids) and the same sampling run in the same closed
-   loop; TTFT = generate() called -> first output token.
+1. **layers** (the issue's target; always run): one process builds omni-rt's runtime
+   for the voice pipeline exactly as the server does (`create_app`: session manager,
+   orchestrator, audio-encoder and thinker stages, the thinker's vLLM `AsyncLLM`).
+   - omni-rt side: the chat-completions adapter (`ChatService.complete`, streaming):
+     body validation, one-shot session admission, orchestrator, stages, SSE framing.
+     Only the socket is missing. TTFT = call -> first SSE chunk with content.
+   - bare side: `AsyncLLM.generate` on **the same engine object**, with the prompt the
+     thinker renders (token ids, made once) and the sampling it builds (the same
+     SamplingParams, made per request as any caller does; same seeds). TTFT = call -> first output whose text is visible, decoded with the
+     thinker's tokenizer by the thinker's rule (a token that ends in an incomplete
+     UTF-8 sequence shows nothing yet; the random tiny thinker produces those).
+   Same engine, same core placement, same prompt, same sampling: the difference is
+   what omni-rt adds. Each level runs `--rounds` rounds, alternating which side
+   goes first; TTFTs are pooled per side. A loop at concurrency C issues
+   C x (`--per-worker` + 1) requests and does not count the first C (the opening
+   burst), so the figures are the closed loop's steady state.
 
-Reported per C: p50/p90 TTFT of both and the ratio omni-rt / bare (goal <= 1.05 at
-C=32). Both sides run `max_tokens` tokens per request.
+2. **http** (`--http`): the same chat request over loopback HTTP with one client,
+   against an omni-rt server (voice pipeline only) and against vLLM's own OpenAI
+   server (`vllm.entrypoints.openai.api_server`) on the same thinker checkpoint and
+   engine arguments, one after the other. This is the comparison a user switching
+   servers sees; on a 2-core machine the client, the HTTP stack and the engine share
+   the cores, so it is reported, not targeted.
+
+Goal: layers TTFT p50 ratio (omni-rt / bare) <= 1.05 at the highest concurrency.
 """
 
 from __future__ import annotations
@@ -20,20 +34,28 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 
 from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import ratio, summarize
 
-SCHEMA = "omni-rt.latency_bench.text_overhead/1"
+SCHEMA = "omni-rt.latency_bench.text_overhead/2"
+MODEL = "gpt-4o-audio-preview"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a realtime server?"}]
 
 
-async def closed_loop(concurrency: int, n: int, one: Callable[[int], Awaitable[float]]) -> dict[str, Any]:
+async def closed_loop(concurrency: int, n: int, one: Callable[[int], Awaitable[float]], first_id: int = 0, skip: int = 0) -> dict[str, Any]:
+    """`n` requests by `concurrency` workers back to back; TTFTs and errors.
+
+    The TTFTs of the first `skip` requests issued are not kept: the first wave of a
+    closed loop arrives as one burst, which is not the steady state being measured.
+    """
     issued = 0
     ttfts: list[float] = []
     errors: list[str] = []
@@ -41,81 +63,188 @@ async def closed_loop(concurrency: int, n: int, one: Callable[[int], Awaitable[f
     async def worker() -> None:
         nonlocal issued
         while issued < n:
-            i = issued
+            k = issued
             issued += 1
             try:
-                ttfts.append(await one(i))
+                ttft = await one(first_id + k)
+                if k >= skip:
+                    ttfts.append(ttft)
             except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
                 errors.append(f"{type(exc).__name__}: {exc}")
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return {"concurrency": concurrency, "requests": n, "errors": errors, "wall_s": round(time.perf_counter() - t0, 3), "ttft_s": summarize(ttfts)}
+    return {"ttfts": ttfts, "errors": errors, "wall_s": time.perf_counter() - t0}
 
 
-async def omni_levels(base_url: str, api_key: str | None, levels: list[int], max_tokens: int, warmup: int) -> list[dict[str, Any]]:
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+def chat_body(i: int, max_tokens: int, model: str = MODEL) -> dict[str, Any]:
+    return {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "seed": i}
+
+
+def first_content(line: bytes | str) -> bool:
+    """True for an SSE data line whose chunk carries visible content."""
+    if isinstance(line, bytes):
+        line = line.decode()
+    for part in line.split("\n"):
+        if part.startswith("data: {"):
+            d = json.loads(part[6:])
+            if d.get("choices") and (d["choices"][0].get("delta") or {}).get("content"):
+                return True
+    return False
+
+
+# ---- 1. layers: in one process, on one engine ----------------------------------------
+
+
+def _voice_only_overlay() -> Any:
+    import pipelines
+    from omni_rt.specs import DeployOverlay, PipelineOverlay
+
+    return DeployOverlay(pipelines={n: PipelineOverlay(enabled=n == "voice") for n in pipelines.load_all()})
+
+
+def loop_size(concurrency: int, per_worker: int) -> tuple[int, int]:
+    """(requests issued, of which the first wave is not counted) for one loop."""
+    return concurrency * (per_worker + 1), concurrency
+
+
+async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    import pipelines
+    from omni_rt.server import create_app
+    from protocols.chat import ChatService
+
+    app = create_app(_voice_only_overlay(), "text-overhead bench")
+    async with app.router.lifespan_context(app):
+        chat = ChatService(app.state.sessions, pipelines.load_all()["voice"])
+        replica = app.state.runtime.pools["thinker"].replicas[0]
+        proc, engine = replica.processor, replica.engine
+        llm = engine.llm
+        ids = proc.prompt_ids(MESSAGES)
+        prompt = engine._prompt(ids, None)  # vLLM's own tokens_input()
+
+        async def omni(i: int) -> float:
+            t0 = time.perf_counter()
+            resp = await chat.complete(chat_body(i, max_tokens), "bench")
+            ttft = None
+            body: AsyncIterator[bytes] = resp.body_iterator  # type: ignore[assignment]
+            async for chunk in body:
+                if ttft is None and first_content(chunk):
+                    ttft = time.perf_counter() - t0
+            if ttft is None:
+                raise RuntimeError("no content delta")
+            return ttft
+
+        async def bare(i: int) -> float:
+            t0 = time.perf_counter()
+            params = engine._sampling_params(proc.sampling({"max_output_tokens": max_tokens, "seed": i}))
+            ttft = None
+            out_ids: list[int] = []
+            async for out in llm.generate(prompt, params, f"bare-{i}-{time.monotonic_ns()}"):
+                if ttft is None and out.outputs:
+                    out_ids.extend(t for t in out.outputs[0].token_ids if t not in proc.stop_ids)
+                    text = proc.decode(out_ids)
+                    if text and not text.endswith("\ufffd"):
+                        ttft = time.perf_counter() - t0
+            if ttft is None:
+                raise RuntimeError("no visible text")
+            return ttft
+
+        for i in range(warmup):
+            await omni(i)
+            await bare(i)
+        rows = []
+        next_id = 1000
+        for c in levels:
+            n, skip = loop_size(c, per_worker)
+            pooled: dict[str, list[float]] = {"omni_rt": [], "bare_vllm": []}
+            errors: dict[str, list[str]] = {"omni_rt": [], "bare_vllm": []}
+            per_round = []
+            wall = {"omni_rt": 0.0, "bare_vllm": 0.0}
+            for r in range(rounds):
+                order = [("omni_rt", omni), ("bare_vllm", bare)]
+                if r % 2:
+                    order.reverse()
+                got = {}
+                for side, fn in order:
+                    res = await closed_loop(c, n, fn, next_id, skip)
+                    next_id += n
+                    pooled[side] += res["ttfts"]
+                    errors[side] += res["errors"]
+                    wall[side] += res["wall_s"]
+                    got[side] = summarize(res["ttfts"])["p50"]
+                per_round.append(ratio(got["omni_rt"], got["bare_vllm"]))
+            o, b = summarize(pooled["omni_rt"]), summarize(pooled["bare_vllm"])
+            rows.append({
+                "concurrency": c,
+                "requests_per_side": n * rounds,
+                "counted_per_side": len(pooled["omni_rt"]),
+                # completed requests per second over the loops: a side that spends
+                # longer outside the engine keeps fewer requests in it
+                "omni_rt": {"ttft_s": o, "requests_per_s": round(n * rounds / wall["omni_rt"], 2), "errors": errors["omni_rt"]},
+                "bare_vllm": {"ttft_s": b, "requests_per_s": round(n * rounds / wall["bare_vllm"], 2), "errors": errors["bare_vllm"]},
+                "ttft_p50_ratio": ratio(o["p50"], b["p50"]),
+                "ttft_p90_ratio": ratio(o["p90"], b["p90"]),
+                "ttft_p50_ratio_per_round": [round(x, 3) if x is not None else None for x in per_round],
+            })
+        info = {"thinker": engine.model, "isolated_cores": sorted(engine.isolated_cores or [])}
+    return rows, info
+
+
+# ---- 2. http: omni-rt's server vs vLLM's own OpenAI server ----------------------------
+
+
+async def http_levels(base_url: str, model: str, levels: list[int], max_tokens: int, warmup: int, per_worker: int) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
 
         async def one(i: int) -> float:
-            body = {"model": "gpt-4o-audio-preview", "messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "seed": i}
             t0 = time.perf_counter()
             ttft = None
-            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            async with client.stream("POST", "/v1/chat/completions", json=chat_body(i, max_tokens, model)) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 async for line in r.aiter_lines():
-                    if ttft is None and line.startswith("data: {"):
-                        d = json.loads(line[6:])
-                        if d.get("choices") and d["choices"][0]["delta"].get("content"):
-                            ttft = time.perf_counter() - t0
+                    if ttft is None and first_content(line):
+                        ttft = time.perf_counter() - t0
             if ttft is None:
                 raise RuntimeError("no content delta")
             return ttft
 
         for i in range(warmup):
             await one(i)
-        return [await closed_loop(c, max(2 * c, 16), one) for c in levels]
+        out = []
+        for c in levels:
+            n, skip = loop_size(c, per_worker)
+            res = await closed_loop(c, n, one, 1000, skip)
+            out.append({"concurrency": c, "ttft_s": summarize(res["ttfts"]), "errors": res["errors"]})
+        return out
 
 
-async def bare_levels(model_dir: str, engine_args: dict[str, Any], levels: list[int], max_tokens: int, warmup: int) -> list[dict[str, Any]]:
-    from transformers import AutoTokenizer
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    ids = list(tok(text, add_special_tokens=False)["input_ids"])
-    box = [AsyncLLM.from_engine_args(AsyncEngineArgs(model=model_dir, **engine_args))]
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
     try:
-
-        async def one(i: int) -> float:
-            llm = box[0]
-            sp = SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=i, ignore_eos=True)
-            t0 = time.perf_counter()
-            ttft = None
-            async for _ in llm.generate({"prompt_token_ids": ids}, sp, request_id=f"bare-{i}-{time.monotonic_ns()}"):
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-            assert ttft is not None
-            return ttft
-
-        for i in range(warmup):
-            await one(i)
-        return [await closed_loop(c, max(2 * c, 16), one) for c in levels]
-    finally:
-        box[0].shutdown()
-        box.clear()  # collected now, not by __del__ at interpreter exit (noisy there)
-        import gc
-
-        gc.collect()
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
-def thinker_engine(model_dir: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The thinker's engine args and child environment as the server resolves them,
-    minus omni-rt's own logits processor (the baseline is plain vLLM)."""
+def vllm_server_cmd(model_dir: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's OpenAI server on the thinker with the engine args the server resolves."""
     import pipelines
     from omni_rt.engines.vllm import VllmEngine
     from omni_rt.specs import DeployOverlay, apply_overlay
@@ -123,55 +252,95 @@ def thinker_engine(model_dir: str) -> tuple[dict[str, Any], dict[str, str]]:
     stage = apply_overlay(pipelines.load_builtin("voice"), DeployOverlay()).stage("thinker")
     eng = VllmEngine(model_dir, dict(stage.engine_args))
     args = eng.resolved_engine_args()
-    args.pop("model")
-    args.pop("logits_processors", None)
-    return args, eng._child_env()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", MODEL, "--disable-log-requests"]
+    for k, v in args.items():
+        if k == "logits_processors":
+            v = ",".join(v)
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            cmd.append(flag)
+        elif v is False or v is None:
+            continue
+        else:
+            cmd += [flag, str(v)]
+    return cmd, {**os.environ, **eng._child_env()}
+
+
+def run_http(args: Any, levels: list[int], models_dir: Path, thinker_dir: str, log_dir: Path) -> list[dict[str, Any]]:
+    from latency_bench.server import ServerProcess
+
+    deploy = log_dir / "text-overhead-voice-only.yaml"
+    import yaml
+
+    deploy.write_text(yaml.safe_dump({"pipelines": {n: {"enabled": False} for n in _pipeline_names() if n != "voice"}}))
+    server = ServerProcess(port=args.port, deploy=str(deploy), log_path=log_dir / "text-overhead-server.log",
+                           env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
+    server.start()
+    try:
+        server.wait_ready(timeout_s=600)
+        omni = asyncio.run(http_levels(f"http://127.0.0.1:{args.port}", MODEL, levels, args.max_tokens, args.warmup, args.per_worker))
+    finally:
+        server.stop()
+    cmd, env = vllm_server_cmd(thinker_dir, args.port + 1)
+    with open(log_dir / "text-overhead-vllm-server.log", "wb") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            _wait_http(f"http://127.0.0.1:{args.port + 1}/v1/models", proc, 600)
+            vllm = asyncio.run(http_levels(f"http://127.0.0.1:{args.port + 1}", MODEL, levels, args.max_tokens, args.warmup, args.per_worker))
+        finally:
+            _stop(proc)
+    return [{"concurrency": o["concurrency"], "omni_rt_http": o, "vllm_openai_server": v,
+             "ttft_p50_ratio": ratio(o["ttft_s"]["p50"], v["ttft_s"]["p50"])} for o, v in zip(omni, vllm)]
+
+
+def _pipeline_names() -> list[str]:
+    import pipelines
+
+    return list(pipelines.load_all())
+
+
+def _fmt_ms(v: float | None) -> str:
+    return f"{v * 1000:.1f}" if v is not None else "-"
 
 
 def main_text_overhead(args: Any) -> int:
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
-    if not levels or min(levels) < 1:
-        print("error: --concurrency levels must be >= 1")
+    if not levels or min(levels) < 1 or args.rounds < 1 or args.per_worker < 1:
+        print("error: --concurrency levels, --rounds and --per-worker must be >= 1")
         return 2
-    from latency_bench.server import ServerProcess
     from pipelines.tiny import build_tiny
 
     models_dir = Path(os.environ.get("OMNI_RT_MODELS_DIR", "~/.cache/omni-rt/models")).expanduser()
+    os.environ["OMNI_RT_MODELS_DIR"] = str(models_dir)
     thinker_dir = str(build_tiny(models_dir)["thinker"])
     log_dir = Path(args.json).parent if args.json else Path("bench-out")
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(port=args.port, log_path=log_dir / "text-overhead-server.log", env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
-    server.start()
-    try:
-        server.wait_ready(timeout_s=600)
-        omni = asyncio.run(omni_levels(f"http://127.0.0.1:{args.port}", None, levels, args.max_tokens, args.warmup))
-    finally:
-        server.stop()
-    engine_args, env = thinker_engine(thinker_dir)
-    os.environ.update(env)  # as the server's engine children get it
-    bare = asyncio.run(bare_levels(thinker_dir, engine_args, levels, args.max_tokens, args.warmup))
-    rows = []
-    for o, b in zip(omni, bare):
-        rows.append({
-            "concurrency": o["concurrency"],
-            "omni_rt": o,
-            "bare_vllm": b,
-            "ttft_p50_ratio": ratio(o["ttft_s"]["p50"], b["ttft_s"]["p50"]),
-            "ttft_p90_ratio": ratio(o["ttft_s"]["p90"], b["ttft_s"]["p90"]),
-        })
-    result: dict[str, Any] = {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "thinker": thinker_dir,
-                              "max_tokens": args.max_tokens, "levels": rows, "targets": {}}
+
+    rows, info = asyncio.run(layers_levels(levels, args.max_tokens, args.warmup, args.rounds, args.per_worker))
+    result: dict[str, Any] = {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), **info,
+                              "max_tokens": args.max_tokens, "rounds": args.rounds, "requests_per_worker": args.per_worker, "layers": rows, "targets": {}}
+    print("layers (in process, same engine): chat adapter + sessions + orchestrator + stages vs AsyncLLM.generate")
+    print(f"{'C':>4} {'omni p50 ms':>12} {'bare p50 ms':>12} {'ratio p50':>10} {'ratio p90':>10} {'req/s omni':>11} {'req/s bare':>11} {'per round':>24} {'errors':>7}")
+    for r in rows:
+        o, b = r["omni_rt"]["ttft_s"], r["bare_vllm"]["ttft_s"]
+        g = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+        print(f"{r['concurrency']:>4} {_fmt_ms(o['p50']):>12} {_fmt_ms(b['p50']):>12} {g(r['ttft_p50_ratio']):>10} {g(r['ttft_p90_ratio']):>10} "
+              f"{r['omni_rt']['requests_per_s']:>11} {r['bare_vllm']['requests_per_s']:>11} "
+              f"{str(r['ttft_p50_ratio_per_round']):>24} {len(r['omni_rt']['errors']) + len(r['bare_vllm']['errors']):>7}")
     top = max(rows, key=lambda r: r["concurrency"])
     result["targets"]["ttft_p50_ratio_at_max_c"] = {"goal": "<= 1.05", "concurrency": top["concurrency"], "value": top["ttft_p50_ratio"],
                                                    "met": top["ttft_p50_ratio"] is not None and top["ttft_p50_ratio"] <= 1.05}
-    print(f"{'C':>4} {'omni p50 ms':>12} {'bare p50 ms':>12} {'ratio p50':>10} {'ratio p90':>10} {'errors':>7}")
-    for r in rows:
-        o, b = r["omni_rt"]["ttft_s"], r["bare_vllm"]["ttft_s"]
-        f = lambda v: f"{v * 1000:.1f}" if v is not None else "-"  # noqa: E731
-        g = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        print(f"{r['concurrency']:>4} {f(o['p50']):>12} {f(b['p50']):>12} {g(r['ttft_p50_ratio']):>10} {g(r['ttft_p90_ratio']):>10} "
-              f"{len(r['omni_rt']['errors']) + len(r['bare_vllm']['errors']):>7}")
-    t = result["targets"]["ttft_p50_ratio_at_max_c"]
-    print(f"target ttft p50 ratio at C={t['concurrency']}: {t['value']} {t['goal']} -> {'met' if t['met'] else 'NOT met'}")
+    failed = any(r["omni_rt"]["errors"] or r["bare_vllm"]["errors"] for r in rows)
+    if args.http:
+        http = run_http(args, levels, models_dir, thinker_dir, log_dir)
+        result["http"] = http
+        print("http (loopback, one client): omni-rt server (voice only) vs vLLM's OpenAI server")
+        print(f"{'C':>4} {'omni p50 ms':>12} {'vllm p50 ms':>12} {'ratio p50':>10} {'errors':>7}")
+        for h in http:
+            o, v = h["omni_rt_http"]["ttft_s"], h["vllm_openai_server"]["ttft_s"]
+            print(f"{h['concurrency']:>4} {_fmt_ms(o['p50']):>12} {_fmt_ms(v['p50']):>12} {h['ttft_p50_ratio'] or '-':>10} "
+                  f"{len(h['omni_rt_http']['errors']) + len(h['vllm_openai_server']['errors']):>7}")
+        failed = failed or any(h["omni_rt_http"]["errors"] or h["vllm_openai_server"]["errors"] for h in http)
     finish(args.json, result)
-    return 1 if any(r["omni_rt"]["errors"] or r["bare_vllm"]["errors"] for r in rows) else 0
+    return 1 if failed else 0

@@ -76,6 +76,7 @@ class _RequestState:
     request_id: str
     pipeline: str
     profile: ProfileSpec
+    entry: str
     fence: Fence
     params: Mapping[str, Any]
     affinity: str | None
@@ -130,8 +131,14 @@ class Orchestrator:
         outputs: set[str] | None = None,
         affinity: str | None = None,
         fence_source: Callable[[], Fence] | None = None,
+        entry: str | None = None,
     ) -> "RequestStream":
-        """Admit a request. Inputs for the entry stage follow through the stream."""
+        """Admit a request. Inputs for the entry stage follow through the stream.
+
+        `entry` starts the request at a later stage than the profile's entry (a
+        text-only chat turn has nothing for the audio encoder: it enters at the
+        thinker). Only stages on a path from it to the requested outputs run.
+        """
         from omni_rt.request import RequestStream
 
         profile = self.pipelines.get(pipeline)
@@ -144,14 +151,21 @@ class Orchestrator:
         unknown = finals - set(profile.final_outputs)
         if not finals or unknown:
             raise OrchestratorError(f"outputs {sorted(unknown) or '[]'} are not final outputs of {pipeline!r}")
+        entry = entry or profile.entry
+        if entry not in {s.name for s in profile.stages}:
+            raise OrchestratorError(f"entry {entry!r} is not a stage of {pipeline!r}")
+        active = _active_stages(profile, finals, entry)
+        if not finals <= active:
+            raise OrchestratorError(f"outputs {sorted(finals - active)} cannot be reached from entry {entry!r}")
         state = _RequestState(
             request_id=rid,
             pipeline=pipeline,
             profile=profile,
+            entry=entry,
             fence=fence,
             params=dict(params or {}),
             affinity=affinity,
-            active=_active_stages(profile, finals),
+            active=active,
             finals=finals,
             fence_source=fence_source,
         )
@@ -167,7 +181,7 @@ class Orchestrator:
                 if name not in state.active:
                     continue
                 in_edges = [e for e in profile.in_edges(name) if e.src in state.active]
-                if name == profile.entry or any(e.mode == "chunk" for e in in_edges):
+                if name == entry or any(e.mode == "chunk" for e in in_edges):
                     self._start_stage(state, name)
         except BaseException:
             # Nothing may stay registered for a request its caller never got.
@@ -201,7 +215,7 @@ class Orchestrator:
         replica.active += 1
         state.replicas[name] = replica
         inputs = state.inputs.setdefault(name, {})
-        if name == state.profile.entry:
+        if name == state.entry:
             inputs.setdefault(CLIENT, StageInput(CLIENT, "client", ChunkingSpec(), self.connectors, state.current_fence))
         for e in state.profile.in_edges(name):
             if e.src in state.active:
@@ -285,7 +299,7 @@ class Orchestrator:
         if state is None or state.status != "running":
             self.stats["dropped_inputs"] += 1
             return False
-        inp = state.inputs.get(state.profile.entry, {}).get(CLIENT)
+        inp = state.inputs.get(state.entry, {}).get(CLIENT)
         if inp is None or inp.closed:
             self.stats["dropped_inputs"] += 1
             return False
@@ -301,7 +315,7 @@ class Orchestrator:
         state = self._requests.get(request_id)
         if state is None or state.status != "running":
             return False
-        inp = state.inputs.get(state.profile.entry, {}).get(CLIENT)
+        inp = state.inputs.get(state.entry, {}).get(CLIENT)
         if inp is not None:
             inp.end()
         return True
@@ -382,18 +396,27 @@ class Orchestrator:
         return {name: pool.load() for name, pool in self.pools.items()}
 
 
-def _active_stages(profile: ProfileSpec, finals: set[str]) -> set[str]:
-    """Stages on some path from the entry to a requested final output.
+def _active_stages(profile: ProfileSpec, finals: set[str], entry: str) -> set[str]:
+    """Stages on some path from `entry` to a requested final output.
 
     This is the skip hook: a text-only request of a voice pipeline names only the
-    thinker as its output, so talker and code2wav never start.
+    thinker as its output, so talker and code2wav never start; one with no audio
+    input enters at the thinker, so the audio encoder does not start either.
     """
-    needed = set(finals)
+    reach = {entry}
     changed = True
     while changed:
         changed = False
         for e in profile.edges:
-            if e.dst in needed and e.src not in needed:
+            if e.src in reach and e.dst not in reach:
+                reach.add(e.dst)
+                changed = True
+    needed = set(finals) & reach
+    changed = True
+    while changed:
+        changed = False
+        for e in profile.edges:
+            if e.dst in needed and e.src in reach and e.src not in needed:
                 needed.add(e.src)
                 changed = True
     return needed

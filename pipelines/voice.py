@@ -7,7 +7,8 @@
   utterance equal those of the whole utterance at once, and the end of speech only
   pays for the last partial block. A request whose only output is `audio_encoder`
   encodes an utterance while the user speaks; the session keeps the embeddings, and
-  the response request passes them in again (HIDDEN payloads go through unchanged).
+  the response request enters at the thinker and hands them to it directly (HIDDEN
+  payloads given to the encoder go through unchanged).
 - thinker: a chat LM on vLLM fed `prompt_embeds`: the chat template's token
   embeddings (history, instructions, text turns from `params["messages"]`) with the
   audio embeddings spliced in at the `<|audio|>` placeholder of the current user turn.
@@ -172,6 +173,7 @@ class ThinkerProcessor(StageProcessor):
             raise ValueError(f"unknown thinker processor_args: {sorted(unknown)}")
         self.args = {**self.DEFAULTS, **checkpoint_sampling(spec.model), **spec.processor_args}
         self.tokenizer: Any = None
+        self._fast: Any = None
         self.embed: torch.Tensor | None = None
 
     def _load(self) -> None:
@@ -189,13 +191,23 @@ class ThinkerProcessor(StageProcessor):
         self.audio_id = self.tokenizer.convert_tokens_to_ids(AUDIO_PLACEHOLDER)
         self.stop_ids = [i for i in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")} if i is not None]
         self.text_vocab = min(self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.all_special_tokens)
+        # The Rust tokenizer gives the same text unless the wrapper post-processes it.
+        clean = getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
+        self._fast = None if clean else getattr(self.tokenizer, "backend_tokenizer", None)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
 
     def prompt_ids(self, messages: list[Mapping[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        if self._fast is not None:  # the Rust tokenizer itself: same ids, less Python per call
+            return list(self._fast.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return str(self._fast.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def prompt_embeds(self, messages: list[Mapping[str, str]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
         ids = self.prompt_ids(messages)
@@ -221,6 +233,25 @@ class ThinkerProcessor(StageProcessor):
         emb = torch.cat(parts)
         return emb, len(ids)
 
+    def sampling(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The engine sampling of one response (request params over the stage's)."""
+        a = self.args
+        max_tokens = int(params.get("max_output_tokens") or a["max_tokens"])
+        sampling: dict[str, Any] = {
+            "temperature": a["temperature"],
+            "top_p": a["top_p"],
+            "top_k": a["top_k"],
+            "repetition_penalty": a["repetition_penalty"],
+            "max_tokens": max_tokens,
+            "min_tokens": min(int(a["min_tokens"]), max_tokens),
+            "stop_token_ids": self.stop_ids,
+            # text tokens and the stop tokens only: never a chat control token
+            "allowed_token_ranges": [[0, self.text_vocab], *([s, s + 1] for s in self.stop_ids)],
+        }
+        if params.get("seed") is not None:
+            sampling["seed"] = int(params["seed"])
+        return sampling
+
     async def run(self, ctx: StageContext) -> None:
         audio_chunks = []
         if ctx.inputs:
@@ -242,20 +273,7 @@ class ThinkerProcessor(StageProcessor):
         else:
             emb, _ = self.prompt_embeds(messages, audio)
             prompt, n_in = {"prompt_embeds": emb}, int(emb.shape[0])
-        a = self.args
-        sampling: dict[str, Any] = {
-            "temperature": a["temperature"],
-            "top_p": a["top_p"],
-            "top_k": a["top_k"],
-            "repetition_penalty": a["repetition_penalty"],
-            "max_tokens": int(ctx.params.get("max_output_tokens") or a["max_tokens"]),
-            "min_tokens": min(int(a["min_tokens"]), int(ctx.params.get("max_output_tokens") or a["max_tokens"])),
-            "stop_token_ids": self.stop_ids,
-            # text tokens and the stop tokens only: never a chat control token
-            "allowed_token_ranges": [[0, self.text_vocab], *([s, s + 1] for s in self.stop_ids)],
-        }
-        if ctx.params.get("seed") is not None:
-            sampling["seed"] = int(ctx.params["seed"])
+        sampling = self.sampling(ctx.params)
         ctx.add_usage(input_tokens=n_in)
         gen = getattr(self.engine, "generate", None)
         if gen is None:
@@ -265,7 +283,7 @@ class ThinkerProcessor(StageProcessor):
         async for toks in gen(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
             out_ids.extend(t for t in toks if t not in self.stop_ids)
             ctx.add_usage(output_tokens=len(toks))
-            text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+            text = self.decode(out_ids)
             if text.endswith("\ufffd"):
                 continue  # an incomplete UTF-8 sequence: wait for the next token
             delta = text[len(sent) :]

@@ -15,7 +15,7 @@ import base64
 import json
 import secrets
 import time
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -103,6 +103,18 @@ def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, np.ndarray | None]
     return " ".join(texts), audio
 
 
+def _has_audio_part(raw: Any) -> bool:
+    """True when a message of the raw body has a content part other than text."""
+    msgs = raw.get("messages") if isinstance(raw, dict) else None
+    if not isinstance(msgs, list):
+        return False
+    for m in msgs:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            return True
+    return False
+
+
 class ChatService:
     def __init__(self, sessions: SessionManager, pipeline: PipelineSpec) -> None:
         self.sessions = sessions
@@ -140,15 +152,20 @@ class ChatService:
         return req, messages, audio, voice, fmt
 
     async def complete(self, raw: Any, principal: str) -> Response:
-        # decoding input audio can take a while: off the event loop
-        req, messages, audio, voice, fmt = await asyncio.to_thread(self.validate, raw)
+        # decoding input audio can take a while: off the event loop (text is validated inline)
+        if _has_audio_part(raw):
+            req, messages, audio, voice, fmt = await asyncio.to_thread(self.validate, raw)
+        else:
+            req, messages, audio, voice, fmt = self.validate(raw)
         t0 = time.monotonic()
         session = await open_oneshot(self.sessions, self.pipeline.name, principal)
         try:
             params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
             if voice is not None:
                 params["voice"] = voice
-            stream = session.submit(params, outputs={"thinker", "code2wav"} if voice is not None else {"thinker"})
+            # No input audio: nothing for the audio encoder, the request enters at the thinker.
+            stream = session.submit(params, outputs={"thinker", "code2wav"} if voice is not None else {"thinker"},
+                                    entry=None if audio is not None else "thinker")
             if audio is not None:
                 session.send_input(stream, Payload(PayloadKind.AUDIO, session.fence, arrays={"pcm": audio}, meta={"sample_rate": 24000}))
             stream.end_input()
@@ -207,7 +224,14 @@ class ChatService:
                 body["usage"] = usage
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
 
+        def text_chunk(delta: dict[str, Any]) -> Callable[[str], bytes]:
+            # One chunk per token: the JSON around the text is made once, and only
+            # the text is encoded per chunk (the bytes equal chunk(delta with text)).
+            pre, post = chunk(delta).split(b'"\\u0000"')
+            return lambda text: pre + json.dumps(text).encode() + post
+
         audio_id = f"audio_{secrets.token_hex(8)}"
+        text_delta = text_chunk({"audio": {"id": audio_id, "transcript": "\0"}} if audio else {"content": "\0"})
         outcome = "client_disconnected"
         first_text = first_audio = True
         try:
@@ -218,7 +242,7 @@ class ChatService:
                     if first_text:
                         metrics.TTFT_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
                         first_text = False
-                    yield chunk({"audio": {"id": audio_id, "transcript": p.text or ""}} if audio else {"content": p.text or ""})
+                    yield text_delta(p.text or "")
                 else:
                     if first_audio:
                         metrics.TTFP_SECONDS.labels(api="chat").observe(time.monotonic() - t0)

@@ -687,7 +687,9 @@ class RealtimeConnection:
             "max_output_tokens": max_tokens,
         }
         outputs = {"thinker", "code2wav"} if audio_out else {"thinker"}
-        resp.stream = self.session.submit(params, outputs=outputs)
+        # The user's audio was encoded while it was appended: its embeddings go
+        # straight to the thinker, which is this request's entry.
+        resp.stream = self.session.submit(params, outputs=outputs, entry="thinker")
         self.response = resp
         try:
             if embeds is not None:

@@ -168,8 +168,10 @@ class Session:
         *,
         pipeline: str | None = None,
         outputs: set[str] | None = None,
+        entry: str | None = None,
     ) -> "RequestStream":
-        """Start the next turn: an orchestrator request fenced by this session."""
+        """Start the next turn: an orchestrator request fenced by this session
+        (`entry`: start at a later stage than the pipeline's entry)."""
         self._require_open("submit a request")
         name = pipeline or self.pipeline
         if name is None:
@@ -185,6 +187,7 @@ class Session:
             outputs=outputs,
             affinity=self.id,
             fence_source=lambda: self.fence,
+            entry=entry,
         )
         self._prune()
         self._requests[stream.request_id] = stream

@@ -46,6 +46,29 @@ def test_text_streaming_with_usage(sdk):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
 
 
+def stage_runs(server, stage: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=ADMIN_HEADERS).text
+    line = next((x for x in text.splitlines() if x.startswith(f'omni_rt_stage_seconds_count{{pipeline="voice",stage="{stage}"}}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_text_only_request_enters_at_the_thinker(server, sdk):
+    """No input audio: the audio encoder stage does not run at all; with audio it does."""
+    enc, thinker = stage_runs(server, "audio_encoder"), stage_runs(server, "thinker")
+    text = "".join(c.choices[0].delta.content or "" for c in sdk.chat.completions.create(
+        model="gpt-4o-audio-preview", messages=MSG, max_tokens=4, stream=True, seed=1) if c.choices)
+    assert text
+    assert stage_runs(server, "thinker") == thinker + 1 and stage_runs(server, "audio_encoder") == enc
+    pcm = (np.sin(np.arange(4800) / 8) * 8000).astype("<i2").tobytes()
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(pcm)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+    r = sdk.chat.completions.create(model="gpt-4o-audio-preview", messages=[{"role": "user", "content": [part]}], max_tokens=4, seed=1)
+    assert r.usage.prompt_tokens > 0
+    assert stage_runs(server, "audio_encoder") == enc + 1 and stage_runs(server, "thinker") == thinker + 2
+
+
 def test_audio_out_non_streaming_wav(sdk):
     r = sdk.chat.completions.create(
         model="gpt-4o-audio-preview", messages=MSG, modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}, max_tokens=8

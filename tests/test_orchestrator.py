@@ -195,6 +195,29 @@ async def test_text_only_skip_hook_never_starts_skipped_stages():
         orch.submit("p", fence=fence, outputs={"nope"})
 
 
+async def test_request_may_enter_at_a_later_stage():
+    Double.started_after = []
+    orch, _, conn = make_orchestrator(two_stage("chunk", finals=["a", "b"]), {"a": EmitN, "b": Double})
+    fence = Fence("s1")
+    stream = orch.submit("p", fence=fence, outputs={"b"}, entry="b")
+    # the client's input goes to b itself; a never starts
+    assert stream.send_input(Payload(PayloadKind.TOKENS, fence, arrays={"t": np.array([1, 2, 3])}))
+    stream.end_input()
+    out, done = await collect(stream)
+    assert set(stream._state.tasks) == {"b"}
+    await stream.close()
+    assert done.status == "completed"
+    assert [(s, t.tolist()) for s, t in out] == [("b", [2, 4, 6])]
+    assert Double.started_after == [set()]
+    assert conn.inner.live_keys() == 0
+    # an output the entry cannot reach, or an entry that is no stage, is refused
+    with pytest.raises(OrchestratorError, match="cannot be reached from entry 'b'"):
+        orch.submit("p", fence=fence, outputs={"a"}, entry="b")
+    with pytest.raises(OrchestratorError, match="not a stage"):
+        orch.submit("p", fence=fence, entry="zz")
+    assert orch.running() == []
+
+
 def dropped(hop: str) -> float:
     from prometheus_client import REGISTRY
 
