@@ -19,12 +19,17 @@ Two comparisons, each side by side in one run:
    C x (`--per-worker` + 1) requests and does not count the first C (the opening
    burst), so the figures are the closed loop's steady state.
 
-2. **http** (`--http`): the same chat request over loopback HTTP with one client,
-   against an omni-rt server (voice pipeline only) and against vLLM's own OpenAI
-   server (`vllm.entrypoints.openai.api_server`) on the same thinker checkpoint and
-   engine arguments, one after the other. This is the comparison a user switching
-   servers sees; on a 2-core machine the client, the HTTP stack and the engine share
-   the cores, so it is reported, not targeted.
+2. **http** (`--http`): the same chat request over loopback HTTP from one client,
+   to an omni-rt server (voice pipeline only) and to vLLM's own OpenAI server
+   (`vllm.entrypoints.openai.api_server`) on the same thinker checkpoint and engine
+   arguments. Both servers are up at once and take turns, in rounds like the
+   layers. This is the comparison a user switching servers sees. On a 2-core
+   machine the client, the HTTP stacks and the engines share the cores, so it is
+   reported, not targeted.
+
+Requests whose response shows no text at all (the random tiny thinker can stop
+after a token that is not text) are counted as `no_text`, not as errors, and give
+no TTFT; the same seeds run on both sides.
 
 Goal: layers TTFT p50 ratio (omni-rt / bare) <= 1.05 at the highest concurrency.
 """
@@ -50,18 +55,24 @@ MODEL = "gpt-4o-audio-preview"
 MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a realtime server?"}]
 
 
+class NoText(Exception):
+    """The response showed no text at all (the random tiny thinker can stop early)."""
+
+
 async def closed_loop(concurrency: int, n: int, one: Callable[[int], Awaitable[float]], first_id: int = 0, skip: int = 0) -> dict[str, Any]:
     """`n` requests by `concurrency` workers back to back; TTFTs and errors.
 
-    The TTFTs of the first `skip` requests issued are not kept: the first wave of a
-    closed loop arrives as one burst, which is not the steady state being measured.
+    Request k gets id `first_id + k` (its seed). The TTFTs of the first `skip`
+    requests issued are not kept: the first wave of a closed loop arrives as one
+    burst, which is not the steady state being measured.
     """
     issued = 0
     ttfts: list[float] = []
     errors: list[str] = []
+    no_text = 0
 
     async def worker() -> None:
-        nonlocal issued
+        nonlocal issued, no_text
         while issued < n:
             k = issued
             issued += 1
@@ -69,16 +80,71 @@ async def closed_loop(concurrency: int, n: int, one: Callable[[int], Awaitable[f
                 ttft = await one(first_id + k)
                 if k >= skip:
                     ttfts.append(ttft)
+            except NoText:
+                no_text += 1
             except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
                 errors.append(f"{type(exc).__name__}: {exc}")
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return {"ttfts": ttfts, "errors": errors, "wall_s": time.perf_counter() - t0}
+    return {"ttfts": ttfts, "errors": errors, "no_text": no_text, "wall_s": time.perf_counter() - t0}
+
+
+def loop_size(concurrency: int, per_worker: int) -> tuple[int, int]:
+    """(requests issued, of which the first wave is not counted) for one loop."""
+    return concurrency * (per_worker + 1), concurrency
+
+
+async def compare(sides: dict[str, Callable[[int], Awaitable[float]]], levels: list[int], warmup: int, rounds: int, per_worker: int) -> list[dict[str, Any]]:
+    """A/B closed loops per level: `rounds` rounds, each running every side once
+    (the order alternates), with the same request ids (seeds) on every side."""
+    (a, fa), (b, fb) = sides.items()
+    for i in range(warmup):
+        await fa(i)
+        await fb(i)
+    rows = []
+    first_id = 1000
+    for c in levels:
+        n, skip = loop_size(c, per_worker)
+        pooled: dict[str, list[float]] = {a: [], b: []}
+        errors: dict[str, list[str]] = {a: [], b: []}
+        no_text = {a: 0, b: 0}
+        wall = {a: 0.0, b: 0.0}
+        per_round = []
+        for r in range(rounds):
+            order = [(a, fa), (b, fb)] if r % 2 == 0 else [(b, fb), (a, fa)]
+            got = {}
+            for side, fn in order:
+                res = await closed_loop(c, n, fn, first_id, skip)
+                pooled[side] += res["ttfts"]
+                errors[side] += res["errors"]
+                no_text[side] += res["no_text"]
+                wall[side] += res["wall_s"]
+                got[side] = summarize(res["ttfts"])["p50"]
+            first_id += n
+            per_round.append(ratio(got[a], got[b]))
+        sa, sb = summarize(pooled[a]), summarize(pooled[b])
+        # requests per second over the loops: a side that spends longer outside the
+        # engine keeps fewer requests in it, which shortens everyone's wait there
+        rows.append({
+            "concurrency": c,
+            "requests_per_side": n * rounds,
+            a: {"ttft_s": sa, "requests_per_s": round(n * rounds / wall[a], 2), "no_text": no_text[a], "errors": errors[a]},
+            b: {"ttft_s": sb, "requests_per_s": round(n * rounds / wall[b], 2), "no_text": no_text[b], "errors": errors[b]},
+            "ttft_p50_ratio": ratio(sa["p50"], sb["p50"]),
+            "ttft_p90_ratio": ratio(sa["p90"], sb["p90"]),
+            "ttft_p50_ratio_per_round": [round(x, 3) if x is not None else None for x in per_round],
+        })
+    return rows
+
+
+# The thinker's sampling (pipelines/voice.py) as OpenAI/vLLM request fields, so vLLM's
+# server samples as the thinker does (omni-rt's thinker applies these itself).
+THINKER_SAMPLING = {"temperature": 0.7, "top_p": 1.0, "min_tokens": 1}
 
 
 def chat_body(i: int, max_tokens: int, model: str = MODEL) -> dict[str, Any]:
-    return {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "seed": i}
+    return {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "seed": i, **THINKER_SAMPLING}
 
 
 def first_content(line: bytes | str) -> bool:
@@ -101,11 +167,6 @@ def _voice_only_overlay() -> Any:
     from omni_rt.specs import DeployOverlay, PipelineOverlay
 
     return DeployOverlay(pipelines={n: PipelineOverlay(enabled=n == "voice") for n in pipelines.load_all()})
-
-
-def loop_size(concurrency: int, per_worker: int) -> tuple[int, int]:
-    """(requests issued, of which the first wave is not counted) for one loop."""
-    return concurrency * (per_worker + 1), concurrency
 
 
 async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -131,7 +192,7 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
                 if ttft is None and first_content(chunk):
                     ttft = time.perf_counter() - t0
             if ttft is None:
-                raise RuntimeError("no content delta")
+                raise NoText
             return ttft
 
         async def bare(i: int) -> float:
@@ -146,46 +207,10 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
                     if text and not text.endswith("\ufffd"):
                         ttft = time.perf_counter() - t0
             if ttft is None:
-                raise RuntimeError("no visible text")
+                raise NoText
             return ttft
 
-        for i in range(warmup):
-            await omni(i)
-            await bare(i)
-        rows = []
-        next_id = 1000
-        for c in levels:
-            n, skip = loop_size(c, per_worker)
-            pooled: dict[str, list[float]] = {"omni_rt": [], "bare_vllm": []}
-            errors: dict[str, list[str]] = {"omni_rt": [], "bare_vllm": []}
-            per_round = []
-            wall = {"omni_rt": 0.0, "bare_vllm": 0.0}
-            for r in range(rounds):
-                order = [("omni_rt", omni), ("bare_vllm", bare)]
-                if r % 2:
-                    order.reverse()
-                got = {}
-                for side, fn in order:
-                    res = await closed_loop(c, n, fn, next_id, skip)
-                    next_id += n
-                    pooled[side] += res["ttfts"]
-                    errors[side] += res["errors"]
-                    wall[side] += res["wall_s"]
-                    got[side] = summarize(res["ttfts"])["p50"]
-                per_round.append(ratio(got["omni_rt"], got["bare_vllm"]))
-            o, b = summarize(pooled["omni_rt"]), summarize(pooled["bare_vllm"])
-            rows.append({
-                "concurrency": c,
-                "requests_per_side": n * rounds,
-                "counted_per_side": len(pooled["omni_rt"]),
-                # completed requests per second over the loops: a side that spends
-                # longer outside the engine keeps fewer requests in it
-                "omni_rt": {"ttft_s": o, "requests_per_s": round(n * rounds / wall["omni_rt"], 2), "errors": errors["omni_rt"]},
-                "bare_vllm": {"ttft_s": b, "requests_per_s": round(n * rounds / wall["bare_vllm"], 2), "errors": errors["bare_vllm"]},
-                "ttft_p50_ratio": ratio(o["p50"], b["p50"]),
-                "ttft_p90_ratio": ratio(o["p90"], b["p90"]),
-                "ttft_p50_ratio_per_round": [round(x, 3) if x is not None else None for x in per_round],
-            })
+        rows = await compare({"omni_rt": omni, "bare_vllm": bare}, levels, warmup, rounds, per_worker)
         info = {"thinker": engine.model, "isolated_cores": sorted(engine.isolated_cores or [])}
     return rows, info
 
@@ -193,31 +218,29 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
 # ---- 2. http: omni-rt's server vs vLLM's own OpenAI server ----------------------------
 
 
-async def http_levels(base_url: str, model: str, levels: list[int], max_tokens: int, warmup: int, per_worker: int) -> list[dict[str, Any]]:
+def http_one(client: httpx.AsyncClient, max_tokens: int) -> Callable[[int], Awaitable[float]]:
+    async def one(i: int) -> float:
+        t0 = time.perf_counter()
+        ttft = None
+        async with client.stream("POST", "/v1/chat/completions", json=chat_body(i, max_tokens)) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if ttft is None and first_content(line):
+                    ttft = time.perf_counter() - t0
+        if ttft is None:
+            raise NoText
+        return ttft
+
+    return one
+
+
+async def http_levels(omni_url: str, vllm_url: str, levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=120, limits=limits) as client:
-
-        async def one(i: int) -> float:
-            t0 = time.perf_counter()
-            ttft = None
-            async with client.stream("POST", "/v1/chat/completions", json=chat_body(i, max_tokens, model)) as r:
-                if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-                async for line in r.aiter_lines():
-                    if ttft is None and first_content(line):
-                        ttft = time.perf_counter() - t0
-            if ttft is None:
-                raise RuntimeError("no content delta")
-            return ttft
-
-        for i in range(warmup):
-            await one(i)
-        out = []
-        for c in levels:
-            n, skip = loop_size(c, per_worker)
-            res = await closed_loop(c, n, one, 1000, skip)
-            out.append({"concurrency": c, "ttft_s": summarize(res["ttfts"]), "errors": res["errors"]})
-        return out
+    async with httpx.AsyncClient(base_url=omni_url, timeout=120, limits=limits) as oc, \
+            httpx.AsyncClient(base_url=vllm_url, timeout=120, limits=limits) as vc:
+        return await compare({"omni_rt_http": http_one(oc, max_tokens), "vllm_openai_server": http_one(vc, max_tokens)},
+                             levels, warmup, rounds, per_worker)
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -253,7 +276,7 @@ def vllm_server_cmd(model_dir: str, port: int) -> tuple[list[str], dict[str, str
     eng = VllmEngine(model_dir, dict(stage.engine_args))
     args = eng.resolved_engine_args()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", MODEL, "--disable-log-requests"]
+           "--served-model-name", MODEL]
     for k, v in args.items():
         if k == "logits_processors":
             v = ",".join(v)
@@ -268,30 +291,27 @@ def vllm_server_cmd(model_dir: str, port: int) -> tuple[list[str], dict[str, str
 
 
 def run_http(args: Any, levels: list[int], models_dir: Path, thinker_dir: str, log_dir: Path) -> list[dict[str, Any]]:
+    """Both servers run at once (only one is loaded at a time) and take turns."""
+    import yaml
+
     from latency_bench.server import ServerProcess
 
     deploy = log_dir / "text-overhead-voice-only.yaml"
-    import yaml
-
     deploy.write_text(yaml.safe_dump({"pipelines": {n: {"enabled": False} for n in _pipeline_names() if n != "voice"}}))
     server = ServerProcess(port=args.port, deploy=str(deploy), log_path=log_dir / "text-overhead-server.log",
                            env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
-    server.start()
-    try:
-        server.wait_ready(timeout_s=600)
-        omni = asyncio.run(http_levels(f"http://127.0.0.1:{args.port}", MODEL, levels, args.max_tokens, args.warmup, args.per_worker))
-    finally:
-        server.stop()
     cmd, env = vllm_server_cmd(thinker_dir, args.port + 1)
+    server.start()
     with open(log_dir / "text-overhead-vllm-server.log", "wb") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         try:
+            server.wait_ready(timeout_s=600)
             _wait_http(f"http://127.0.0.1:{args.port + 1}/v1/models", proc, 600)
-            vllm = asyncio.run(http_levels(f"http://127.0.0.1:{args.port + 1}", MODEL, levels, args.max_tokens, args.warmup, args.per_worker))
+            return asyncio.run(http_levels(f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}", levels,
+                                           args.max_tokens, args.warmup, args.rounds, args.per_worker))
         finally:
             _stop(proc)
-    return [{"concurrency": o["concurrency"], "omni_rt_http": o, "vllm_openai_server": v,
-             "ttft_p50_ratio": ratio(o["ttft_s"]["p50"], v["ttft_s"]["p50"])} for o, v in zip(omni, vllm)]
+            server.stop()
 
 
 def _pipeline_names() -> list[str]:
@@ -302,6 +322,16 @@ def _pipeline_names() -> list[str]:
 
 def _fmt_ms(v: float | None) -> str:
     return f"{v * 1000:.1f}" if v is not None else "-"
+
+
+def print_rows(rows: list[dict[str, Any]], a: str, b: str, b_short: str) -> None:
+    g = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
+    print(f"{'C':>4} {'omni p50 ms':>12} {b_short + ' p50 ms':>12} {'ratio p50':>10} {'ratio p90':>10} {'req/s omni':>11} "
+          f"{'req/s ' + b_short:>11} {'errors':>7}  ratio p50 per round")
+    for r in rows:
+        print(f"{r['concurrency']:>4} {_fmt_ms(r[a]['ttft_s']['p50']):>12} {_fmt_ms(r[b]['ttft_s']['p50']):>12} {g(r['ttft_p50_ratio']):>10} "
+              f"{g(r['ttft_p90_ratio']):>10} {r[a]['requests_per_s']:>11} {r[b]['requests_per_s']:>11} "
+              f"{len(r[a]['errors']) + len(r[b]['errors']):>7}  {r['ttft_p50_ratio_per_round']}")
 
 
 def main_text_overhead(args: Any) -> int:
@@ -321,13 +351,7 @@ def main_text_overhead(args: Any) -> int:
     result: dict[str, Any] = {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), **info,
                               "max_tokens": args.max_tokens, "rounds": args.rounds, "requests_per_worker": args.per_worker, "layers": rows, "targets": {}}
     print("layers (in process, same engine): chat adapter + sessions + orchestrator + stages vs AsyncLLM.generate")
-    print(f"{'C':>4} {'omni p50 ms':>12} {'bare p50 ms':>12} {'ratio p50':>10} {'ratio p90':>10} {'req/s omni':>11} {'req/s bare':>11} {'per round':>24} {'errors':>7}")
-    for r in rows:
-        o, b = r["omni_rt"]["ttft_s"], r["bare_vllm"]["ttft_s"]
-        g = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        print(f"{r['concurrency']:>4} {_fmt_ms(o['p50']):>12} {_fmt_ms(b['p50']):>12} {g(r['ttft_p50_ratio']):>10} {g(r['ttft_p90_ratio']):>10} "
-              f"{r['omni_rt']['requests_per_s']:>11} {r['bare_vllm']['requests_per_s']:>11} "
-              f"{str(r['ttft_p50_ratio_per_round']):>24} {len(r['omni_rt']['errors']) + len(r['bare_vllm']['errors']):>7}")
+    print_rows(rows, "omni_rt", "bare_vllm", "bare")
     top = max(rows, key=lambda r: r["concurrency"])
     result["targets"]["ttft_p50_ratio_at_max_c"] = {"goal": "<= 1.05", "concurrency": top["concurrency"], "value": top["ttft_p50_ratio"],
                                                    "met": top["ttft_p50_ratio"] is not None and top["ttft_p50_ratio"] <= 1.05}
@@ -335,12 +359,8 @@ def main_text_overhead(args: Any) -> int:
     if args.http:
         http = run_http(args, levels, models_dir, thinker_dir, log_dir)
         result["http"] = http
-        print("http (loopback, one client): omni-rt server (voice only) vs vLLM's OpenAI server")
-        print(f"{'C':>4} {'omni p50 ms':>12} {'vllm p50 ms':>12} {'ratio p50':>10} {'errors':>7}")
-        for h in http:
-            o, v = h["omni_rt_http"]["ttft_s"], h["vllm_openai_server"]["ttft_s"]
-            print(f"{h['concurrency']:>4} {_fmt_ms(o['p50']):>12} {_fmt_ms(v['p50']):>12} {h['ttft_p50_ratio'] or '-':>10} "
-                  f"{len(h['omni_rt_http']['errors']) + len(h['vllm_openai_server']['errors']):>7}")
+        print("http (loopback, one client, servers taking turns): omni-rt server (voice only) vs vLLM's OpenAI server")
+        print_rows(http, "omni_rt_http", "vllm_openai_server", "vllm")
         failed = failed or any(h["omni_rt_http"]["errors"] or h["vllm_openai_server"]["errors"] for h in http)
     finish(args.json, result)
     return 1 if failed else 0

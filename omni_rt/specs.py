@@ -8,6 +8,7 @@ lives here, once.
 
 from __future__ import annotations
 
+
 from pathlib import Path
 from typing import Any, Literal
 
@@ -119,16 +120,33 @@ class ProfileSpec(_Strict):
                 return s
         raise KeyError(name)
 
-    def out_edges(self, stage: str) -> list[EdgeSpec]:
-        return [e for e in self.edges if e.src == stage]
-
-    def in_edges(self, stage: str) -> list[EdgeSpec]:
-        return [e for e in self.edges if e.dst == stage]
-
-    def order(self) -> list[str]:
+    # The graph is read on every request: its derived views are computed once per
+    # (stages, edges) lists (a model_copy that replaces either gets fresh views).
+    @property
+    def _graph(self) -> tuple[list[str], dict[str, list[EdgeSpec]], dict[str, list[EdgeSpec]]]:
+        key = (id(self.stages), id(self.edges))
+        cached = self.__dict__.get("_graph_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         order = _topo_order([s.name for s in self.stages], [(e.src, e.dst) for e in self.edges])
         assert order is not None
-        return order
+        outs: dict[str, list[EdgeSpec]] = {s.name: [] for s in self.stages}
+        ins: dict[str, list[EdgeSpec]] = {s.name: [] for s in self.stages}
+        for e in self.edges:
+            outs[e.src].append(e)
+            ins[e.dst].append(e)
+        graph = (order, outs, ins)
+        self.__dict__["_graph_cache"] = (key, graph)
+        return graph
+
+    def out_edges(self, stage: str) -> list[EdgeSpec]:
+        return list(self._graph[1].get(stage, ()))
+
+    def in_edges(self, stage: str) -> list[EdgeSpec]:
+        return list(self._graph[2].get(stage, ()))
+
+    def order(self) -> list[str]:
+        return list(self._graph[0])
 
 
 class PipelineSpec(_Strict):

@@ -90,6 +90,7 @@ class Session:
         self.state = SessionState.OPENING
         self.epoch = 0
         self.turn = 0
+        self._fence: Fence | None = None
         self.created_at = time.time()
         self.last_active = manager.clock()
         self.detached_at: float | None = None
@@ -146,7 +147,11 @@ class Session:
     # ---- fences ----------------------------------------------------------------------
     @property
     def fence(self) -> Fence:
-        return Fence(self.id, self.epoch, self.turn)
+        # read at every hop of every chunk: the object is remade only when it changes
+        f = self._fence
+        if f is None or f.epoch != self.epoch or f.turn != self.turn:
+            f = self._fence = Fence(self.id, self.epoch, self.turn)
+        return f
 
     def check_fence(self, fence: Fence) -> None:
         """Reject an input that belongs to a cancelled or cleared turn."""
