@@ -9,7 +9,7 @@ Two comparisons, each side by side in one run:
      body validation, one-shot session admission, orchestrator, stages, SSE framing.
      Only the socket is missing. TTFT = call -> first SSE chunk with content.
    - bare side: `AsyncLLM.generate` on **the same engine object**, with the prompt the
-     thinker renders (token ids, made once) and the sampling it builds (the same
+     thinker renders (token ids, made before the clock starts) and the sampling it builds (the same
      SamplingParams, made per request as any caller does; same seeds). TTFT = call -> first output whose text is visible, decoded with the
      thinker's tokenizer by the thinker's rule (a token that ends in an incomplete
      UTF-8 sequence shows nothing yet; the random tiny thinker produces those).
@@ -52,7 +52,10 @@ from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.text_overhead/2"
 MODEL = "gpt-4o-audio-preview"
-MESSAGES = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a realtime server?"}]
+def messages(i: int) -> list[dict[str, str]]:
+    """Request i's chat: a fixed system prompt and a user message of its own (no side
+    can answer it from anything remembered about an earlier request)."""
+    return [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": f"What is a realtime server? ({i})"}]
 
 
 class NoText(Exception):
@@ -144,7 +147,7 @@ THINKER_SAMPLING = {"temperature": 0.7, "top_p": 1.0, "min_tokens": 1}
 
 
 def chat_body(i: int, max_tokens: int, model: str = MODEL) -> dict[str, Any]:
-    return {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "stream": True, "seed": i, **THINKER_SAMPLING}
+    return {"model": model, "messages": messages(i), "max_tokens": max_tokens, "stream": True, "seed": i, **THINKER_SAMPLING}
 
 
 def first_content(line: bytes | str) -> bool:
@@ -180,8 +183,11 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
         replica = app.state.runtime.pools["thinker"].replicas[0]
         proc, engine = replica.processor, replica.engine
         llm = engine.llm
-        ids = proc.prompt_ids(MESSAGES)
-        prompt = engine._prompt(ids, None)  # vLLM's own tokens_input()
+
+        def prompt_of(i: int) -> Any:
+            # the thinker's template and tokenizer, without its memory of prompt pieces
+            text = proc.tokenizer.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
+            return engine._prompt(list(proc.tokenizer(text, add_special_tokens=False)["input_ids"]), None)  # tokens_input()
 
         async def omni(i: int) -> float:
             t0 = time.perf_counter()
@@ -196,6 +202,7 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
             return ttft
 
         async def bare(i: int) -> float:
+            prompt = prompt_of(i)  # tokenized before the clock starts: a generous baseline
             t0 = time.perf_counter()
             params = engine._sampling_params(proc.sampling({"max_output_tokens": max_tokens, "seed": i}))
             ttft = None

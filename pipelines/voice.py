@@ -158,6 +158,69 @@ class AudioEncoderProcessor(StageProcessor):
 # ---- thinker ----------------------------------------------------------------------------
 
 
+class SegmentEncoder:
+    """Tokenizes a rendered chat prompt piece by piece, remembering the pieces.
+
+    A tokenizer splits its input at added tokens (``<|im_start|>``, ``<|im_end|>``...)
+    before anything else and encodes the text between them independently, so the ids
+    of a prompt are the ids of its pieces put together. Every turn of a conversation
+    re-renders the whole history: with the pieces remembered only the new messages
+    are encoded. Used only for tokenizers where that holds: no added token strips
+    whitespace or must match a single word, and a self-check on a sample prompt
+    agrees with a whole encode.
+    """
+
+    MAX_PIECES = 4096  # least recently used pieces are forgotten beyond this
+    MAX_PIECE_CHARS = 65536  # longer pieces are encoded every time, not kept
+
+    def __init__(self, fast: Any, added: Mapping[str, int]) -> None:
+        import re
+        from collections import OrderedDict
+
+        self.fast = fast
+        self.added = dict(added)
+        self.split = re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+        self.pieces: OrderedDict[str, list[int]] = OrderedDict()
+
+    @classmethod
+    def for_tokenizer(cls, fast: Any) -> "SegmentEncoder | None":
+        try:
+            tokens = fast.get_added_tokens_decoder()
+        except AttributeError:
+            return None
+        if not tokens or any(t.lstrip or t.rstrip or t.single_word for t in tokens.values()):
+            return None
+        enc = cls(fast, {t.content: i for i, t in tokens.items()})
+        names = list(enc.added)
+        sample = f"{names[0]}system\n  Be brief, é ✓.{names[-1]}\n{names[0]}user\nHi  there!\n\n{names[-1]} x{names[0]}"
+        whole = list(fast.encode(sample, add_special_tokens=False).ids)
+        if enc.encode(sample) != whole or enc.encode(sample) != whole:  # cold, then from the kept pieces
+            return None
+        enc.pieces.clear()
+        return enc
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for piece in self.split.split(text):
+            if not piece:
+                continue
+            tid = self.added.get(piece)
+            if tid is not None:
+                out.append(tid)
+                continue
+            ids = self.pieces.get(piece)
+            if ids is None:
+                ids = list(self.fast.encode(piece, add_special_tokens=False).ids)
+                if len(piece) <= self.MAX_PIECE_CHARS:
+                    self.pieces[piece] = ids
+                    if len(self.pieces) > self.MAX_PIECES:
+                        self.pieces.popitem(last=False)
+            else:
+                self.pieces.move_to_end(piece)
+            out.extend(ids)
+        return out
+
+
 class ThinkerProcessor(StageProcessor):
     """Chat text + audio embeddings -> streamed text (TEXT deltas)."""
 
@@ -174,6 +237,7 @@ class ThinkerProcessor(StageProcessor):
         self.args = {**self.DEFAULTS, **checkpoint_sampling(spec.model), **spec.processor_args}
         self.tokenizer: Any = None
         self._fast: Any = None
+        self._segments: SegmentEncoder | None = None
         self.embed: torch.Tensor | None = None
 
     def _load(self) -> None:
@@ -194,12 +258,15 @@ class ThinkerProcessor(StageProcessor):
         # The Rust tokenizer gives the same text unless the wrapper post-processes it.
         clean = getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
         self._fast = None if clean else getattr(self.tokenizer, "backend_tokenizer", None)
+        self._segments = SegmentEncoder.for_tokenizer(self._fast) if self._fast is not None else None
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
 
     def prompt_ids(self, messages: list[Mapping[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        if self._segments is not None:
+            return self._segments.encode(text)
         if self._fast is not None:  # the Rust tokenizer itself: same ids, less Python per call
             return list(self._fast.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

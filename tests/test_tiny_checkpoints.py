@@ -172,3 +172,51 @@ def test_load_snac_real_layout_with_noise(tmp_path: Path) -> None:
     assert not np.array_equal(decode_window(noisy, frames), decode_window(noisy, frames))
     with pytest.raises(FileNotFoundError):
         load_snac(tmp_path / "missing")
+
+
+def test_thinker_segment_encoder_equals_whole_prompt_encoding(tiny: dict[str, Path]) -> None:
+    """Prompt pieces between added tokens are encoded once and remembered; the ids are
+    always those of encoding the whole rendered prompt."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from pipelines.voice import SegmentEncoder
+
+    tok = AutoTokenizer.from_pretrained(str(tiny["thinker"]))
+    fast = tok.backend_tokenizer
+    enc = SegmentEncoder.for_tokenizer(fast)
+    assert enc is not None
+    rng = random.Random(3)
+    alphabet = "ab cdé✓\n\t  .,!?<|>imstartendaudio漢字😀"
+    history: list[dict[str, str]] = []
+    for turn in range(60):
+        content = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        if rng.random() < 0.3:
+            content += "<|audio|>" + content
+        history.append({"role": rng.choice(["system", "user", "assistant"]), "content": content})
+        text = tok.apply_chat_template(history[-8:], add_generation_prompt=True, tokenize=False)
+        assert enc.encode(text) == list(fast.encode(text, add_special_tokens=False).ids), text
+    assert 0 < len(enc.pieces) <= SegmentEncoder.MAX_PIECES
+
+    # bounded: least recently used pieces go first
+    small = SegmentEncoder.for_tokenizer(fast)
+    assert small is not None
+    small.MAX_PIECES = 2
+    for word in ("one", "two", "three"):
+        small.encode(f"<|im_start|>{word}<|im_end|>")
+    assert list(small.pieces) == ["two", "three"]
+
+
+def test_segment_encoder_is_not_used_where_added_tokens_strip_whitespace() -> None:
+    from pipelines.voice import SegmentEncoder
+
+    class Added:
+        def __init__(self, content: str, lstrip: bool) -> None:
+            self.content, self.lstrip, self.rstrip, self.single_word = content, lstrip, False, False
+
+    class Fake:
+        def get_added_tokens_decoder(self) -> dict[int, Added]:
+            return {5: Added("<s>", True)}
+
+    assert SegmentEncoder.for_tokenizer(Fake()) is None
