@@ -304,9 +304,10 @@ class ThinkerProcessor(StageProcessor):
         """The engine sampling of one response (request params over the stage's)."""
         a = self.args
         max_tokens = int(params.get("max_output_tokens") or a["max_tokens"])
+        temperature, top_p = params.get("temperature"), params.get("top_p")
         sampling: dict[str, Any] = {
-            "temperature": a["temperature"],
-            "top_p": a["top_p"],
+            "temperature": float(a["temperature"] if temperature is None else temperature),
+            "top_p": float(a["top_p"] if top_p is None else top_p),
             "top_k": a["top_k"],
             "repetition_penalty": a["repetition_penalty"],
             "max_tokens": max_tokens,

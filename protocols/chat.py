@@ -61,6 +61,7 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=4096)
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
     temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     n: int = Field(1, ge=1, le=1)
 
@@ -161,6 +162,9 @@ class ChatService:
         session = await open_oneshot(self.sessions, self.pipeline.name, principal)
         try:
             params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
+            for key in ("temperature", "top_p"):  # the thinker's own defaults otherwise
+                if getattr(req, key) is not None:
+                    params[key] = getattr(req, key)
             if voice is not None:
                 params["voice"] = voice
             # No input audio: nothing for the audio encoder, the request enters at the thinker.

@@ -34,6 +34,16 @@ def test_text_completion(sdk):
     assert again.choices[0].message.content == r.choices[0].message.content  # seeded
 
 
+def test_temperature_and_top_p_reach_the_thinker(sdk):
+    """temperature 0 is greedy: two unseeded answers agree; the default samples."""
+    greedy = [sdk.chat.completions.create(model="gpt-4o-audio-preview", messages=MSG, max_tokens=12, temperature=0).choices[0].message.content
+              for _ in range(2)]
+    assert greedy[0] and greedy[0] == greedy[1]
+    sampled = {sdk.chat.completions.create(model="gpt-4o-audio-preview", messages=MSG, max_tokens=12, seed=s, top_p=0.9).choices[0].message.content
+               for s in range(4)}
+    assert len(sampled) > 1
+
+
 def test_text_streaming_with_usage(sdk):
     chunks = list(
         sdk.chat.completions.create(
@@ -114,6 +124,8 @@ def test_audio_out_streaming_pcm16_with_audio_in(sdk):
         ({"model": "gpt-realtime", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "aGVsbG8=", "format": "wav"}}]}]}, "messages[0].content[0].input_audio", "invalid_value"),
         ({"model": "gpt-realtime", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type", "invalid_value"),
         ({"model": "gpt-realtime", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"model": "gpt-realtime", "messages": MSG, "top_p": 0}, "top_p", "invalid_value"),
+        ({"model": "gpt-realtime", "messages": MSG, "temperature": 3}, "temperature", "invalid_value"),
     ],
 )
 def test_bad_chat_input_is_a_400_naming_the_field(server, body, param, code):
