@@ -341,6 +341,7 @@ class ThinkerProcessor(StageProcessor):
         else:
             emb, _ = self.prompt_embeds(messages, audio)
             prompt, n_in = {"prompt_embeds": emb}, int(emb.shape[0])
+            ctx.add_usage(input_audio_tokens=int(audio.shape[0]))  # rows of the prompt that are audio
         sampling = self.sampling(ctx.params)
         ctx.add_usage(input_tokens=n_in)
         gen = getattr(self.engine, "generate", None)

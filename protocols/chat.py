@@ -214,10 +214,11 @@ class ChatService:
         )
 
     @staticmethod
-    def _usage(u: Any) -> dict[str, int]:
+    def _usage(u: Any) -> dict[str, Any]:
         u = dict(u or {})
         p, c = int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0))
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"audio_tokens": int(u.get("input_audio_tokens", 0)), "cached_tokens": 0}}
 
     async def _sse(self, session: Any, stream: Any, cid: str, created: int, model: str, audio: bool, include_usage: bool, t0: float) -> AsyncIterator[bytes]:
         def chunk(delta: dict[str, Any], finish: str | None = None, usage: Any = None) -> bytes:

@@ -375,7 +375,6 @@ class RealtimeConnection:
         self.input: RequestStream | None = None
         self.input_item_id: str | None = None
         self.input_ms = 0  # audio appended since the buffer was last committed/cleared
-        self.input_audio: list[np.ndarray] = []  # that audio (re-encoded after a cancel)
         self.total_ms = 0  # all audio appended on this session
         self.pending_prefix: list[np.ndarray] = []
         self.vad: Vad | None = None
@@ -401,7 +400,7 @@ class RealtimeConnection:
         """Stop this connection's work (the session is ending or the client left for good)."""
         try:
             if self.response is not None:
-                await self.cancel_response(reason, restart_input=False)
+                await self.cancel_response(reason)
         except Exception:  # noqa: BLE001 - the rest is stopped regardless
             log.exception("session %s: cancelling the response failed", self.session.id)
         for task in self.collecting:
@@ -430,7 +429,9 @@ class RealtimeConnection:
 
     # ---- input audio ----
     def _start_input(self) -> None:
-        stream = self.session.submit(outputs={"audio_encoder"})
+        # Not fenced: cancelling a response (a barge-in) must not drop what the user
+        # is saying or has just committed; `clear` closes this request instead.
+        stream = self.session.submit(outputs={"audio_encoder"}, fenced=False)
         self.input = stream
         self.input_item_id = _id("item")
 
@@ -438,21 +439,7 @@ class RealtimeConnection:
         if self.input is None:
             self._start_input()
         assert self.input is not None
-        self.input_audio.append(pcm)
         self.session.send_input(self.input, Payload(PayloadKind.AUDIO, self.session.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
-
-    async def _restart_input(self) -> None:
-        """After an epoch advance the running encoder request is stale: encode the
-        buffered utterance again under the new epoch, so nothing the user said is lost."""
-        if self.input is None:
-            return
-        old, audio, item_id = self.input, self.input_audio, self.input_item_id
-        await old.close()
-        self.input, self.input_audio = None, []
-        self._start_input()
-        self.input_item_id = item_id
-        for pcm in audio:
-            self._send_audio(pcm)
 
     async def append(self, b64: Any, event_id: str | None) -> None:
         if not isinstance(b64, str):
@@ -533,7 +520,7 @@ class RealtimeConnection:
             )
         stream, item_id = self.input, self.input_item_id
         assert item_id is not None
-        self.input, self.input_item_id, self.input_ms, self.input_audio = None, None, 0, []
+        self.input, self.input_item_id, self.input_ms = None, None, 0
         stream.end_input()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[np.ndarray | None] = loop.create_future()
@@ -562,7 +549,7 @@ class RealtimeConnection:
     async def clear(self) -> None:
         if self.input is not None:
             await self.input.close()
-        self.input, self.input_item_id, self.input_ms, self.pending_prefix, self.input_audio = None, None, 0, [], []
+        self.input, self.input_item_id, self.input_ms, self.pending_prefix = None, None, 0, []
         self.emit("input_audio_buffer.cleared")
 
     # ---- items ----
@@ -605,7 +592,7 @@ class RealtimeConnection:
             raise ClientError("invalid_value", f"An item with id '{item_id}' already exists.", "item.id")
         new = Item(item_id, role, parts)
         if audio is not None:
-            stream = self.session.submit(outputs={"audio_encoder"})
+            stream = self.session.submit(outputs={"audio_encoder"}, fenced=False)
             self.session.send_input(stream, Payload(PayloadKind.AUDIO, self.session.fence, arrays={"pcm": audio}, meta={"sample_rate": RATE}))
             stream.end_input()
             fut: asyncio.Future[np.ndarray | None] = asyncio.get_running_loop().create_future()
@@ -764,10 +751,13 @@ class RealtimeConnection:
             # without raising (stale outputs are skipped), but the answer was cut
             status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
         usage = dict(stream.done.usage or {}) if stream.done is not None else {}
+        n_in, n_audio = usage.get("input_tokens", 0), usage.get("input_audio_tokens", 0)
         usage = {
-            "total_tokens": usage.get("input_tokens", 0) + usage.get("output_tokens", 0),
-            "input_tokens": usage.get("input_tokens", 0),
+            "total_tokens": n_in + usage.get("output_tokens", 0),
+            "input_tokens": n_in,
             "output_tokens": usage.get("output_tokens", 0),
+            # audio tokens: the rows of the user's encoded speech in the prompt
+            "input_token_details": {"text_tokens": n_in - n_audio, "audio_tokens": n_audio, "cached_tokens": 0},
         }
         c = item.content[0]
         if resp.audio_out:
@@ -793,7 +783,7 @@ class RealtimeConnection:
         if self.response is resp:
             self.response = None
 
-    async def cancel_response(self, reason: str, restart_input: bool = True) -> None:
+    async def cancel_response(self, reason: str) -> None:
         resp = self.response
         if resp is None:
             return
@@ -805,8 +795,6 @@ class RealtimeConnection:
             await resp.stream.abort(reason)
         if resp.task is not None:
             await asyncio.shield(resp.task)
-        if restart_input:
-            await self._restart_input()
 
     # ---- dispatch ----
     async def handle(self, raw: str | bytes) -> None:

@@ -199,14 +199,14 @@ class WebRTCConnection(RealtimeConnection):
     def _playback_state(self, type: str, response_id: str | None) -> None:
         self.session.emit(type, {"response_id": response_id})
 
-    async def cancel_response(self, reason: str, restart_input: bool = True) -> None:
+    async def cancel_response(self, reason: str) -> None:
         cleared = None
         if self.response is not None:
             # The server owns the output buffer on WebRTC: what was not played yet is
             # dropped now, before the epoch advance (no await in between) and before
             # the response's response.done.
             cleared = self.clear_output(self.response.id)
-        await super().cancel_response(reason, restart_input)
+        await super().cancel_response(reason)
         self.keep_heard(cleared)
 
     def clear_output(self, response_id: str | None) -> str | None:

@@ -174,9 +174,14 @@ class Session:
         pipeline: str | None = None,
         outputs: set[str] | None = None,
         entry: str | None = None,
+        fenced: bool = True,
     ) -> "RequestStream":
         """Start the next turn: an orchestrator request fenced by this session
-        (`entry`: start at a later stage than the pipeline's entry)."""
+        (`entry`: start at a later stage than the pipeline's entry).
+
+        `fenced=False` is for work an epoch advance must not drop, such as encoding
+        what the user said: a barge-in cancels the answer, not the question.
+        """
         self._require_open("submit a request")
         name = pipeline or self.pipeline
         if name is None:
@@ -191,7 +196,7 @@ class Session:
             request_id=f"{self.id}.t{self.turn}",
             outputs=outputs,
             affinity=self.id,
-            fence_source=lambda: self.fence,
+            fence_source=(lambda: self.fence) if fenced else None,
             entry=entry,
         )
         self._prune()

@@ -75,7 +75,8 @@ def test_text_only_request_enters_at_the_thinker(server, sdk):
         w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(pcm)
     part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
     r = sdk.chat.completions.create(model="gpt-4o-audio-preview", messages=[{"role": "user", "content": [part]}], max_tokens=4, seed=1)
-    assert r.usage.prompt_tokens > 0
+    # 0.2 s of audio: one 480 ms encoder block, of which 5 frames are kept
+    assert r.usage.prompt_tokens_details.audio_tokens == 5 and r.usage.prompt_tokens > 5
     assert stage_runs(server, "audio_encoder") == enc + 1 and stage_runs(server, "thinker") == thinker + 2
 
 

@@ -165,6 +165,37 @@ async def test_cancel_mid_response_then_nothing_stale(server):
         assert err[-1].error.code == "response_cancel_not_active"
 
 
+async def test_cancelling_a_response_keeps_the_utterance_just_committed(server):
+    """A response cancelled right after a commit (its epoch advances while the
+    utterance's last blocks are still being encoded) does not cost the utterance any
+    audio: the next answer hears all of it, as one that had no cancel before it."""
+    n = names("ga")
+    speech = noise_pcm16(1.0, seed=5)
+    async with connect(server, "ga") as conn:
+        await conn.recv()
+        await manual_mode(conn, "ga")
+        await append(conn, speech)
+        await conn.input_audio_buffer.commit()
+        await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 4})
+        done = await until(conn, "response.done", [])
+        assert done.response.status == "completed"
+        heard = done.response.usage.input_token_details.audio_tokens
+        assert heard == 25  # 1 s at 16 kHz: 12 frames per 480 ms block, 25 kept
+
+        await conn.response.create(response={"max_output_tokens": 120})
+        seen: list = []
+        assert (await until(conn, {n["audio"], "response.done"}, seen)).type == n["audio"]
+        await append(conn, speech)
+        await conn.input_audio_buffer.commit()
+        await conn.response.cancel()  # right behind the commit: the encoder is still busy
+        done = await until(conn, "response.done", seen)
+        assert done.response.status == "cancelled"
+        await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 4})
+        done = await until(conn, "response.done", seen)
+        assert done.response.status == "completed"
+        assert done.response.usage.input_token_details.audio_tokens == heard
+
+
 async def test_truncate_clamps_and_accepts_duplicates(server):
     n = names("ga")
     async with connect(server, "ga") as conn:
