@@ -157,6 +157,9 @@ class Orchestrator:
         active = _active_stages(profile, finals, entry)
         if not finals <= active:
             raise OrchestratorError(f"outputs {sorted(finals - active)} cannot be reached from entry {entry!r}")
+        for e in profile.edges:
+            if e.dst in active and e.dst != entry and e.src not in active:
+                raise OrchestratorError(f"stage {e.dst!r} takes input from {e.src!r}, which does not run for a request entering at {entry!r}")
         state = _RequestState(
             request_id=rid,
             pipeline=pipeline,

@@ -8,7 +8,6 @@ lives here, once.
 
 from __future__ import annotations
 
-
 from pathlib import Path
 from typing import Any, Literal
 

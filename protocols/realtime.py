@@ -199,7 +199,7 @@ def apply_session_update(cfg: Config, s: Mapping[str, Any], voices: Mapping[str,
     if "turn_detection" in s:
         new.turn_detection = _turn_detection(s["turn_detection"], "session.turn_detection", cfg.turn_detection)
     if "temperature" in s:
-        new.temperature = float(_want(s, "temperature", (int, float), "session.temperature"))
+        new.temperature = _temperature(s["temperature"], "session.temperature")
     for key in ("max_response_output_tokens", "max_output_tokens"):
         if key in s:
             new.max_output_tokens = _max_tokens(s[key], f"session.{key}")
@@ -225,6 +225,15 @@ def _voice(v: Any, voices: Mapping[str, str], param: str) -> str:
     if not isinstance(v, str) or v.lower() not in voices:
         raise ClientError("invalid_value", f"Unknown voice {v!r}; available: {', '.join(sorted(voices))}.", param)
     return v.lower()
+
+
+def _temperature(v: Any, param: str) -> float:
+    """OpenAI's realtime sampling temperature: a number in [0.6, 1.2]."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ClientError("invalid_type", f"Invalid type for '{param}': expected a decimal.", param)
+    if not 0.6 <= float(v) <= 1.2:
+        raise ClientError("invalid_value", f"Invalid '{param}': {v} is outside [0.6, 1.2].", param)
+    return float(v)
 
 
 def _max_tokens(v: Any, param: str) -> int | None:
@@ -655,6 +664,7 @@ class RealtimeConnection:
         for key in ("max_output_tokens", "max_response_output_tokens"):
             if key in overrides:
                 max_tokens = _max_tokens(overrides[key], f"response.{key}")
+        temperature = _temperature(overrides["temperature"], "response.temperature") if "temperature" in overrides else cfg.temperature
         part_type = "output_audio" if audio_out else "output_text"
         part0: dict[str, Any] = {"type": part_type, "transcript": ""} if audio_out else {"type": part_type, "text": ""}
         item = Item(_id("item"), "assistant", [part0], status="in_progress")
@@ -672,6 +682,7 @@ class RealtimeConnection:
             "messages": self.messages(instructions),
             "voice": self.pipeline.voices.get(voice, voice),
             "max_output_tokens": max_tokens,
+            "temperature": temperature,
         }
         outputs = {"thinker", "code2wav"} if audio_out else {"thinker"}
         # The user's audio was encoded while it was appended: its embeddings go

@@ -218,6 +218,21 @@ async def test_request_may_enter_at_a_later_stage():
     assert orch.running() == []
 
 
+async def test_entry_is_refused_when_a_later_stage_needs_a_skipped_one():
+    """a -> b -> c and a -> c: entering at b would start c without a's input."""
+    prof = profile(
+        [("a", "EmitN"), ("b", "Double"), ("c", "Double")],
+        [{"src": "a", "dst": "b"}, {"src": "b", "dst": "c"}, {"src": "a", "dst": "c", "mode": "batch"}],
+        ["b", "c"],
+    )
+    orch, _, _ = make_orchestrator(prof, {"a": EmitN, "b": Double, "c": Double})
+    with pytest.raises(OrchestratorError, match="'c' takes input from 'a'"):
+        orch.submit("p", fence=Fence("s1"), outputs={"c"}, entry="b")
+    stream = orch.submit("p", fence=Fence("s1"), outputs={"b"}, entry="b")  # c is not needed: fine
+    await stream.close()
+    assert orch.running() == []
+
+
 def dropped(hop: str) -> float:
     from prometheus_client import REGISTRY
 

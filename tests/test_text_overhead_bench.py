@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from latency_bench.text_overhead import NoText, chat_body, closed_loop, compare, first_content, loop_size
+from latency_bench.text_overhead import NoText, chat_body, closed_loop, compare, first_content, loop_size, open_loop
 
 
 def test_first_content_reads_sse_chunks():
@@ -59,13 +59,37 @@ async def test_compare_runs_both_sides_on_the_same_seeds_in_alternating_order():
 
         return one
 
-    rows = await compare({"a": side("a", 0.02), "b": side("b", 0.01)}, [1, 2], warmup=1, rounds=3, per_worker=2)
+    loops = 0
+
+    async def between() -> None:
+        nonlocal loops
+        loops += 1
+
+    rows = await compare({"a": side("a", 0.02), "b": side("b", 0.01)}, [1, 2], warmup=1, rounds=3, per_worker=2, between=between)
     assert [r["concurrency"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["ttft_p50_ratio"] == pytest.approx(2.0) and r["ttft_p50_ratio_per_round"] == [2.0, 2.0, 2.0]
-        assert r["a"]["errors"] == [] and r["b"]["no_text"] == 0 and r["a"]["requests_per_s"] > 0
+        for part in (r, r["open_loop"]):
+            assert part["ttft_p50_ratio"] == pytest.approx(2.0) and part["ttft_p50_ratio_per_round"] == [2.0, 2.0, 2.0]
+            assert part["a"]["errors"] == [] and part["b"]["no_text"] == 0 and part["a"]["requests_per_s"] > 0
+        # the open loops are offered 80% of the slower side's closed-loop throughput
+        assert r["open_loop"]["offered_per_s"] == pytest.approx(0.8 * min(r["a"]["requests_per_s"], r["b"]["requests_per_s"]), abs=0.01)
+    assert loops == 2 * 2 * 3 * 2  # levels x (closed, open) x rounds x sides
     ids = {name: [i for n, i in calls if n == name] for name in "ab"}
     assert ids["a"] == ids["b"]  # same request ids (seeds) on both sides
     # level 1 after the warmup: loops of 3 requests; a first, then b first, then a first
     names = "".join(name for name, _ in calls[2:20])
     assert names == "aaabbb" "bbbaaa" "aaabbb"
+
+
+async def test_open_loop_arrivals_do_not_wait_for_answers():
+    started: list[float] = []
+
+    async def one(i: int) -> float:
+        started.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(0.05)  # slower than the arrivals
+        return 0.05
+
+    res = await open_loop(400.0, 20, one, first_id=0, seed=1)
+    assert len(res["ttfts"]) == 20 and res["errors"] == []
+    # 20 arrivals at 400/s take ~50 ms: they overlap instead of queueing behind each other
+    assert started[-1] - started[0] < 0.5 and res["wall_s"] < 1.0

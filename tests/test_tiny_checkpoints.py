@@ -199,13 +199,64 @@ def test_thinker_segment_encoder_equals_whole_prompt_encoding(tiny: dict[str, Pa
         assert enc.encode(text) == list(fast.encode(text, add_special_tokens=False).ids), text
     assert 0 < len(enc.pieces) <= SegmentEncoder.MAX_PIECES
 
-    # bounded: least recently used pieces go first
+    # bounded in pieces and in characters: least recently used pieces go first
     small = SegmentEncoder.for_tokenizer(fast)
     assert small is not None
     small.MAX_PIECES = 2
     for word in ("one", "two", "three"):
         small.encode(f"<|im_start|>{word}<|im_end|>")
     assert list(small.pieces) == ["two", "three"]
+    small.MAX_PIECES, small.MAX_CHARS = 100, 10
+    small.encode("<|im_start|>four<|im_end|><|im_start|>seven<|im_end|>")
+    assert list(small.pieces) == ["four", "seven"] and small.chars == 9
+    small.encode("<|im_start|>" + "x" * (SegmentEncoder.MAX_PIECE_CHARS + 1))  # too long to keep
+    assert list(small.pieces) == ["four", "seven"]
+
+
+def _sentencepiece_like():
+    """A Llama-2-style tokenizer (Prepend "▁" normalizer) with chat control tokens
+    matched on raw text and one added token matched on normalized text."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    corpus = ["Hello world, be brief. rest of the text system user assistant " * 3] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    tok.add_tokens([AddedToken("<|audio|>", normalized=True, special=False)])
+    tok.add_special_tokens([AddedToken("<|im_start|>", normalized=False, special=True), AddedToken("<|im_end|>", normalized=False, special=True)])
+    return tok
+
+
+def test_segment_encoder_leaves_normalized_added_tokens_to_the_tokenizer() -> None:
+    import random
+
+    from pipelines.voice import SegmentEncoder
+
+    tok = _sentencepiece_like()
+    enc = SegmentEncoder.for_tokenizer(tok)
+    assert enc is not None and "<|audio|>" not in enc.added and "<|im_start|>" in enc.added
+    rng = random.Random(0)
+    parts = ["a", "b", " ", "\n", "<|audio|>", "é", "<|im_end|>", "<|im_start|>", "Hello", "rest"]
+    for _ in range(300):
+        text = "".join(rng.choice(parts) for _ in range(30))
+        assert enc.encode(text) == tok.encode(text, add_special_tokens=False).ids, text
+
+
+def test_rust_tokenizer_drops_the_truncation_a_tokenizer_json_carries() -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    from pipelines.voice import SegmentEncoder, rust_tokenizer
+
+    wrapper = PreTrainedTokenizerFast(tokenizer_object=_sentencepiece_like())
+    wrapper.backend_tokenizer.enable_truncation(8)  # as a tokenizer.json saved with truncation loads
+    text = "<|im_start|>user Hello world, be brief. rest of the text<|im_end|>"
+    fast = rust_tokenizer(wrapper)
+    assert wrapper.backend_tokenizer.truncation is not None  # a copy: the wrapper's own is left as it was
+    assert len(wrapper.backend_tokenizer.encode(text, add_special_tokens=False).ids) == 8
+    want = wrapper(text, add_special_tokens=False)["input_ids"]  # the wrapper's call does not truncate
+    assert len(want) > 8 and fast.encode(text, add_special_tokens=False).ids == want
+    enc = SegmentEncoder.for_tokenizer(fast)
+    assert enc is not None and enc.encode(text) == want
 
 
 def test_segment_encoder_is_not_used_where_added_tokens_strip_whitespace() -> None:
@@ -213,7 +264,7 @@ def test_segment_encoder_is_not_used_where_added_tokens_strip_whitespace() -> No
 
     class Added:
         def __init__(self, content: str, lstrip: bool) -> None:
-            self.content, self.lstrip, self.rstrip, self.single_word = content, lstrip, False, False
+            self.content, self.lstrip, self.rstrip, self.single_word, self.normalized = content, lstrip, False, False, False
 
     class Fake:
         def get_added_tokens_decoder(self) -> dict[int, Added]:
