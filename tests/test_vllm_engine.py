@@ -129,6 +129,27 @@ async def test_same_seed_same_tokens(engine: VllmEngine, layout: CodecLayout) ->
     assert [t for d in other for t in d] != a
 
 
+async def test_seeded_burst_of_long_prompts_keeps_the_engine_alive(engine: VllmEngine, layout: CodecLayout) -> None:
+    """More prompt tokens at once than one step takes: with chunked prefill a seeded
+    prompt split over steps killed the CPU engine (its generator has no offset to
+    rewind). Every request completes, and seeds still reproduce."""
+    audio = layout.audio_token_ids()
+    base = _prompt(layout)
+
+    def prompt(i: int) -> list[int]:
+        return (base + [audio[(i * 31 + k) % len(audio)] for k in range(300)])[:300]
+
+    async def run(i: int, seed: int) -> list[int]:
+        deltas = await _collect(engine, f"burst-{i}-{seed}", prompt_token_ids=prompt(i),
+                                sampling={"max_tokens": 4, "seed": seed, "temperature": 1.0, "ignore_eos": True})
+        return [t for d in deltas for t in d]
+
+    first = await asyncio.gather(*(run(i, 100 + i) for i in range(40)))
+    assert all(len(x) == 4 for x in first)
+    again = await run(7, 107)
+    assert again == first[7]
+
+
 async def test_cancel_consumer_aborts_request(engine: VllmEngine, layout: CodecLayout) -> None:
     sampling = {"max_tokens": 2000, "ignore_eos": True}
     # 1) consumer breaks out and closes the stream

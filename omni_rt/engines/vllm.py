@@ -45,6 +45,11 @@ CPU_DEFAULT_ENGINE_ARGS: dict[str, Any] = {
     # Eager: torch.compile on CPU took ~75 s of start (vs ~25-35 s) for <10% per-step
     # gain on the tiny talker.
     "enforce_eager": True,
+    # Chunked prefill off: when a seeded request's prompt is split over steps, vLLM
+    # rewinds its sampling generator with set_offset(), which a CPU generator does
+    # not have ("CPU Generator does not use offset"): the worker raises and the
+    # engine dies. Seeded requests under load (40 x 300-token prompts at once) hit it.
+    "enable_chunked_prefill": False,
 }
 
 # Our token-range logits processor (see `_token_range_processor_class`), loaded by vLLM
