@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--warmup", type=int, default=3, help="uncounted requests before the levels, each side (default 3)")
     o.add_argument("--rounds", type=int, default=3, help="rounds per level, alternating which side goes first (default 3)")
     o.add_argument("--per-worker", type=int, default=8, help="counted requests per worker and loop, after an uncounted first wave (default 8)")
+    o.add_argument("--open-fraction", type=float, default=0.5,
+                   help="open loops are offered this fraction of the slower side's closed-loop throughput (default 0.5)")
     o.add_argument("--http", action="store_true", help="also compare over HTTP: omni-rt's server vs vLLM's OpenAI server")
     o.add_argument("--port", type=int, default=8300, help="port of the --http servers (omni-rt; vLLM on port+1; default 8300)")
     o.add_argument("--json", help="write results here (JSON)")

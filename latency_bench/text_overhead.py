@@ -32,9 +32,11 @@ after a token that is not text) are counted as `no_text`, not as errors, and giv
 no TTFT; the same seeds run on both sides.
 
 After the closed loops of a level, both sides also run open loops (Poisson arrivals)
-at one offered rate, 80% of the slower side's closed-loop throughput: in a closed loop
-the side that spends longer outside the engine keeps fewer requests in it, which
-shortens its waits there; at one arrival rate both carry the same load. Before every
+at one offered rate, `--open-fraction` (default 0.5) of the slower side's closed-loop
+throughput: in a closed loop the side that spends longer outside the engine keeps
+fewer requests in it, which shortens its waits there; at one arrival rate both carry
+the same load. Close to saturation (0.8 and up) the open-loop ratio is dominated by
+queueing, i.e. by the two sides' difference in throughput (reported as req/s). Before every
 loop of the layers comparison the engine's prefix cache is emptied (both sides send
 the same prompts in a round).
 
@@ -142,7 +144,7 @@ Side = Callable[[int], Awaitable[float]]
 
 
 async def compare(sides: dict[str, Side], levels: list[int], warmup: int, rounds: int, per_worker: int,
-                  between: Callable[[], Awaitable[None]] | None = None, open_fraction: float = 0.8) -> list[dict[str, Any]]:
+                  between: Callable[[], Awaitable[None]] | None = None, open_fraction: float = 0.5) -> list[dict[str, Any]]:
     """A/B per level, in `rounds` rounds that each run every side once (the order
     alternates), with the same request ids (seeds) on every side:
 
@@ -231,7 +233,8 @@ def _voice_only_overlay() -> Any:
     return DeployOverlay(pipelines={n: PipelineOverlay(enabled=n == "voice") for n in pipelines.load_all()})
 
 
-async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int,
+                        open_fraction: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import pipelines
     from omni_rt.server import create_app
     from protocols.chat import ChatService
@@ -281,7 +284,8 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
             # the first one's blocks cached
             await llm.reset_prefix_cache()
 
-        rows = await compare({"omni_rt": omni, "bare_vllm": bare}, levels, warmup, rounds, per_worker, between=empty_prefix_cache)
+        rows = await compare({"omni_rt": omni, "bare_vllm": bare}, levels, warmup, rounds, per_worker, between=empty_prefix_cache,
+                             open_fraction=open_fraction)
         info = {"thinker": engine.model, "isolated_cores": sorted(engine.isolated_cores or [])}
     return rows, info
 
@@ -306,12 +310,13 @@ def http_one(client: httpx.AsyncClient, max_tokens: int) -> Callable[[int], Awai
     return one
 
 
-async def http_levels(omni_url: str, vllm_url: str, levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int) -> list[dict[str, Any]]:
+async def http_levels(omni_url: str, vllm_url: str, levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int,
+                      open_fraction: float) -> list[dict[str, Any]]:
     limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels) + 4)
     async with httpx.AsyncClient(base_url=omni_url, timeout=120, limits=limits) as oc, \
             httpx.AsyncClient(base_url=vllm_url, timeout=120, limits=limits) as vc:
         return await compare({"omni_rt_http": http_one(oc, max_tokens), "vllm_openai_server": http_one(vc, max_tokens)},
-                             levels, warmup, rounds, per_worker)
+                             levels, warmup, rounds, per_worker, open_fraction=open_fraction)
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -379,7 +384,7 @@ def run_http(args: Any, levels: list[int], models_dir: Path, thinker_dir: str, l
             server.wait_ready(timeout_s=600)
             _wait_http(f"http://127.0.0.1:{args.port + 1}/v1/models", proc, 600)
             return asyncio.run(http_levels(f"http://127.0.0.1:{args.port}", f"http://127.0.0.1:{args.port + 1}", levels,
-                                           args.max_tokens, args.warmup, args.rounds, args.per_worker))
+                                           args.max_tokens, args.warmup, args.rounds, args.per_worker, args.open_fraction))
         finally:
             _stop(proc)
             server.stop()
@@ -415,6 +420,9 @@ def main_text_overhead(args: Any) -> int:
     if not levels or min(levels) < 1 or args.rounds < 1 or args.per_worker < 1:
         print("error: --concurrency levels, --rounds and --per-worker must be >= 1")
         return 2
+    if not 0 < args.open_fraction < 1:
+        print("error: --open-fraction must be between 0 and 1")
+        return 2
     from pipelines.tiny import build_tiny
 
     models_dir = Path(os.environ.get("OMNI_RT_MODELS_DIR", "~/.cache/omni-rt/models")).expanduser()
@@ -423,9 +431,10 @@ def main_text_overhead(args: Any) -> int:
     log_dir = Path(args.json).parent if args.json else Path("bench-out")
     log_dir.mkdir(parents=True, exist_ok=True)
 
-    rows, info = asyncio.run(layers_levels(levels, args.max_tokens, args.warmup, args.rounds, args.per_worker))
+    rows, info = asyncio.run(layers_levels(levels, args.max_tokens, args.warmup, args.rounds, args.per_worker, args.open_fraction))
     result: dict[str, Any] = {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), **info,
-                              "max_tokens": args.max_tokens, "rounds": args.rounds, "requests_per_worker": args.per_worker, "layers": rows, "targets": {}}
+                              "max_tokens": args.max_tokens, "rounds": args.rounds, "requests_per_worker": args.per_worker,
+                              "open_fraction": args.open_fraction, "layers": rows, "targets": {}}
     print("layers (in process, same engine): chat adapter + sessions + orchestrator + stages vs AsyncLLM.generate")
     print_rows(rows, "omni_rt", "bare_vllm", "bare")
     top = max(rows, key=lambda r: r["concurrency"])
