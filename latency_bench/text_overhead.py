@@ -62,6 +62,8 @@ from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.text_overhead/2"
 MODEL = "gpt-4o-audio-preview"
+
+
 def messages(i: int) -> list[dict[str, str]]:
     """Request i's chat: a fixed system prompt and a user message of its own (no side
     can answer it from anything remembered about an earlier request)."""
@@ -72,6 +74,30 @@ class NoText(Exception):
     """The response showed no text at all (the random tiny thinker can stop early)."""
 
 
+class _Tally:
+    """TTFTs, errors and no-text answers of one loop."""
+
+    def __init__(self, one: Callable[[int], Awaitable[float]]) -> None:
+        self.one = one
+        self.ttfts: list[float] = []
+        self.errors: list[str] = []
+        self.no_text = 0
+        self.t0 = time.perf_counter()
+
+    async def run(self, i: int, keep: bool = True) -> None:
+        try:
+            ttft = await self.one(i)
+            if keep:
+                self.ttfts.append(ttft)
+        except NoText:
+            self.no_text += 1
+        except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def result(self) -> dict[str, Any]:
+        return {"ttfts": self.ttfts, "errors": self.errors, "no_text": self.no_text, "wall_s": time.perf_counter() - self.t0}
+
+
 async def closed_loop(concurrency: int, n: int, one: Callable[[int], Awaitable[float]], first_id: int = 0, skip: int = 0) -> dict[str, Any]:
     """`n` requests by `concurrency` workers back to back; TTFTs and errors.
 
@@ -79,28 +105,18 @@ async def closed_loop(concurrency: int, n: int, one: Callable[[int], Awaitable[f
     requests issued are not kept: the first wave of a closed loop arrives as one
     burst, which is not the steady state being measured.
     """
+    tally = _Tally(one)
     issued = 0
-    ttfts: list[float] = []
-    errors: list[str] = []
-    no_text = 0
 
     async def worker() -> None:
-        nonlocal issued, no_text
+        nonlocal issued
         while issued < n:
             k = issued
             issued += 1
-            try:
-                ttft = await one(first_id + k)
-                if k >= skip:
-                    ttfts.append(ttft)
-            except NoText:
-                no_text += 1
-            except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
-                errors.append(f"{type(exc).__name__}: {exc}")
+            await tally.run(first_id + k, keep=k >= skip)
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return {"ttfts": ttfts, "errors": errors, "no_text": no_text, "wall_s": time.perf_counter() - t0}
+    return tally.result()
 
 
 def loop_size(concurrency: int, per_worker: int) -> tuple[int, int]:
@@ -114,30 +130,17 @@ async def open_loop(rate: float, n: int, one: Callable[[int], Awaitable[float]],
     import random
 
     gaps = random.Random(seed)
-    ttfts: list[float] = []
-    errors: list[str] = []
-    no_text = 0
-
-    async def run(i: int) -> None:
-        nonlocal no_text
-        try:
-            ttfts.append(await one(i))
-        except NoText:
-            no_text += 1
-        except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
-            errors.append(f"{type(exc).__name__}: {exc}")
-
-    t0 = time.perf_counter()
-    due = t0
+    tally = _Tally(one)
+    due = tally.t0
     tasks = []
     for k in range(n):
         due += gaps.expovariate(rate)
         delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(run(first_id + k)))
+        tasks.append(asyncio.create_task(tally.run(first_id + k)))
     await asyncio.gather(*tasks)
-    return {"ttfts": ttfts, "errors": errors, "no_text": no_text, "wall_s": time.perf_counter() - t0}
+    return tally.result()
 
 
 Side = Callable[[int], Awaitable[float]]
