@@ -19,13 +19,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+from clients.errors import HttpApiError
 
-class ImageError(RuntimeError):
-    def __init__(self, status: int, body: Any) -> None:
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        super().__init__(f"{status}: {err.get('message', body)}")
-        self.status = status
-        self.code = err.get("code")
+
+class ImageError(HttpApiError):
+    """An images call was refused or failed."""
 
 
 class ImageClient:
@@ -37,11 +35,7 @@ class ImageClient:
         body = {"prompt": prompt, **{k: v for k, v in fields.items() if v is not None}}
         r = await self.http.post("/v1/images/generations", json=body)
         if r.status_code != 200:
-            try:
-                payload = r.json()
-            except ValueError:
-                payload = r.text
-            raise ImageError(r.status_code, payload)
+            raise ImageError.from_response(r)
         return r.json()
 
     async def generate(self, prompt: str, **fields: Any) -> list[np.ndarray]:

@@ -22,15 +22,13 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
+from clients.errors import ErrorEvent
+
 RATE = 24000
 
 
-class RealtimeError(RuntimeError):
-    def __init__(self, event: dict[str, Any]) -> None:
-        err = event.get("error") or {}
-        super().__init__(f"{err.get('code')}: {err.get('message')}")
-        self.event = event
-        self.code = err.get("code")
+class RealtimeError(ErrorEvent):
+    """The realtime session sent an `error` event."""
 
 
 @dataclass

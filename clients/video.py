@@ -25,13 +25,11 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
+from clients.errors import HttpApiError
 
-class VideoError(RuntimeError):
-    def __init__(self, status: int, body: Any) -> None:
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        super().__init__(f"{status}: {err.get('message', body)}")
-        self.status = status
-        self.code = err.get("code")
+
+class VideoError(HttpApiError):
+    """A video jobs call was refused or failed."""
 
 
 class VideoJobs:
@@ -42,7 +40,7 @@ class VideoJobs:
     async def _json(self, method: str, path: str, **kw: Any) -> Any:
         r = await self.http.request(method, path, **kw)
         if r.status_code != 200:
-            raise VideoError(r.status_code, r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text)
+            raise VideoError.from_response(r)
         return r.json()
 
     async def create(self, prompt: str, **fields: Any) -> dict[str, Any]:
@@ -64,7 +62,7 @@ class VideoJobs:
     async def content(self, video_id: str) -> bytes:
         r = await self.http.get(f"/v1/videos/{video_id}/content")
         if r.status_code != 200:
-            raise VideoError(r.status_code, r.json())
+            raise VideoError.from_response(r)
         return r.content
 
     async def delete(self, video_id: str) -> dict[str, Any]:

@@ -20,13 +20,11 @@ from urllib.parse import urlencode
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 
+from clients.errors import ErrorEvent
 
-class WorldError(RuntimeError):
-    def __init__(self, event: dict[str, Any]) -> None:
-        err = event.get("error", {})
-        super().__init__(f"{err.get('code')}: {err.get('message')}")
-        self.code = err.get("code")
-        self.event = event
+
+class WorldError(ErrorEvent):
+    """The world session sent an `error` event."""
 
 
 def decode_frame(ev: dict[str, Any]) -> np.ndarray:
