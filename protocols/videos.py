@@ -51,7 +51,7 @@ from protocols.auth import principal_of
 from protocols.openai_http import APIError, session_api_error
 from protocols.realtime import close_websocket, next_message, numbered_json, send_events
 from protocols.sessions_api import realtime_error_event, reject_websocket
-from protocols.world import FORMATS, WorldError, encode_frame
+from protocols.world import FORMATS, JsonEvents, WorldError, encode_frame
 from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.videos")
@@ -217,7 +217,7 @@ class VideoJobs:
 # ---- live generation with prompt edits -------------------------------------------------------
 
 
-class VideoConnection:
+class VideoConnection(JsonEvents):
     def __init__(self, session: Session, model: dict[str, Any]) -> None:
         self.session = session
         self.model = model
@@ -235,20 +235,12 @@ class VideoConnection:
     def emit(self, type: str, fence: Fence | None = None, **data: Any) -> None:
         self.session.emit(type, data, fence=fence)
 
-    def error(self, message: str, code: str = "invalid_value", param: str | None = None, event_id: Any = None) -> None:
-        self.emit("error", error={"type": "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id})
-
     def wire(self) -> dict[str, Any]:
         return {"id": self.session.id, "object": "video.session", **self.cfg, "prompt_version": self.version}
 
     async def handle(self, raw: str | bytes) -> None:
-        try:
-            ev = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self.error(f"The event is not valid JSON: {exc}", "invalid_json")
-            return
-        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-            self.error("An event is a JSON object with a string 'type'.", "invalid_event", "type")
+        ev = self.read_event(raw)
+        if ev is None:
             return
         self.session.touch()
         try:

@@ -66,7 +66,30 @@ def encode_frame(img: np.ndarray, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-class WorldConnection:
+class JsonEvents:
+    """Client events as JSON objects with a string `type`, and `error` events in
+    OpenAI's shape; for adapters with an `emit(type, **data)`."""
+
+    def emit(self, type: str, **data: Any) -> None:
+        raise NotImplementedError
+
+    def error(self, message: str, code: str = "invalid_value", param: str | None = None, event_id: Any = None) -> None:
+        self.emit("error", error={"type": "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id})
+
+    def read_event(self, raw: str | bytes) -> dict[str, Any] | None:
+        """The event, or None once the client has been told why it is not one."""
+        try:
+            ev = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.error(f"The event is not valid JSON: {exc}", "invalid_json")
+            return None
+        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+            self.error("An event is a JSON object with a string 'type'.", "invalid_event", "type")
+            return None
+        return ev
+
+
+class WorldConnection(JsonEvents):
     def __init__(self, session: Session, sessions: SessionManager, model: dict[str, Any]) -> None:
         self.session = session
         self.sessions = sessions
@@ -103,19 +126,11 @@ class WorldConnection:
     def emit(self, type: str, fence: Fence | None = None, **data: Any) -> None:
         self.session.emit(type, data, fence=fence)
 
-    def error(self, message: str, code: str = "invalid_value", param: str | None = None, event_id: Any = None) -> None:
-        self.emit("error", error={"type": "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id})
-
     # ---- client events ------------------------------------------------------------------
     async def handle(self, raw: str | bytes) -> bool:
         """One client event; False when the client asked to close."""
-        try:
-            ev = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self.error(f"The event is not valid JSON: {exc}", "invalid_json")
-            return True
-        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-            self.error("An event is a JSON object with a string 'type'.", "invalid_event", "type")
+        ev = self.read_event(raw)
+        if ev is None:
             return True
         self.session.touch()
         eid = ev.get("event_id")
