@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -183,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# subcommand -> module latency_bench.<module>, whose main_<module>(args) runs it
+COMMANDS = {"tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
+            "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "tts":
@@ -192,49 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup < 0:
             print("error: --warmup must be >= 0", file=sys.stderr)
             return 2
-        from latency_bench.tts import main_tts
-
-        return main_tts(args)
     if args.cmd == "connectors":
         if args.repeat < 1 or args.warmup < 0:
             print("error: --repeat must be >= 1 and --warmup >= 0", file=sys.stderr)
             return 2
-        from latency_bench.connectors import main_connectors
-
-        return main_connectors(args)
-    if args.cmd == "text-overhead":
-        from latency_bench.text_overhead import main_text_overhead
-
-        return main_text_overhead(args)
-    if args.cmd == "duplex":
-        from latency_bench.duplex import main_duplex
-
-        return main_duplex(args)
-    if args.cmd == "realtime":
-        from latency_bench.realtime import main_realtime
-
-        return main_realtime(args)
-    if args.cmd == "video-edit":
-        from latency_bench.video_edit import main_video_edit
-
-        return main_video_edit(args)
-    if args.cmd == "world":
-        from latency_bench.world import main_world
-
-        return main_world(args)
-    if args.cmd == "image":
-        from latency_bench.image import main_image
-
-        return main_image(args)
-    if args.cmd == "openpi":
-        from latency_bench.openpi import main_openpi
-
-        return main_openpi(args)
-    if args.cmd == "sessions":
-        from latency_bench.sessions import main_sessions
-
-        return main_sessions(args)
-    return 2
+    module = COMMANDS.get(args.cmd)
+    if module is None:
+        return 2
+    # each bench is imported only when it runs
+    return int(getattr(importlib.import_module(f"latency_bench.{module}"), f"main_{module}")(args))
 
 
 if __name__ == "__main__":
