@@ -66,17 +66,17 @@ class ChatRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)
 
 
-def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, np.ndarray | None]:
-    """Message content -> (text for the prompt, decoded audio of its last audio part)."""
+def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, list[tuple[str, str]]]:
+    """Message content -> (text for the prompt, its audio parts as (param, base64 data))."""
     content = msg.get("content")
     if content is None:
-        return "", None
+        return "", []
     if isinstance(content, str):
-        return content, None
+        return content, []
     if not isinstance(content, list):
         raise APIError(400, f"Invalid type for 'messages[{i}].content': expected a string or an array.", param=f"messages[{i}].content", code="invalid_type")
     texts: list[str] = []
-    audio = None
+    audio: list[tuple[str, str]] = []
     for j, part in enumerate(content):
         p = f"messages[{i}].content[{j}]"
         if not isinstance(part, dict):
@@ -90,30 +90,27 @@ def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, np.ndarray | None]
             ia = part.get("input_audio")
             if not isinstance(ia, dict) or not isinstance(ia.get("data"), str):
                 raise APIError(400, f"Missing required parameter: '{p}.input_audio.data'.", param=f"{p}.input_audio.data", code="missing_required_parameter")
-            try:
-                raw = base64.b64decode(ia["data"], validate=True)
-            except ValueError:
-                raise APIError(400, f"'{p}.input_audio.data' is not valid base64.", param=f"{p}.input_audio.data", code="invalid_value") from None
-            try:
-                audio = decode_audio(raw)
-            except AudioFormatError as exc:
-                raise APIError(400, f"'{p}.input_audio': {exc.message}.", param=f"{p}.input_audio", code="invalid_value") from None
+            audio.append((p, ia["data"]))
             texts.append(AUDIO_PLACEHOLDER)
         else:
             raise APIError(400, f"Invalid content part type {t!r} at '{p}'; supported: text, input_audio.", param=f"{p}.type", code="invalid_value")
     return " ".join(texts), audio
 
 
-def _has_audio_part(raw: Any) -> bool:
-    """True when a message of the raw body has a content part other than text."""
-    msgs = raw.get("messages") if isinstance(raw, dict) else None
-    if not isinstance(msgs, list):
-        return False
-    for m in msgs:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            return True
-    return False
+def _decode_audio_parts(parts: list[tuple[str, str]]) -> np.ndarray:
+    """Decode every input_audio part (each must be valid); the last one is spliced in."""
+    audio = None
+    for p, data in parts:
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError:
+            raise APIError(400, f"'{p}.input_audio.data' is not valid base64.", param=f"{p}.input_audio.data", code="invalid_value") from None
+        try:
+            audio = decode_audio(raw)
+        except AudioFormatError as exc:
+            raise APIError(400, f"'{p}.input_audio': {exc.message}.", param=f"{p}.input_audio", code="invalid_value") from None
+    assert audio is not None
+    return audio
 
 
 class ChatService:
@@ -121,21 +118,21 @@ class ChatService:
         self.sessions = sessions
         self.pipeline = pipeline
 
-    def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, str]], np.ndarray | None, str | None, str | None]:
+    def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, str]], list[tuple[str, str]], str | None, str | None]:
+        """The request, its messages, its audio parts (not decoded yet), voice, format."""
         req = validate_body(ChatRequest, raw)
         if req.model not in self.pipeline.models:
             raise APIError(400, f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         messages: list[dict[str, str]] = []
-        audio = None
+        audio: list[tuple[str, str]] = []
         for i, m in enumerate(req.messages):
             role = m.get("role")
             if role == "developer":
                 role = "system"
             if role not in ("system", "user", "assistant"):
                 raise APIError(400, f"Invalid value for 'messages[{i}].role': {role!r}.", param=f"messages[{i}].role", code="invalid_value")
-            text, a = _content_parts(m, i)
-            if a is not None:
-                audio = a
+            text, parts = _content_parts(m, i)
+            audio += parts
             messages.append({"role": role, "content": text})
         want_audio = "audio" in (req.modalities or ["text"])
         voice = fmt = None
@@ -153,11 +150,9 @@ class ChatService:
         return req, messages, audio, voice, fmt
 
     async def complete(self, raw: Any, principal: str) -> Response:
-        # decoding input audio can take a while: off the event loop (text is validated inline)
-        if _has_audio_part(raw):
-            req, messages, audio, voice, fmt = await asyncio.to_thread(self.validate, raw)
-        else:
-            req, messages, audio, voice, fmt = self.validate(raw)
+        req, messages, audio_parts, voice, fmt = self.validate(raw)
+        # decoding input audio can take a while: off the event loop
+        audio = await asyncio.to_thread(_decode_audio_parts, audio_parts) if audio_parts else None
         t0 = time.monotonic()
         session = await open_oneshot(self.sessions, self.pipeline.name, principal)
         try:
