@@ -125,7 +125,7 @@ def _parse_error(status: int, raw: bytes, elapsed_s: float) -> SpeechError:
             fields = {k: err.get(k) for k in ("type", "param", "code")}
         elif isinstance(err, str):
             message = err
-        elif "detail" in obj:  # plain starlette/fastapi errors
+        elif "detail" in obj:  # servers that answer errors as {"detail": ...}
             message = str(obj["detail"])
     return SpeechError(
         status,

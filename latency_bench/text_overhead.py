@@ -242,10 +242,17 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
     from omni_rt.server import create_app
     from protocols.chat import ChatService
 
+    from aiohttp import web
+
+    from omni_rt.server import RUNTIME, SESSIONS
+    from protocols.http import Streamed
+
     app = create_app(_voice_only_overlay(), "text-overhead bench")
-    async with app.router.lifespan_context(app):
-        chat = ChatService(app.state.sessions, pipelines.load_all()["voice"])
-        replica = app.state.runtime.pools["thinker"].replicas[0]
+    runner = web.AppRunner(app)
+    await runner.setup()  # starts the runtime and the session manager; nothing listens
+    try:
+        chat = ChatService(app[SESSIONS], pipelines.load_all()["voice"])
+        replica = app[RUNTIME].pools["thinker"].replicas[0]
         proc, engine = replica.processor, replica.engine
         llm = engine.llm
 
@@ -256,12 +263,15 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
 
         async def omni(i: int) -> float:
             t0 = time.perf_counter()
-            resp = await chat.complete(chat_body(i, max_tokens), "bench")
+            reply = await chat.complete(chat_body(i, max_tokens), "bench")
+            assert isinstance(reply, Streamed)
             ttft = None
-            body: AsyncIterator[bytes] = resp.body_iterator  # type: ignore[assignment]
-            async for chunk in body:
-                if ttft is None and first_content(chunk):
-                    ttft = time.perf_counter() - t0
+            try:
+                async for chunk in reply.body:
+                    if ttft is None and first_content(chunk):
+                        ttft = time.perf_counter() - t0
+            finally:
+                await reply.close()
             if ttft is None:
                 raise NoText
             return ttft
@@ -290,6 +300,8 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
         rows = await compare({"omni_rt": omni, "bare_vllm": bare}, levels, warmup, rounds, per_worker, between=empty_prefix_cache,
                              open_fraction=open_fraction)
         info = {"thinker": engine.model, "isolated_cores": sorted(engine.isolated_cores or [])}
+    finally:
+        await runner.cleanup()
     return rows, info
 
 

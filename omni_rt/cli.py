@@ -97,16 +97,10 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", help="Redis for the redis store (default redis://127.0.0.1:6379/0)")
 
 
-# Frames up to this size reach the protocols, which answer oversized ones in their own
-# error shape (a realtime append over 15 MiB of audio, an OpenPI observation over 64
-# MiB); the transport closes bigger ones with 1009.
-WS_MAX_BYTES = 128 * 1024 * 1024
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     overlay, source = _overlay(args)
     logging.basicConfig(level=overlay.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
+    from aiohttp import web
 
     from omni_rt.server import create_app
 
@@ -120,17 +114,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"omni-rt: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     app = create_app(overlay, source)
-    config = uvicorn.Config(app, host=host, port=port, log_level=overlay.server.log_level, lifespan="on", ws_max_size=WS_MAX_BYTES)
-    uvicorn.Server(config).run(sockets=[sock])
+    logging.getLogger("omni_rt.server").info("serving on http://%s:%d", host, port)
+    # SIGINT / SIGTERM stop the server gracefully (the app's cleanup stops the engines)
+    web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=5.0)
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     overlay, source = _overlay(args)
-    from omni_rt.server import create_app
+    from omni_rt.server import RUNTIME, create_app
 
     # Builds (without starting) the whole runtime: model paths, processors, engine args.
-    runtime = create_app(overlay, source).state.runtime
+    runtime = create_app(overlay, source)[RUNTIME]
     print(json.dumps({name: p.model_dump(mode="json") for name, p in runtime.profiles.items()}, indent=2))
     return 0
 

@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from omni_rt import metrics
 from omni_rt.connectors.base import Connector
+from omni_rt.errors import InternalError, OmniError, OrchestratorError
 from omni_rt.payloads import Fence, Handle, Payload
 from omni_rt.specs import ChunkingSpec, EdgeSpec, ProfileSpec
-from omni_rt.stage import StageContext, StageError, StageInput
+from omni_rt.stage import StageContext, StageInput
+from omni_rt.status import RequestStatus
 from omni_rt.stage_pool import Replica, StagePool
 
 if TYPE_CHECKING:
@@ -36,10 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("omni_rt.orchestrator")
 
 CLIENT = "client"  # consumer / input name for the client side
-
-
-class OrchestratorError(RuntimeError):
-    pass
 
 
 # ---- events the client side receives --------------------------------------------------
@@ -54,9 +52,9 @@ class OutputEvent:
 
 @dataclass(frozen=True, slots=True)
 class DoneEvent:
-    status: str  # completed | aborted | failed
-    reason: str | None = None
-    error: str | None = None
+    status: RequestStatus  # completed | aborted | failed
+    reason: str | None = None  # why it was aborted
+    error: OmniError | None = None  # why it failed (what the client is told)
     usage: Mapping[str, int] | None = None
 
 
@@ -90,7 +88,7 @@ class _RequestState:
     groups: dict[str, list[_Group]] = field(default_factory=dict)
     batch_buffers: dict[str, list[Handle]] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
-    status: str = "running"
+    status: RequestStatus = RequestStatus.RUNNING
     started_at: float = field(default_factory=time.monotonic)
     stage_started: dict[str, float] = field(default_factory=dict)
     dropped_stale: int = 0
@@ -188,7 +186,7 @@ class Orchestrator:
                     self._start_stage(state, name)
         except BaseException:
             # Nothing may stay registered for a request its caller never got.
-            self._finish(state, "failed", error="request could not start")
+            self._finish(state, RequestStatus.FAILED, error=InternalError("request could not start"))
             self.release(rid)
             raise
         return RequestStream(self, state)
@@ -233,7 +231,7 @@ class Orchestrator:
 
     def _on_published(self, state: _RequestState, stage: str) -> Callable[[_Group, Handle, bool], None]:
         def route(group: _Group, handle: Handle, last: bool) -> None:
-            if state.status != "running":
+            if state.status is not RequestStatus.RUNNING:
                 return
             current = state.current_fence()
             if current is not None and handle.fence.is_stale_against(current):
@@ -256,24 +254,28 @@ class Orchestrator:
         return route
 
     def _on_stage_done(self, state: _RequestState, name: str, task: "asyncio.Task[None]") -> None:
+        # A done-callback's exception would be swallowed by the loop and leave the
+        # request running forever: any failure here ends the request as failed.
+        try:
+            self._stage_done(state, name, task)
+        except Exception as exc:  # noqa: BLE001 - reported through the request
+            log.error("request %s: finishing stage %s failed", state.request_id, name, exc_info=exc)
+            self._finish(state, RequestStatus.FAILED, error=_client_error(exc, state.request_id, name))
+
+    def _stage_done(self, state: _RequestState, name: str, task: "asyncio.Task[None]") -> None:
         replica = state.replicas.get(name)
         if replica is not None:
             replica.active -= 1
         metrics.STAGE_SECONDS.labels(pipeline=state.pipeline, stage=name).observe(
             time.monotonic() - state.stage_started.get(name, state.started_at)
         )
-        if state.status != "running":
+        if state.status is not RequestStatus.RUNNING:
             return
         if task.cancelled():
             return  # abort path already settled the request
         exc = task.exception()
         if exc is not None:
-            msg = str(exc) if isinstance(exc, StageError) else f"stage {name} failed: {type(exc).__name__}"
-            if isinstance(exc, StageError):  # reported to the client (often its own bad input)
-                log.info("request %s stage %s failed: %s", state.request_id, name, exc)
-            else:
-                log.error("request %s stage %s failed", state.request_id, name, exc_info=exc)
-            self._finish(state, "failed", error=msg)
+            self._finish(state, RequestStatus.FAILED, error=_client_error(exc, state.request_id, name))
             return
         state.done.add(name)
         for e in state.profile.out_edges(name):
@@ -281,25 +283,32 @@ class Orchestrator:
                 continue
             if e.mode == "chunk":
                 state.inputs[e.dst][e.name].end()
-            else:
-                batch_sources = [x.src for x in state.profile.in_edges(e.dst) if x.src in state.active and x.mode == "batch"]
-                if all(s in state.done for s in batch_sources):
-                    self._start_stage(state, e.dst)
+            elif e.dst in state.tasks:
+                # the destination already runs (another edge feeds it chunk by chunk):
+                # this batch input is complete now
+                self._hand_over(state, e)
+            elif all(x.src in state.done for x in state.profile.in_edges(e.dst) if x.src in state.active and x.mode == "batch"):
+                # the last batch source of a destination that waits for all of them
+                self._start_stage(state, e.dst)
                 for be in state.profile.in_edges(e.dst):
-                    if be.mode == "batch" and be.src == name:
-                        inp = state.inputs[e.dst][be.name]
-                        for h in state.batch_buffers.pop(be.name, []):
-                            inp.feed(h)
-                        inp.end()
+                    if be.mode == "batch" and be.src in state.active:
+                        self._hand_over(state, be)
         if state.finals <= state.done:
-            self._finish(state, "completed")
+            self._finish(state, RequestStatus.COMPLETED)
+
+    def _hand_over(self, state: _RequestState, edge: EdgeSpec) -> None:
+        """A finished batch source's buffered handles to its (running) destination."""
+        inp = state.inputs[edge.dst][edge.name]
+        for h in state.batch_buffers.pop(edge.name, []):
+            inp.feed(h)
+        inp.end()
 
     # ---- streaming input ---------------------------------------------------------------
 
     def push_input(self, request_id: str, handle: Handle) -> bool:
         """Feed one entry-stage input. False (dropped) for unknown, finished or closed ids."""
         state = self._requests.get(request_id)
-        if state is None or state.status != "running":
+        if state is None or state.status is not RequestStatus.RUNNING:
             self.stats["dropped_inputs"] += 1
             return False
         inp = state.inputs.get(state.entry, {}).get(CLIENT)
@@ -316,7 +325,7 @@ class Orchestrator:
 
     def end_input(self, request_id: str) -> bool:
         state = self._requests.get(request_id)
-        if state is None or state.status != "running":
+        if state is None or state.status is not RequestStatus.RUNNING:
             return False
         inp = state.inputs.get(state.entry, {}).get(CLIENT)
         if inp is not None:
@@ -328,20 +337,20 @@ class Orchestrator:
 
     # ---- completion, abort -------------------------------------------------------------
 
-    def _finish(self, state: _RequestState, status: str, reason: str | None = None, error: str | None = None) -> None:
-        if state.status != "running":
+    def _finish(self, state: _RequestState, status: RequestStatus, reason: str | None = None, error: OmniError | None = None) -> None:
+        if state.status is not RequestStatus.RUNNING:
             return
         state.status = status
-        self.stats[status] += 1
-        metrics.REQUESTS.labels(pipeline=state.pipeline, status=status).inc()
+        self.stats[status.value] += 1
+        metrics.REQUESTS.labels(pipeline=state.pipeline, status=status.value).inc()
         for name, task in state.tasks.items():
             if not task.done():
                 task.cancel()
         for stage_inputs in state.inputs.values():
             for inp in stage_inputs.values():
                 inp.end()
-        self._tombstone(state.request_id, status)
-        if status != "completed":
+        self._tombstone(state.request_id, status.value)
+        if status is not RequestStatus.COMPLETED:
             # Nothing more will be read: free every key now.
             self._cleanup_connectors(state)
         state.events.put_nowait(DoneEvent(status, reason=reason, error=error, usage=dict(state.usage)))
@@ -352,8 +361,8 @@ class Orchestrator:
         state = self._requests.get(request_id)
         if state is None:
             return False
-        if state.status == "running":
-            self._finish(state, "aborted", reason=reason)
+        if state.status is RequestStatus.RUNNING:
+            self._finish(state, RequestStatus.ABORTED, reason=reason)
         tasks = [t for t in state.tasks.values() if not t.done()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -393,10 +402,24 @@ class Orchestrator:
     # ---- introspection ---------------------------------------------------------------
 
     def running(self) -> list[str]:
-        return [rid for rid, s in self._requests.items() if s.status == "running"]
+        return [rid for rid, s in self._requests.items() if s.status is RequestStatus.RUNNING]
 
     def engine_load(self) -> dict[str, int]:
         return {name: pool.load() for name, pool in self.pools.items()}
+
+
+def _client_error(exc: BaseException, request_id: str, stage: str) -> OmniError:
+    """What the client hears of a stage failure: one of our errors as it is (logged at
+    info when it is shown to the client: often its own bad input), anything else as a
+    generic internal error, logged with its traceback."""
+    if isinstance(exc, OmniError):
+        if exc.expose:
+            log.info("request %s stage %s failed: %s", request_id, stage, exc)
+        else:
+            log.error("request %s stage %s failed: %s", request_id, stage, exc, exc_info=exc)
+        return exc
+    log.error("request %s stage %s failed", request_id, stage, exc_info=exc)
+    return InternalError(f"stage {stage} failed: {type(exc).__name__}")
 
 
 def _active_stages(profile: ProfileSpec, finals: set[str], entry: str) -> set[str]:
@@ -425,4 +448,4 @@ def _active_stages(profile: ProfileSpec, finals: set[str], entry: str) -> set[st
     return needed
 
 
-__all__ = ["Orchestrator", "OrchestratorError", "OutputEvent", "DoneEvent", "Event", "CLIENT", "Payload"]
+__all__ = ["Orchestrator", "OrchestratorError", "OutputEvent", "DoneEvent", "Event", "CLIENT", "Payload", "RequestStatus"]

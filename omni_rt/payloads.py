@@ -13,6 +13,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from omni_rt.errors import ClientError
+
 # Arrays that may cross a connector. Object, void and complex dtypes are refused:
 # they cannot be shared as flat memory and would let arbitrary Python objects through.
 ALLOWED_DTYPES = frozenset(
@@ -24,7 +26,7 @@ ALLOWED_DTYPES = frozenset(
 )
 
 
-class PayloadError(ValueError):
+class PayloadError(ClientError):
     """A payload that cannot be carried (bad dtype, wrong type)."""
 
 

@@ -10,18 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, AsyncIterator
 
 from omni_rt import metrics
+from omni_rt.errors import InternalError, RequestAborted
 from omni_rt.orchestrator import DoneEvent, Event, OutputEvent
 from omni_rt.payloads import Payload
-from omni_rt.stage import StageError
+from omni_rt.status import RequestStatus
 
 if TYPE_CHECKING:
     from omni_rt.orchestrator import Orchestrator, _RequestState
 
-
-class RequestAborted(RuntimeError):
-    def __init__(self, reason: str | None) -> None:
-        super().__init__(f"request aborted ({reason or 'aborted'})")
-        self.reason = reason
+__all__ = ["RequestAborted", "RequestStream"]
 
 
 class RequestStream:
@@ -39,7 +36,7 @@ class RequestStream:
 
     @property
     def running(self) -> bool:
-        return self._state.status == "running"
+        return self._state.status is RequestStatus.RUNNING
 
     # ---- input ---------------------------------------------------------------------
     def send_input(self, payload: Payload, connector: str = "inproc") -> bool:
@@ -65,7 +62,8 @@ class RequestStream:
             yield ev
 
     async def payloads(self) -> AsyncIterator[tuple[str, Payload, bool]]:
-        """(stage, payload, last) for every client output; raises if the request fails."""
+        """(stage, payload, last) for every client output. A failed request raises the
+        error its client is told (an `OmniError`), an aborted one `RequestAborted`."""
         async for ev in self.events():
             if isinstance(ev, OutputEvent):
                 current = self._state.current_fence()
@@ -75,13 +73,13 @@ class RequestStream:
                     self.dropped_stale += 1
                     metrics.DROPPED_STALE.labels(hop="client").inc()
                     continue
-                if self._state.status in ("aborted", "failed"):
+                if self._state.status in (RequestStatus.ABORTED, RequestStatus.FAILED):
                     continue  # its keys are already freed; the DoneEvent follows
                 payload = self._orch.connectors[ev.handle.connector].get(ev.handle)
                 yield ev.stage, payload, ev.last
-            elif ev.status == "failed":
-                raise StageError(ev.error or "request failed")
-            elif ev.status == "aborted":
+            elif ev.status is RequestStatus.FAILED:
+                raise ev.error or InternalError("request failed")
+            elif ev.status is RequestStatus.ABORTED:
                 raise RequestAborted(ev.reason)
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -90,7 +88,7 @@ class RequestStream:
 
     async def close(self) -> None:
         """Finish with the request: abort it if it still runs, then free its keys."""
-        if self._state.status == "running":
+        if self._state.status is RequestStatus.RUNNING:
             await self._orch.abort(self.request_id, "client_closed")
         self._orch.release(self.request_id)
         self.closed = True

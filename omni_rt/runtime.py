@@ -47,12 +47,12 @@ def build_engine(
         bad = set(engine_args) - _TORCH_ARGS
         if bad:
             raise SpecError(f"stage {name}: unknown torch engine_args {sorted(bad)}; known: {sorted(_TORCH_ARGS)}")
-        factory = getattr(processor, "torch_module", None)
-        if factory is None or model is None:
+        module = processor.torch_module(model, role) if model is not None else None
+        if module is None:
             raise SpecError(f"stage {name}: a torch engine needs a model and a processor with torch_module()")
         from omni_rt.engines.torch_engine import TorchEngine
 
-        return TorchEngine(factory(model, role), name=name, **engine_args)
+        return TorchEngine(module, name=name, **engine_args)
     if kind == "diffusers":
         bad = set(engine_args) - _DIFFUSERS_ARGS
         if bad:
@@ -121,6 +121,8 @@ class Runtime:
                 }
                 try:
                     processor = proc_cls(spec, engine, aux)
+                except SpecError as exc:
+                    raise SpecError(f"pipelines.{pipeline}.stages.{name}: {exc}") from None
                 except (ValueError, KeyError, TypeError) as exc:
                     raise SpecError(f"pipelines.{pipeline}.stages.{name}.processor_args: {exc}") from None
                 replicas.append(Replica(i, engine, aux, processor))
@@ -146,13 +148,18 @@ class Runtime:
         for conn in self.connectors.values():
             conn.close()
 
+    def unhealthy_stages(self) -> list[str]:
+        """Stages with no live replica: their work is refused with 503."""
+        return [name for name, pool in self.pools.items() if not pool.healthy]
+
     def health(self) -> dict[str, Any]:
         return {
             "stages": {
                 name: {
+                    "healthy": pool.healthy,
                     "replicas": [
-                        {"engine": r.engine.health() if r.engine else None, "active": r.active} for r in pool.replicas
-                    ]
+                        {"engine": r.engine.health() if r.engine else None, "active": r.active, "dead": r.dead} for r in pool.replicas
+                    ],
                 }
                 for name, pool in self.pools.items()
             },

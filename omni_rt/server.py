@@ -1,47 +1,38 @@
-"""Composition root: reads the deploy overlay, builds the runtime, mounts the protocols."""
+"""Composition root: reads the deploy overlay, builds the runtime, mounts the wires
+every served pipeline names (`protocols.registry`) on an aiohttp application."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import time
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Mapping
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pipelines
 from omni_rt import metrics
 from omni_rt.runtime import Runtime
-from omni_rt.specs import DeployOverlay, PipelineOverlay, ProfileSpec, SessionsSpec, SpecError, apply_overlay
-from protocols.auth import AuthMiddleware, KeyRing
-from protocols.openai_http import (
-    APIError,
-    SpeechService,
-    api_error_handler,
-    build_router,
-    error_body,
-    validation_error_handler,
-)
-from protocols.chat import ChatService, build_chat_router
-from protocols.duplex import build_duplex_router
-from protocols.images import ImageService, build_images_router
-from protocols.openpi import build_openpi_router
-from protocols.videos import build_videos_router
-from protocols.world import build_world_router
-from protocols.pages import build_pages_router
-from protocols.webrtc import build_webrtc_router, configure_ice
-from protocols.realtime import build_realtime_router
-from protocols.sessions_api import build_sessions_router
+from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileSpec, SessionsSpec, SpecError, apply_overlay
+from protocols import models as models_api
+from protocols import pages, sessions_api
+from protocols.auth import KeyRing, auth_middleware
+from protocols.http import error_middleware, json_response
+from protocols.registry import Mount, Routes, mount
 from sessions import SessionManager
 
 log = logging.getLogger("omni_rt.server")
 
 DEFAULT_MODELS_DIR = "~/.cache/omni-rt/models"
 TINY_PREFIX = "tiny:"
+# Largest HTTP request body (a chat request with input audio, a WebRTC offer, a
+# video job); bigger ones get 413 in the OpenAI error shape.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+RUNTIME = web.AppKey("runtime", Runtime)
+SESSIONS = web.AppKey("sessions", SessionManager)
 
 
 def models_dir(overlay: DeployOverlay) -> Path:
@@ -79,7 +70,7 @@ class ModelResolver:
         return str(path)
 
 
-def resolve_profiles(overlay: DeployOverlay, source: str) -> tuple[dict[str, ProfileSpec], dict[str, Any]]:
+def resolve_profiles(overlay: DeployOverlay, source: str) -> tuple[dict[str, ProfileSpec], dict[str, PipelineSpec]]:
     specs = pipelines.load_all()
     for name in overlay.pipelines:
         if name not in specs:
@@ -90,7 +81,7 @@ def resolve_profiles(overlay: DeployOverlay, source: str) -> tuple[dict[str, Pro
     return profiles, enabled
 
 
-def share_stage_overrides(overlay: DeployOverlay, specs: dict[str, Any], source: str) -> DeployOverlay:
+def share_stage_overrides(overlay: DeployOverlay, specs: Mapping[str, PipelineSpec], source: str) -> DeployOverlay:
     """A stage that several pipelines share (the voice pipeline's talker and code2wav
     are the tts pipeline's) is one pool: an override given under one pipeline applies
     to every pipeline that has the stage. Different overrides of one stage are an error."""
@@ -147,20 +138,32 @@ def check_redis(spec: SessionsSpec, source: str) -> None:
         client.close()
 
 
-def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overlay") -> FastAPI:
-    """Validate everything and build (not start) the runtime; raises SpecError on bad config."""
+# (profiles, connectors, model resolver) -> a Runtime; tests swap in fake engines
+RuntimeFactory = Callable[[Mapping[str, ProfileSpec], Mapping[str, Any], Callable[[str, str], str]], Runtime]
+
+
+def create_app(
+    overlay: DeployOverlay | None = None,
+    source: str = "deploy overlay",
+    *,
+    runtime_factory: RuntimeFactory = Runtime,
+    clock: Callable[[], float] = time.monotonic,
+    options: Mapping[str, Any] | None = None,
+) -> web.Application:
+    """Validate everything and build (not start) the runtime; raises SpecError on bad
+    config. `runtime_factory`, `clock` (leases) and `options` (per-wire hooks, e.g.
+    the voice-activity detector) are for tests; serving uses the defaults."""
     overlay = overlay or DeployOverlay()
     profiles, specs = resolve_profiles(overlay, source)
     keys = key_ring(overlay, source)
     if overlay.sessions.store == "redis":
         check_redis(overlay.sessions, source)
-    runtime = Runtime(profiles, overlay.connectors, ModelResolver(models_dir(overlay), overlay.server.build_tiny, source))
+    runtime = runtime_factory(profiles, overlay.connectors, ModelResolver(models_dir(overlay), overlay.server.build_tiny, source))
     runtime.build()
     assert runtime.orchestrator is not None
-    sessions = SessionManager(overlay.sessions, runtime.orchestrator)
+    sessions = SessionManager(overlay.sessions, runtime.orchestrator, clock=clock)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: web.Application) -> AsyncIterator[None]:
         import torch
 
         torch.set_num_threads(overlay.server.torch_threads)
@@ -180,76 +183,38 @@ def create_app(overlay: DeployOverlay | None = None, source: str = "deploy overl
             await runtime.stop()
             metrics.STAGES.runtimes.discard(runtime)
 
-    app = FastAPI(title="omni-rt", lifespan=lifespan)
-    app.state.runtime = runtime
-    app.state.sessions = sessions
-    app.add_exception_handler(APIError, api_error_handler)
-    app.add_exception_handler(RequestValidationError, validation_error_handler)
-    app.add_middleware(AuthMiddleware, keys=keys)
+    app = web.Application(middlewares=[error_middleware, auth_middleware(keys)], client_max_size=MAX_BODY_BYTES)
+    app[RUNTIME] = runtime
+    app[SESSIONS] = sessions
+    app.cleanup_ctx.append(lifespan)
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            error_body(f"Unknown path {request.url.path}", "invalid_request_error", None, "not_found"), status_code=404
-        )
-
-    @app.exception_handler(405)
-    async def bad_method(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            error_body(f"Method {request.method} is not allowed on {request.url.path}", "invalid_request_error", None, "method_not_allowed"),
-            status_code=405,
-        )
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body("Internal server error.", "server_error", None, "internal_error"), status_code=500)
-
-    @app.get("/health")
-    @app.get("/healthz")
-    async def health() -> dict[str, Any]:
+    async def health(request: web.Request) -> web.Response:
         assert runtime.orchestrator is not None
-        return {
-            "status": "ok",
+        down = runtime.unhealthy_stages()
+        body = {
+            "status": "ok" if not down else "unhealthy",
             "pipelines": sorted(profiles),
             "running_requests": len(runtime.orchestrator.running()),
             "sessions": sessions.health(),
             **runtime.health(),
         }
+        if down:
+            body["unhealthy_stages"] = down
+        return json_response(body, status=200 if not down else 503)
 
-    @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
-        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics_endpoint(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"content-type": CONTENT_TYPE_LATEST})
 
-    speech = None
-    if "tts" in profiles:
-        speech = SpeechService(sessions, specs["tts"], overlay.server.max_input_chars)
-    model_ids = [(m, name) for name, spec in specs.items() for m in spec.models]
-    app.include_router(build_router(speech, model_ids))
-    app.include_router(build_sessions_router(sessions))
-    app.include_router(build_pages_router(list(specs)))
-    if "voice" in profiles:
-        app.include_router(build_realtime_router(sessions, specs["voice"]))
-        app.include_router(build_duplex_router(sessions, specs["voice"]))
-        hosts = overlay.server.webrtc_host_addresses
-        if hosts is None and overlay.server.host in ("127.0.0.1", "localhost"):
-            hosts = ["127.0.0.1"]  # a loopback server: offer loopback candidates (aioice skips them)
-        configure_ice(hosts)
-        app.include_router(build_webrtc_router(sessions, specs["voice"], overlay.server.webrtc_ice_servers))
-        app.include_router(build_chat_router(ChatService(sessions, specs["voice"])))
-    if "image" in profiles:
-        dit = runtime.pools[profiles["image"].entry]
-        limits = lambda: dit.replicas[0].processor.limits()  # type: ignore[attr-defined]  # noqa: E731
-        app.include_router(build_images_router(ImageService(sessions, specs["image"], limits)))
-    if "world" in profiles:
-        wdit = runtime.pools[profiles["world"].entry]
-        describe = lambda: wdit.replicas[0].processor.describe()  # type: ignore[attr-defined]  # noqa: E731
-        app.include_router(build_world_router(sessions, "world", describe))
-    if "video_edit" in profiles:
-        vdit = runtime.pools[profiles["video_edit"].entry]
-        vdescribe = lambda: vdit.replicas[0].processor.describe()  # type: ignore[attr-defined]  # noqa: E731
-        app.include_router(build_videos_router(sessions, specs["video_edit"], vdescribe))
-    if "robot" in profiles:
-        entry = runtime.pools[profiles["robot"].entry]
-        app.include_router(build_openpi_router(sessions, "robot", lambda: entry.replicas[0].processor))  # type: ignore[arg-type]
+    routes = Routes()
+    routes.add("GET", "/health", health, "server")
+    routes.add("GET", "/healthz", health, "server")
+    routes.add("GET", "/metrics", metrics_endpoint, "server")
+    models_api.add_routes(routes, [(m, name) for name, spec in specs.items() for m in spec.models])
+    sessions_api.add_routes(routes, sessions)
+    pages.add_routes(routes, list(specs))
+    for name, spec in specs.items():
+        entry = runtime.pools[profiles[name].entry].replicas[0].processor
+        for wire in spec.wires:
+            mount(Mount(wire, sessions, spec, overlay.server, entry, routes, dict(options or {})))
+    routes.install(app)
     return app

@@ -34,18 +34,18 @@ class ChunkingSpec(_Strict):
     one-shot decode of the whole sequence (invariant 6).
     """
 
-    first_chunk_frames: int = Field(1, ge=1, le=4096, description="frames in the first chunk (time to first audio)")
-    chunk_frames: int = Field(16, ge=1, le=4096, description="frames in every later chunk")
-    left_context_frames: int = Field(3, ge=0, le=4096, description="already-emitted frames decoded again on the left")
-    lookahead_frames: int = Field(3, ge=0, le=4096, description="future frames a chunk waits for (right context)")
+    first_chunk_frames: int = Field(default=1, ge=1, le=4096, description="frames in the first chunk (time to first audio)")
+    chunk_frames: int = Field(default=16, ge=1, le=4096, description="frames in every later chunk")
+    left_context_frames: int = Field(default=3, ge=0, le=4096, description="already-emitted frames decoded again on the left")
+    lookahead_frames: int = Field(default=3, ge=0, le=4096, description="future frames a chunk waits for (right context)")
 
 
 class EdgeSpec(_Strict):
     src: str
     dst: str
     payload: PayloadKind
-    mode: Literal["chunk", "batch"] = Field("chunk", description="chunk: stream as produced; batch: hand over when src finishes")
-    connector: str = Field("inproc", description="name of a connector declared by the deployment (inproc, shm)")
+    mode: Literal["chunk", "batch"] = Field(default="chunk", description="chunk: stream as produced; batch: hand over when src finishes")
+    connector: str = Field(default="inproc", description="name of a connector declared by the deployment (inproc, shm)")
     chunking: ChunkingSpec = ChunkingSpec()
 
     @property
@@ -66,13 +66,13 @@ class StageSpec(_Strict):
     kind: Literal["ar", "generation", "diffusion"]
     engine: Literal["vllm", "torch", "diffusers", "fake"]
     processor: str = Field(pattern=r"^[\w.]+:\w+$", description="'module:Class' of the stage's processor")
-    model: str | None = Field(None, description="local checkpoint dir, or 'tiny:<name>' for a built tiny checkpoint")
+    model: str | None = Field(default=None, description="local checkpoint dir, or 'tiny:<name>' for a built tiny checkpoint")
     engine_args: dict[str, Any] = {}
     processor_args: dict[str, Any] = {}
     aux: dict[str, AuxEngineSpec] = {}
-    replicas: int = Field(1, ge=1, le=64)
+    replicas: int = Field(default=1, ge=1, le=64)
     routing: Literal["least_queue", "round_robin"] = "least_queue"
-    input: PayloadKind | None = Field(None, description="payload the entry stage takes from the client")
+    input: PayloadKind | None = Field(default=None, description="payload the entry stage takes from the client")
 
 
 class ProfileSpec(_Strict):
@@ -152,7 +152,8 @@ class PipelineSpec(_Strict):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     description: str = ""
     models: list[str] = Field(min_length=1, description="model ids this pipeline answers to (first is canonical)")
-    voices: dict[str, str] = Field({}, description="accepted voice name -> voice the model speaks")
+    wires: list[str] = Field(default=[], description="the wire protocols this pipeline is served on (protocols.registry)")
+    voices: dict[str, str] = Field(default={}, description="accepted voice name -> voice the model speaks")
     default_profile: str
     profiles: dict[str, ProfileSpec]
 
@@ -167,10 +168,10 @@ class PipelineSpec(_Strict):
 
 
 class ChunkingOverlay(_Strict):
-    first_chunk_frames: int | None = Field(None, ge=1, le=4096)
-    chunk_frames: int | None = Field(None, ge=1, le=4096)
-    left_context_frames: int | None = Field(None, ge=0, le=4096)
-    lookahead_frames: int | None = Field(None, ge=0, le=4096)
+    first_chunk_frames: int | None = Field(default=None, ge=1, le=4096)
+    chunk_frames: int | None = Field(default=None, ge=1, le=4096)
+    left_context_frames: int | None = Field(default=None, ge=0, le=4096)
+    lookahead_frames: int | None = Field(default=None, ge=0, le=4096)
 
 
 class EdgeOverlay(_Strict):
@@ -181,16 +182,16 @@ class EdgeOverlay(_Strict):
 
 class AuxOverlay(_Strict):
     model: str | None = None
-    engine_args: dict[str, Any] = Field({}, description="merged over the aux engine's engine_args")
+    engine_args: dict[str, Any] = Field(default={}, description="merged over the aux engine's engine_args")
 
 
 class StageOverlay(_Strict):
     model: str | None = None
-    replicas: int | None = Field(None, ge=1, le=64)
+    replicas: int | None = Field(default=None, ge=1, le=64)
     routing: Literal["least_queue", "round_robin"] | None = None
-    engine_args: dict[str, Any] = Field({}, description="merged over the pipeline's engine_args")
-    processor_args: dict[str, Any] = Field({}, description="merged over the pipeline's processor_args")
-    aux: dict[str, AuxOverlay] = Field({}, description="per aux engine: model / engine_args overrides")
+    engine_args: dict[str, Any] = Field(default={}, description="merged over the pipeline's engine_args")
+    processor_args: dict[str, Any] = Field(default={}, description="merged over the pipeline's processor_args")
+    aux: dict[str, AuxOverlay] = Field(default={}, description="per aux engine: model / engine_args overrides")
 
 
 class PipelineOverlay(_Strict):
@@ -207,25 +208,25 @@ class ConnectorSpec(_Strict):
 class ApiKeySpec(_Strict):
     key: str = Field(min_length=8, description="the secret the client sends (Bearer or Api-Key)")
     principal: str = Field(min_length=1, max_length=128, description="who the key belongs to (per-principal caps)")
-    admin: bool = Field(False, description="may list and close every session (/v1/sessions)")
+    admin: bool = Field(default=False, description="may list and close every session (/v1/sessions)")
 
 
 class ServerSpec(_Strict):
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    models_dir: str | None = Field(None, description="where tiny checkpoints are built (default ~/.cache/omni-rt/models)")
-    build_tiny: bool = Field(True, description="build missing tiny checkpoints at start-up")
-    api_key: str | None = Field(
+    port: int = Field(default=8000, ge=0, le=65535)
+    models_dir: str | None = Field(default=None, description="where tiny checkpoints are built (default ~/.cache/omni-rt/models)")
+    build_tiny: bool = Field(default=True, description="build missing tiny checkpoints at start-up")
+    api_key: str | None = Field(default=
         None, min_length=8, description="one admin key (principal 'default'): 'Authorization: Bearer <key>' or 'Api-Key <key>'"
     )
-    api_keys: list[ApiKeySpec] = Field([], description="keys mapped to principals; any key set turns auth on")
-    max_input_chars: int = Field(4096, ge=1)
-    torch_threads: int = Field(1, ge=1, le=256, description="intra-op threads for torch engines in this process")
+    api_keys: list[ApiKeySpec] = Field(default=[], description="keys mapped to principals; any key set turns auth on")
+    max_input_chars: int = Field(default=4096, ge=1)
+    torch_threads: int = Field(default=1, ge=1, le=256, description="intra-op threads for torch engines in this process")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    webrtc_host_addresses: list[str] | None = Field(
+    webrtc_host_addresses: list[str] | None = Field(default=
         None, description="addresses WebRTC calls offer as host candidates (default: 127.0.0.1 when host is loopback, else every non-loopback address)"
     )
-    webrtc_ice_servers: list[str] = Field([], description="STUN/TURN URLs for WebRTC calls, e.g. stun:stun.example.org:3478")
+    webrtc_ice_servers: list[str] = Field(default=[], description="STUN/TURN URLs for WebRTC calls, e.g. stun:stun.example.org:3478")
 
 
 SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "video")
@@ -234,30 +235,30 @@ SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "v
 class SessionsSpec(_Strict):
     """Admission caps, leases and the session store (deploy key `sessions`)."""
 
-    max_total: int = Field(256, ge=1, description="sessions admitted at once, all kinds together (cluster-wide with redis)")
-    max_per_kind: dict[str, int] = Field({}, description="cap per session kind, e.g. {realtime: 32, oneshot: 200}")
-    max_per_principal: int | None = Field(None, ge=1, description="cap per principal (API key owner); none = no cap")
-    principal_caps: dict[str, int] = Field({}, description="per-principal caps that override max_per_principal, e.g. {trial: 2}")
-    idle_ttl_s: float = Field(600.0, gt=0, description="an attached session with no activity and no running request expires")
-    disconnect_grace_s: float = Field(30.0, ge=0, description="a detached session stays resumable this long")
-    reaper_interval_s: float = Field(1.0, gt=0, le=60, description="how often leases are checked and renewed")
-    evict_detached_under_pressure: bool = Field(
+    max_total: int = Field(default=256, ge=1, description="sessions admitted at once, all kinds together (cluster-wide with redis)")
+    max_per_kind: dict[str, int] = Field(default={}, description="cap per session kind, e.g. {realtime: 32, oneshot: 200}")
+    max_per_principal: int | None = Field(default=None, ge=1, description="cap per principal (API key owner); none = no cap")
+    principal_caps: dict[str, int] = Field(default={}, description="per-principal caps that override max_per_principal, e.g. {trial: 2}")
+    idle_ttl_s: float = Field(default=600.0, gt=0, description="an attached session with no activity and no running request expires")
+    disconnect_grace_s: float = Field(default=30.0, ge=0, description="a detached session stays resumable this long")
+    reaper_interval_s: float = Field(default=1.0, gt=0, le=60, description="how often leases are checked and renewed")
+    evict_detached_under_pressure: bool = Field(default=
         False, description="when a cap is hit, evict the longest-detached session (same scope) to admit a new one"
     )
-    retry_after_s: int = Field(1, ge=1, le=3600, description="retry-after sent with a session_limit rejection")
-    replay_buffer_events: int = Field(256, ge=0, le=1_000_000, description="events kept for a detached session")
-    max_pending_events: int = Field(
+    retry_after_s: int = Field(default=1, ge=1, le=3600, description="retry-after sent with a session_limit rejection")
+    replay_buffer_events: int = Field(default=256, ge=0, le=1_000_000, description="events kept for a detached session")
+    max_pending_events: int = Field(default=
         4096, ge=16, le=10_000_000, description="events queued for an attached client that is not reading; over it the session ends (slow_consumer)"
     )
-    store: Literal["memory", "redis"] = Field("memory", description="memory: one process; redis: caps shared by nodes")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="used when store is redis")
-    redis_prefix: str = Field("omni-rt", pattern=r"^[\w.:-]+$", description="key prefix; nodes sharing caps use the same one")
-    redis_timeout_s: float = Field(1.0, gt=0, le=30, description="per-command timeout; a slower Redis counts as lost")
-    slot_lease_ttl_s: float = Field(
+    store: Literal["memory", "redis"] = Field(default="memory", description="memory: one process; redis: caps shared by nodes")
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="used when store is redis")
+    redis_prefix: str = Field(default="omni-rt", pattern=r"^[\w.:-]+$", description="key prefix; nodes sharing caps use the same one")
+    redis_timeout_s: float = Field(default=1.0, gt=0, le=30, description="per-command timeout; a slower Redis counts as lost")
+    slot_lease_ttl_s: float = Field(default=
         15.0, gt=0, description="redis: a slot not renewed this long is returned (a node that died gives capacity back)"
     )
-    node_id: str | None = Field(None, pattern=r"^[\w.:-]+$", description="this node's name in the directory (default host:pid)")
-    advertise_url: str | None = Field(None, description="URL other nodes give clients whose session lives here")
+    node_id: str | None = Field(default=None, pattern=r"^[\w.:-]+$", description="this node's name in the directory (default host:pid)")
+    advertise_url: str | None = Field(default=None, description="URL other nodes give clients whose session lives here")
 
     @model_validator(mode="after")
     def _check(self) -> "SessionsSpec":
@@ -283,7 +284,7 @@ class DeployOverlay(_Strict):
     server: ServerSpec = ServerSpec()
     sessions: SessionsSpec = SessionsSpec()
     connectors: dict[str, ConnectorSpec] = Field(
-        {"inproc": ConnectorSpec(backend="inproc"), "shm": ConnectorSpec(backend="shm")},
+        default={"inproc": ConnectorSpec(backend="inproc"), "shm": ConnectorSpec(backend="shm")},
         description="named connectors that edges refer to",
     )
     pipelines: dict[str, PipelineOverlay] = {}

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, TypeVar
 
 from omni_rt import metrics
 from omni_rt.connectors.base import Connector
 from omni_rt.engines.base import Engine
+from omni_rt.errors import StageError
 from omni_rt.payloads import Fence, Handle, Payload
-from omni_rt.specs import ChunkingSpec, StageSpec
+from omni_rt.specs import ChunkingSpec, SpecError, StageSpec
+from omni_rt.status import RequestStatus
 
 if TYPE_CHECKING:
     from omni_rt.orchestrator import _Group, _RequestState
 
-
-class StageError(RuntimeError):
-    """A stage failed in a way the client should hear about (message is user-safe)."""
+__all__ = ["StageContext", "StageError", "StageInput", "StageProcessor"]
 
 
 _EOS = object()
@@ -137,7 +137,7 @@ class StageContext:
         """
         if payload.fence != self._state.fence:
             raise StageError(f"stage {self.stage.name} emitted a payload with a foreign fence")
-        if self._state.status != "running":
+        if self._state.status is not RequestStatus.RUNNING:
             return  # finished or aborted: nothing would read it, so store nothing
         current = self._state.current_fence()
         if current is not None and payload.fence.is_stale_against(current):
@@ -155,6 +155,9 @@ class StageContext:
         await asyncio.sleep(0)
 
 
+E = TypeVar("E")
+
+
 class StageProcessor(abc.ABC):
     """Pipeline code for one stage, one instance per replica."""
 
@@ -162,6 +165,23 @@ class StageProcessor(abc.ABC):
         self.spec = spec
         self.engine = engine
         self.aux = aux
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], Any] | None:
+        """For stages on a torch engine: a factory of the `nn.Module` the engine runs,
+        built from the stage's model directory (`role`: "main" or an aux engine's name).
+        None: the stage cannot run on a torch engine."""
+        return None
+
+    def engine_as(self, contract: type[E], role: str = "main") -> E:
+        """This replica's engine (`role` "main") or aux engine, checked against the
+        contract the processor programs against (`omni_rt.engines.base`)."""
+        engine = self.engine if role == "main" else self.aux.get(role)
+        if not isinstance(engine, contract):
+            what = "no engine" if engine is None else f"a {type(engine).__name__}"
+            where = "" if role == "main" else f" aux engine {role!r}:"
+            raise SpecError(f"stage {self.spec.name}:{where} needs an {contract.__name__} engine, got {what}")
+        return engine
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Called once after the replica's engines started (load tokenizers, warm up)."""

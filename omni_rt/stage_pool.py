@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from omni_rt.engines.base import Engine
+from omni_rt.errors import EngineDead
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageProcessor
 
@@ -23,6 +24,14 @@ class Replica:
     def load(self) -> int:
         engine_load = self.engine.load() if self.engine is not None else 0
         return max(self.active, engine_load)
+
+    def engines(self) -> list[Engine]:
+        return [e for e in (self.engine, *self.aux.values()) if e is not None]
+
+    @property
+    def dead(self) -> str | None:
+        """Why this replica takes no work (one of its engines is gone), or None."""
+        return next((f"{e.name}: {e.dead}" for e in self.engines() if e.dead is not None), None)
 
 
 @dataclass
@@ -41,18 +50,24 @@ class StagePool:
     _affinity: "OrderedDict[str, int]" = field(default_factory=OrderedDict)
 
     def pick(self, affinity: str | None = None) -> Replica:
-        if not self.replicas:
-            raise RuntimeError(f"stage {self.spec.name} has no replicas")
+        """The replica for a request: the session's pinned one while it lives, else by
+        the stage's routing among the live ones. EngineDead when none is live."""
+        live = [r for r in self.replicas if r.dead is None]
+        if not live:
+            why = "; ".join(r.dead or "" for r in self.replicas) or "no replicas"
+            raise EngineDead(f"stage {self.spec.name} has no live replica ({why}); retry later")
         if affinity is not None and affinity in self._affinity:
-            self._affinity.move_to_end(affinity)
-            return self.replicas[self._affinity[affinity]]
+            pinned = self.replicas[self._affinity[affinity]]
+            if pinned.dead is None:
+                self._affinity.move_to_end(affinity)
+                return pinned
         if self.spec.routing == "round_robin":
-            replica = self.replicas[next(self._rr) % len(self.replicas)]
+            replica = live[next(self._rr) % len(live)]
         else:
             # least-queue; ties broken round-robin so equal replicas share the work
             start = next(self._rr)
-            n = len(self.replicas)
-            replica = min((self.replicas[(start + i) % n] for i in range(n)), key=lambda r: r.load())
+            n = len(live)
+            replica = min((live[(start + i) % n] for i in range(n)), key=lambda r: r.load())
         if affinity is not None:
             self._affinity[affinity] = replica.index
             while len(self._affinity) > self.max_affinities:
@@ -66,15 +81,17 @@ class StagePool:
     def load(self) -> int:
         return sum(r.load() for r in self.replicas)
 
+    @property
+    def healthy(self) -> bool:
+        return any(r.dead is None for r in self.replicas)
+
     async def start(self) -> None:
         for r in self.replicas:
-            for eng in [r.engine, *r.aux.values()]:
-                if eng is not None:
-                    await eng.start()
+            for eng in r.engines():
+                await eng.start()
             await r.processor.start()
 
     async def stop(self) -> None:
         for r in self.replicas:
-            for eng in [r.engine, *r.aux.values()]:
-                if eng is not None:
-                    await eng.stop()
+            for eng in r.engines():
+                await eng.stop()

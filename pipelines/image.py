@@ -16,11 +16,11 @@ import asyncio
 import secrets
 from typing import Any, Mapping
 
-from omni_rt.engines.base import Engine, EngineError
-from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
+from omni_rt.engines.base import DiffusionEngine, Engine
+from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor
+from omni_rt.stage import StageContext, StageProcessor
 
 
 class ImageProcessor(StageProcessor):
@@ -28,6 +28,7 @@ class ImageProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
+        self.dit = self.engine_as(DiffusionEngine)
         args = dict(spec.processor_args)
         bad = set(args) - self.ARGS
         if bad:
@@ -43,19 +44,17 @@ class ImageProcessor(StageProcessor):
 
     def limits(self) -> dict[str, Any]:
         """What the HTTP adapter validates requests against."""
-        multiple = self.engine.size_multiple if isinstance(self.engine, DiffusersEngine) and self.engine.pipe is not None else 16
         return {
             "default_size": self.default_size,
             "default_steps": self.default_steps,
             "max_steps": self.max_steps,
             "max_n": self.max_n,
             "max_side": self.max_side,
-            "size_multiple": multiple,
+            "size_multiple": self.dit.size_multiple,
             "guidance_scale": self.guidance_scale,
         }
 
     async def run(self, ctx: StageContext) -> None:
-        assert isinstance(self.engine, DiffusersEngine)
         p = ctx.params
         n = int(p.get("n", 1))
         seed = p.get("seed")
@@ -76,15 +75,12 @@ class ImageProcessor(StageProcessor):
         done_steps = [0] * n
 
         async def one(i: int, job: DiffusionJob) -> None:
-            try:
-                async for ev in self.engine.generate(job):  # type: ignore[union-attr]
-                    if ev["type"] == "progress":
-                        done_steps[i] = ev["step"]
-                        await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": sum(done_steps), "total": steps * n}))
-                    elif ev["type"] == "image":
-                        await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": ev["image"]}, meta={"index": i, "seed": job.seed}))
-            except EngineError as exc:
-                raise StageError(str(exc)) from None
+            async for ev in self.dit.generate(job):
+                if ev["type"] == "progress":
+                    done_steps[i] = ev["step"]
+                    await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": sum(done_steps), "total": steps * n}))
+                elif ev["type"] == "image":
+                    await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": ev["image"]}, meta={"index": i, "seed": job.seed}))
 
         tasks = [asyncio.ensure_future(one(i, j)) for i, j in enumerate(jobs)]
         try:

@@ -33,8 +33,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from omni_rt.engines.base import Engine
-from omni_rt.engines.torch_engine import TorchEngine
+from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
@@ -197,6 +196,7 @@ class PolicyProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
+        self.steps = self.engine_as(StepEngine)
         assert spec.model is not None
         self.config = json.loads((Path(spec.model) / "config.json").read_text())
         args = dict(spec.processor_args)
@@ -286,7 +286,6 @@ class PolicyProcessor(StageProcessor):
 
     # ---- inference -----------------------------------------------------------------------
     async def run(self, ctx: StageContext) -> None:
-        assert isinstance(self.engine, TorchEngine)
         try:
             lay = self.layout(ctx.params.get("layout"))
         except KeyError as exc:
@@ -300,11 +299,11 @@ class PolicyProcessor(StageProcessor):
             inputs = await asyncio.to_thread(self.prepare, lay, obs) if resize else self.prepare(lay, obs)
             rng = np.random.default_rng([int(episode["seed"]) & 0xFFFFFFFF, int(episode["step"])])
             x = rng.standard_normal((self.horizon, self.max_action), dtype=np.float32)
-            prefix = await self.engine.run(inputs, op="encode")
+            prefix = await self.steps.run(inputs, op="encode")
             dt = 1.0 / self.num_steps
             for k in range(self.num_steps):
                 t = np.asarray(1.0 - k * dt, np.float32)
-                v = await self.engine.run({"x": x, "t": t, "prefix": prefix}, op="velocity")
+                v = await self.steps.run({"x": x, "t": t, "prefix": prefix}, op="velocity")
                 x = x - dt * v
             actions = np.ascontiguousarray(x[: lay.action_horizon, : lay.action_dim], dtype=np.float32)
             prev = episode.get("prev")

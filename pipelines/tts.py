@@ -19,8 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import numpy as np
 import torch
 
-from omni_rt.engines.base import Engine
-from omni_rt.engines.torch_engine import TorchEngine
+from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import ChunkingSpec, StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
@@ -140,13 +139,10 @@ class CodecTalker:
             s["seed"] = int(params["seed"]) + segment
         return s
 
-    async def frames(self, ctx: StageContext, engine: Engine | None, text: str, phrase: int = 0) -> AsyncIterator[np.ndarray]:
+    async def frames(self, ctx: StageContext, engine: ArEngine, text: str, phrase: int = 0) -> AsyncIterator[np.ndarray]:
         """Yield int32 code frames [k, 7] as the engine produces them. `phrase` numbers
         the pieces of a streamed text (request ids and seeds stay distinct)."""
         request_id, params = ctx.request_id, ctx.params
-        gen = getattr(engine, "generate", None)
-        if gen is None:
-            raise StageError("talker stage needs an AR engine with generate()")
         voice = str(params.get("voice", "tara"))
         publish = max(1, int(self.args["publish_frames"]))
         for j, segment in enumerate(split_text(text, int(self.args["max_chars_per_segment"]))):
@@ -156,7 +152,7 @@ class CodecTalker:
             n_pending = 0
             prompt = self.prompt_ids(segment, voice)
             ctx.add_usage(input_tokens=len(prompt))
-            async for toks in gen(f"{request_id}-s{i}", prompt_token_ids=prompt, sampling=self.sampling(segment, params, i)):
+            async for toks in engine.generate(f"{request_id}-s{i}", prompt_token_ids=prompt, sampling=self.sampling(segment, params, i)):
                 ctx.add_usage(output_tokens=len(toks))
                 frames = assembler.push(toks)
                 if len(frames):
@@ -182,6 +178,7 @@ class TalkerProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
+        self.ar = self.engine_as(ArEngine)
         assert spec.model is not None
         self.talker = CodecTalker(spec.model, spec.processor_args)
 
@@ -196,7 +193,7 @@ class TalkerProcessor(StageProcessor):
         texts = [await _input_text(ctx)] if inp.mode == "client" else phrases(inp)
         seg = 0
         async for text in _aiter(texts):
-            async for frames in self.talker.frames(ctx, self.engine, text, seg):  # type: ignore[arg-type]
+            async for frames in self.talker.frames(ctx, self.ar, text, seg):
                 await ctx.emit(Payload(PayloadKind.CODES, ctx.fence, arrays={"frames": frames}, meta={"frame_start": start}))
                 start += len(frames)
             seg += 1
@@ -359,11 +356,13 @@ class Code2WavProcessor(StageProcessor):
     def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
         return _snac_module(model_dir)
 
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.decoder = self.engine_as(StepEngine)
+
     async def run(self, ctx: StageContext) -> None:
-        if not isinstance(self.engine, TorchEngine):
-            raise StageError("code2wav needs a torch engine")
         inp = ctx.input()
-        dec = StreamingDecoder(self.engine.run, inp.chunking if inp.mode == "chunk" else None)
+        dec = StreamingDecoder(self.decoder.run, inp.chunking if inp.mode == "chunk" else None)
         emit = _Emitter(ctx)
         async for payload in inp:
             await emit(await dec.push(payload.arrays["frames"]))
@@ -379,6 +378,8 @@ class FusedTalkerProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
+        self.ar = self.engine_as(ArEngine)
+        self.decoder = self.engine_as(StepEngine, "decoder")
         assert spec.model is not None
         args = dict(spec.processor_args)
         self.chunking = ChunkingSpec.model_validate(args.pop("chunking", {}))
@@ -392,22 +393,19 @@ class FusedTalkerProcessor(StageProcessor):
         await asyncio.to_thread(self.talker.load)
 
     async def run(self, ctx: StageContext) -> None:
-        decoder = self.aux.get("decoder")
-        if not isinstance(decoder, TorchEngine):
-            raise StageError("fused talker needs a torch aux engine named 'decoder'")
         text = await _input_text(ctx)
         queue: asyncio.Queue[np.ndarray | None] = asyncio.Queue()
 
         async def produce() -> None:
             try:
-                async for frames in self.talker.frames(ctx, self.engine, text):  # type: ignore[arg-type]
+                async for frames in self.talker.frames(ctx, self.ar, text):
                     queue.put_nowait(frames)
             finally:
                 queue.put_nowait(None)  # wake the decoder loop on success and failure alike
 
         producer = asyncio.get_running_loop().create_task(produce())
         try:
-            dec = StreamingDecoder(decoder.run, self.chunking)
+            dec = StreamingDecoder(self.decoder.run, self.chunking)
             emit = _Emitter(ctx)
             while (frames := await queue.get()) is not None:
                 await emit(await dec.push(frames))

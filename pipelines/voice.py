@@ -30,8 +30,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from omni_rt.engines.base import Engine
-from omni_rt.engines.torch_engine import TorchEngine
+from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
@@ -106,6 +105,7 @@ class AudioEncoderProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
+        self.encoder = self.engine_as(StepEngine)
         assert spec.model is not None
         self.config = json.loads((Path(spec.model) / "config.json").read_text())
         self.block = int(self.config["block_samples"])
@@ -113,8 +113,7 @@ class AudioEncoderProcessor(StageProcessor):
         self.frames_per_block = self.block // int(self.config["hop_length"]) // 4
 
     async def _encode(self, ctx: StageContext, block: np.ndarray, keep: int) -> None:
-        assert isinstance(self.engine, TorchEngine)
-        emb = await self.engine.run(block.astype(np.float32, copy=False))
+        emb = await self.encoder.run(block.astype(np.float32, copy=False))
         await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": np.ascontiguousarray(emb[:keep])}))
         ctx.add_usage(audio_frames=keep)
 
@@ -258,6 +257,7 @@ class ThinkerProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
+        self.ar = self.engine_as(ArEngine)
         assert spec.model is not None
         unknown = set(spec.processor_args) - set(self.DEFAULTS)
         if unknown:
@@ -370,12 +370,9 @@ class ThinkerProcessor(StageProcessor):
             ctx.add_usage(input_audio_tokens=int(audio.shape[0]))  # rows of the prompt that are audio
         sampling = self.sampling(ctx.params)
         ctx.add_usage(input_tokens=n_in)
-        gen = getattr(self.engine, "generate", None)
-        if gen is None:
-            raise StageError("thinker stage needs an AR engine with generate()")
         out_ids: list[int] = []
         sent = ""
-        async for toks in gen(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
+        async for toks in self.ar.generate(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
             out_ids.extend(t for t in toks if t not in self.stop_ids)
             ctx.add_usage(output_tokens=len(toks))
             text = self.decode(out_ids)

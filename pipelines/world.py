@@ -24,8 +24,8 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from omni_rt.engines.base import Engine, EngineError
-from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
+from omni_rt.engines.base import DiffusionEngine, Engine
+from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
@@ -53,6 +53,7 @@ class WorldProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
+        self.dit = self.engine_as(DiffusionEngine)
         assert spec.model is not None
         args = dict(spec.processor_args)
         bad = set(args) - self.ARGS
@@ -79,14 +80,14 @@ class WorldProcessor(StageProcessor):
             "default_size": self.frame_size,
             "default_steps": self.default_steps,
             "max_steps": self.max_steps,
-            "size_multiple": self.engine.size_multiple if isinstance(self.engine, DiffusersEngine) and self.engine.pipe is not None else 16,
+            "size_multiple": self.dit.size_multiple,
         }
 
     def frame_job(self, p: Any, history: list[np.ndarray], action: np.ndarray, frame: int) -> DiffusionJob:
         """The diffusion job of frame `frame`, conditioned on `history` and `action`."""
-        assert isinstance(self.engine, DiffusersEngine)
         height, width = int(p["height"]), int(p["width"])
-        tokens = (height // self.engine.size_multiple) * (width // self.engine.size_multiple)
+        m = self.dit.size_multiple
+        tokens = (height // m) * (width // m)
         hist = np.zeros((self.history_frames, tokens, int(self.config["latent_channels"])), np.float32)
         past = history[-self.history_frames :]
         for i, lat in enumerate(past):  # right-aligned: the newest frame last
@@ -105,19 +106,16 @@ class WorldProcessor(StageProcessor):
 
     async def render(self, ctx: StageContext, job: DiffusionJob, frame: int, done_steps: int, total_steps: int, last: bool) -> np.ndarray:
         """Run one frame's job, emitting progress and then the frame; its latents back."""
-        assert isinstance(self.engine, DiffusersEngine)
-        try:
-            async for ev in self.engine.generate(job):
-                if ev["type"] == "progress":
-                    await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": done_steps + ev["step"], "total": total_steps}))
-                elif ev["type"] == "image":
-                    await ctx.emit(
-                        Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": ev["image"], "latents": ev["latents"]}, meta={"frame_index": frame}),
-                        last=last,
-                    )
-                    return ev["latents"]
-        except EngineError as exc:
-            raise StageError(str(exc)) from None
+        async for ev in self.dit.generate(job):
+            if ev["type"] == "progress":
+                await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": done_steps + ev["step"], "total": total_steps}))
+            elif ev["type"] == "image":
+                await ctx.emit(
+                    Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": ev["image"], "latents": ev["latents"]}, meta={"frame_index": frame}),
+                    last=last,
+                )
+                latents: np.ndarray = ev["latents"]
+                return latents
         raise StageError("the engine returned no frame")
 
     async def run(self, ctx: StageContext) -> None:

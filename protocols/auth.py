@@ -1,28 +1,29 @@
-"""API keys → principals, for HTTP and WebSocket alike (one ASGI middleware).
+"""API keys → principals, for HTTP and WebSocket alike (one aiohttp middleware).
 
 Accepted forms: `Authorization: Bearer <key>` (OpenAI SDKs) and `Authorization:
 Api-Key <key>` (openpi-client). The key's principal is what per-principal session caps
-count; it lands in `scope["state"]["principal"]` (`request.state.principal`). With no
-keys configured every caller is the admin principal `anonymous`. Without a valid key
-every route except the open ones (`/health`, `/healthz`, and a plain GET of the pages `/` and `/demo`) answers 401 in the OpenAI
-error shape; a WebSocket handshake is refused with 401 where the server supports
-handshake responses, else closed with 1008 (policy violation).
+count; `principal_of(request)` reads it. With no keys configured every caller is the
+admin principal `anonymous`. Without a valid key every route except the open ones
+(`/health`, `/healthz`, and a plain GET of the pages `/` and `/demo`) answers 401 in
+the OpenAI error shape; a WebSocket handshake gets that 401 before any upgrade.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable
+
+from aiohttp import web
+
+from omni_rt.errors import ClientError
+from protocols.http import error_response
 
 ANONYMOUS = "anonymous"
 OPEN_PATHS = frozenset({"/health", "/healthz"})
 # Pages anyone may load with a plain GET (they hold no data; what they call needs a key).
 OPEN_PAGES = frozenset({"/", "/demo"})
 
-Scope = dict[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,13 @@ class Principal:
     admin: bool = False
 
 
-def principal_of(conn: Any) -> Principal:
-    """The caller of a request or WebSocket (set by AuthMiddleware; without it, the
-    anonymous admin)."""
-    return getattr(conn.state, "principal", None) or Principal(ANONYMOUS, admin=True)
+PRINCIPAL = web.RequestKey("principal", Principal)
+
+
+def principal_of(request: web.Request) -> Principal:
+    """The caller of a request or WebSocket handshake (set by the auth middleware;
+    without it, the anonymous admin)."""
+    return request.get(PRINCIPAL) or Principal(ANONYMOUS, admin=True)
 
 
 def _digest(key: str) -> bytes:
@@ -67,58 +71,29 @@ class KeyRing:
         return self._keys.get(_digest(key.strip()))
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope.get("headers", ()):
-        if k.lower() == name:
-            return v.decode("latin-1")
-    return None
+_UNAUTHORIZED = ClientError(
+    "Incorrect or missing API key. Send 'Authorization: Bearer <key>' or 'Authorization: Api-Key <key>'.",
+    code="invalid_api_key",
+    http_status=401,
+    headers={"www-authenticate": "Bearer"},
+)
 
 
-_UNAUTHORIZED = json.dumps(
-    {
-        "error": {
-            "message": "Incorrect or missing API key. Send 'Authorization: Bearer <key>' or 'Authorization: Api-Key <key>'.",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
-).encode()
+def _is_upgrade(request: web.Request) -> bool:
+    return request.headers.get("upgrade", "").lower() == "websocket"
 
 
-class AuthMiddleware:
-    def __init__(self, app: ASGIApp, keys: KeyRing, open_paths: frozenset[str] = OPEN_PATHS) -> None:
-        self.app = app
-        self.keys = keys
-        self.open_paths = open_paths
+def auth_middleware(keys: KeyRing, open_paths: frozenset[str] = OPEN_PATHS) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Every request (WebSocket handshakes included: they are answered with a plain
+    HTTP 401 before any upgrade) gets its principal or a 401 in the OpenAI shape."""
 
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]], send: Callable[[Any], Awaitable[None]]) -> None:
-        if scope["type"] not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        principal = self.keys.principal_for(_header(scope, b"authorization"))
-        path = scope.get("path")
-        page = scope["type"] == "http" and scope.get("method") in ("GET", "HEAD") and path in OPEN_PAGES
-        if principal is None and path not in self.open_paths and not page:
-            if scope["type"] == "http":
-                await _send_401(send, "http.response")
-            elif "websocket.http.response" in scope.get("extensions", {}):
-                await receive()  # websocket.connect
-                await _send_401(send, "websocket.http.response")
-            else:
-                await receive()
-                await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
-            return
-        scope.setdefault("state", {})["principal"] = principal or Principal(ANONYMOUS)
-        await self.app(scope, receive, send)
+    @web.middleware
+    async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        principal = keys.principal_for(request.headers.get("authorization"))
+        page = request.method in ("GET", "HEAD") and request.path in OPEN_PAGES and not _is_upgrade(request)
+        if principal is None and request.path not in open_paths and not page:
+            return error_response(_UNAUTHORIZED)
+        request[PRINCIPAL] = principal or Principal(ANONYMOUS)
+        return await handler(request)
 
-
-async def _send_401(send: Callable[[Any], Awaitable[None]], prefix: str) -> None:
-    await send(
-        {
-            "type": f"{prefix}.start",
-            "status": 401,
-            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
-        }
-    )
-    await send({"type": f"{prefix}.body", "body": _UNAUTHORIZED})
+    return auth

@@ -18,24 +18,17 @@ import time
 from typing import Any, AsyncIterator, Callable, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_rt import metrics
+from omni_rt.errors import ClientError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
-from omni_rt.request import RequestAborted
 from omni_rt.specs import PipelineSpec
-from omni_rt.stage import StageError
 from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
-from protocols.openai_http import (
-    APIError,
-    _ClosingStreamingResponse,
-    open_oneshot,
-    parse_json,
-    validate_body,
-)
 from protocols.auth import principal_of
+from protocols.http import Streamed, json_response, read_json, send_streamed, validate_body
+from protocols.registry import Mount
 from sessions import SessionManager
 
 AUDIO_PLACEHOLDER = "<|audio|>"
@@ -58,12 +51,12 @@ class ChatRequest(BaseModel):
     audio: AudioParams | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1, le=4096)
-    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    n: int = Field(1, ge=1, le=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=4096)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    n: int = Field(default=1, ge=1, le=1)
 
 
 def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, list[tuple[str, str]]]:
@@ -74,26 +67,26 @@ def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, list[tuple[str, st
     if isinstance(content, str):
         return content, []
     if not isinstance(content, list):
-        raise APIError(400, f"Invalid type for 'messages[{i}].content': expected a string or an array.", param=f"messages[{i}].content", code="invalid_type")
+        raise ClientError(f"Invalid type for 'messages[{i}].content': expected a string or an array.", param=f"messages[{i}].content", code="invalid_type")
     texts: list[str] = []
     audio: list[tuple[str, str]] = []
     for j, part in enumerate(content):
         p = f"messages[{i}].content[{j}]"
         if not isinstance(part, dict):
-            raise APIError(400, f"Invalid type for '{p}': expected an object.", param=p, code="invalid_type")
+            raise ClientError(f"Invalid type for '{p}': expected an object.", param=p, code="invalid_type")
         t = part.get("type")
         if t == "text":
             if not isinstance(part.get("text"), str):
-                raise APIError(400, f"Missing required parameter: '{p}.text'.", param=f"{p}.text", code="missing_required_parameter")
+                raise ClientError(f"Missing required parameter: '{p}.text'.", param=f"{p}.text", code="missing_required_parameter")
             texts.append(part["text"])
         elif t == "input_audio":
             ia = part.get("input_audio")
             if not isinstance(ia, dict) or not isinstance(ia.get("data"), str):
-                raise APIError(400, f"Missing required parameter: '{p}.input_audio.data'.", param=f"{p}.input_audio.data", code="missing_required_parameter")
+                raise ClientError(f"Missing required parameter: '{p}.input_audio.data'.", param=f"{p}.input_audio.data", code="missing_required_parameter")
             audio.append((p, ia["data"]))
             texts.append(AUDIO_PLACEHOLDER)
         else:
-            raise APIError(400, f"Invalid content part type {t!r} at '{p}'; supported: text, input_audio.", param=f"{p}.type", code="invalid_value")
+            raise ClientError(f"Invalid content part type {t!r} at '{p}'; supported: text, input_audio.", param=f"{p}.type", code="invalid_value")
     return " ".join(texts), audio
 
 
@@ -104,11 +97,11 @@ def _decode_audio_parts(parts: list[tuple[str, str]]) -> np.ndarray:
         try:
             raw = base64.b64decode(data, validate=True)
         except ValueError:
-            raise APIError(400, f"'{p}.input_audio.data' is not valid base64.", param=f"{p}.input_audio.data", code="invalid_value") from None
+            raise ClientError(f"'{p}.input_audio.data' is not valid base64.", param=f"{p}.input_audio.data", code="invalid_value") from None
         try:
             audio = decode_audio(raw)
         except AudioFormatError as exc:
-            raise APIError(400, f"'{p}.input_audio': {exc.message}.", param=f"{p}.input_audio", code="invalid_value") from None
+            raise ClientError(f"'{p}.input_audio': {exc.message}.", param=f"{p}.input_audio", code="invalid_value") from None
     assert audio is not None
     return audio
 
@@ -122,7 +115,7 @@ class ChatService:
         """The request, its messages, its audio parts (not decoded yet), voice, format."""
         req = validate_body(ChatRequest, raw)
         if req.model not in self.pipeline.models:
-            raise APIError(400, f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
+            raise ClientError(f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         messages: list[dict[str, str]] = []
         audio: list[tuple[str, str]] = []
         for i, m in enumerate(req.messages):
@@ -130,7 +123,7 @@ class ChatService:
             if role == "developer":
                 role = "system"
             if role not in ("system", "user", "assistant"):
-                raise APIError(400, f"Invalid value for 'messages[{i}].role': {role!r}.", param=f"messages[{i}].role", code="invalid_value")
+                raise ClientError(f"Invalid value for 'messages[{i}].role': {role!r}.", param=f"messages[{i}].role", code="invalid_value")
             text, parts = _content_parts(m, i)
             audio += parts
             messages.append({"role": role, "content": text})
@@ -138,23 +131,24 @@ class ChatService:
         voice = fmt = None
         if want_audio:
             if req.audio is None:
-                raise APIError(400, "'audio' is required when modalities include 'audio'.", param="audio", code="missing_required_parameter")
+                raise ClientError("'audio' is required when modalities include 'audio'.", param="audio", code="missing_required_parameter")
             voice = self.pipeline.voices.get(req.audio.voice.lower())
             if voice is None:
-                raise APIError(400, f"Unknown voice '{req.audio.voice}'; available: {', '.join(sorted(self.pipeline.voices))}.", param="audio.voice", code="invalid_value")
+                raise ClientError(f"Unknown voice '{req.audio.voice}'; available: {', '.join(sorted(self.pipeline.voices))}.", param="audio.voice", code="invalid_value")
             fmt = AUDIO_FORMATS.get(req.audio.format)
             if fmt is None or fmt not in available_formats():
-                raise APIError(400, f"Unsupported audio.format '{req.audio.format}'; use one of {', '.join(AUDIO_FORMATS)}.", param="audio.format", code="invalid_value")
+                raise ClientError(f"Unsupported audio.format '{req.audio.format}'; use one of {', '.join(AUDIO_FORMATS)}.", param="audio.format", code="invalid_value")
             if req.stream and fmt != "pcm":
-                raise APIError(400, "Streaming audio output supports audio.format 'pcm16' only.", param="audio.format", code="invalid_value")
+                raise ClientError("Streaming audio output supports audio.format 'pcm16' only.", param="audio.format", code="invalid_value")
         return req, messages, audio, voice, fmt
 
-    async def complete(self, raw: Any, principal: str) -> Response:
+    async def complete(self, raw: Any, principal: str) -> tuple[dict[str, Any], dict[str, str]] | Streamed:
+        """The answer: a chat.completion body (and its headers), or the SSE stream."""
         req, messages, audio_parts, voice, fmt = self.validate(raw)
         # decoding input audio can take a while: off the event loop
         audio = await asyncio.to_thread(_decode_audio_parts, audio_parts) if audio_parts else None
         t0 = time.monotonic()
-        session = await open_oneshot(self.sessions, self.pipeline.name, principal)
+        session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
         try:
             params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
             for key in ("temperature", "top_p"):  # the thinker's own defaults otherwise
@@ -182,10 +176,8 @@ class ChatService:
                     else:
                         pcm.append(p.arrays["pcm"])
                     session.touch()
-            except StageError as exc:
-                raise APIError(500, f"generation failed: {exc}", type="server_error", code="generation_failed") from None
             except RequestAborted as exc:
-                raise APIError(503, f"the request was stopped ({session.close_reason or exc.reason})", type="server_error", code="session_closed") from None
+                raise OmniError(f"the request was stopped ({session.close_reason or exc.reason})", code="session_closed", http_status=503) from None
             finally:
                 await self.sessions.end(session, "completed")
             usage = self._usage(stream.done.usage if stream.done else None)
@@ -199,12 +191,12 @@ class ChatService:
             metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
             body = {"id": cid, "object": "chat.completion", "created": created, "model": req.model,
                     "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}], "usage": usage}
-            return JSONResponse(body, headers={"x-session-id": session.id})
+            return body, {"x-session-id": session.id}
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        return _ClosingStreamingResponse(
+        return Streamed(
             self._sse(session, stream, cid, created, req.model, voice is not None, include_usage, t0),
+            "text/event-stream",
             lambda: self.sessions.end(session, "client_disconnected"),
-            media_type="text/event-stream",
             headers={"x-session-id": session.id},
         )
 
@@ -255,19 +247,22 @@ class ChatService:
             yield b"data: [DONE]\n\n"
             outcome = "completed"
             metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
-        except (StageError, RequestAborted) as exc:
+        except OmniError as exc:
             outcome = "failed"
-            err = {"message": f"generation stopped: {exc}", "type": "server_error", "param": None, "code": "generation_failed"}
+            err = {"message": f"generation stopped: {exc.public_message()}", "type": "server_error", "param": None, "code": "generation_failed"}
             yield f"data: {json.dumps({'error': err})}\n\n".encode()
         finally:
             await asyncio.shield(self.sessions.end(session, outcome))
 
 
-def build_chat_router(chat: ChatService) -> APIRouter:
-    router = APIRouter()
+def mount(m: Mount) -> None:
+    chat = ChatService(m.sessions, m.pipeline)
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await chat.complete(await parse_json(request), principal_of(request).name)
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        reply = await chat.complete(await read_json(request), principal_of(request).name)
+        if isinstance(reply, Streamed):
+            return await send_streamed(request, reply)
+        body, headers = reply
+        return json_response(body, headers=headers)
 
-    return router
+    m.route("POST", "/v1/chat/completions", chat_completions, "chat, text and audio (OpenAI)")

@@ -44,24 +44,23 @@ from typing import Any, Mapping
 
 import numpy as np
 import soxr
-from fastapi import APIRouter, WebSocket
-from starlette.websockets import WebSocketDisconnect
+from aiohttp import web
 
 from omni_rt import metrics
+from omni_rt.errors import WS_INTERNAL_ERROR, WS_POLICY_VIOLATION, ClientError, OmniError
 from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import Pcm16Resampler
 from protocols.auth import principal_of
+from protocols.errors import error_event, to_omni
 from protocols.realtime import (
     RATE,
-    ClientError,
     RealtimeConnection,
     TurnDetection,
     apply_session_update,
-    close_websocket,
-    next_message,
     wire_data,
 )
-from protocols.sessions_api import realtime_error_event, reject_websocket
+from protocols.registry import Mount
+from protocols.ws import DISCONNECTED, Socket, accept, reject
 from sessions import Session, SessionError, SessionEvent, SessionGone, SessionManager, SessionState
 
 log = logging.getLogger("protocols.duplex")
@@ -73,7 +72,6 @@ MAX_FRAME_BYTES = 1 << 20
 HEARTBEAT_S = 5.0
 PACING_LEAD_S = 0.1  # paced audio is sent this far ahead of real time (network jitter)
 SEND_TIMEOUT_S = 10.0  # a paced send blocked this long: the client is not reading
-WS_INTERNAL_ERROR = 1011
 
 
 class DuplexConnection(RealtimeConnection):
@@ -118,7 +116,7 @@ class DuplexConnection(RealtimeConnection):
         """The duplex keys of a session.update (rates, output transport); the rest goes
         through the realtime rules."""
         if not isinstance(body, Mapping):
-            raise ClientError("invalid_type", "'session' must be an object.", "session")
+            raise ClientError("'session' must be an object.", code="invalid_type", param="session")
         body = json.loads(json.dumps(body))  # a copy we may strip
         audio = body.get("audio")
         in_rate, out_rate, binary, paced = self.in_rate, self.out_rate, self.binary_out, self.paced
@@ -130,10 +128,10 @@ class DuplexConnection(RealtimeConnection):
                 fmt = part.pop("format")
                 param = f"session.audio.{side}.format"
                 if not isinstance(fmt, Mapping) or fmt.get("type", "audio/pcm") != "audio/pcm":
-                    raise ClientError("invalid_value", f"'{param}' must be {{type: audio/pcm, rate: N}}.", param)
+                    raise ClientError(f"'{param}' must be {{type: audio/pcm, rate: N}}.", code="invalid_value", param=param)
                 rate = fmt.get("rate", RATE)
                 if not isinstance(rate, int) or isinstance(rate, bool) or rate not in RATES:
-                    raise ClientError("invalid_value", f"Unsupported sample rate {rate!r}; use one of {', '.join(map(str, RATES))}.", f"{param}.rate")
+                    raise ClientError(f"Unsupported sample rate {rate!r}; use one of {', '.join(map(str, RATES))}.", code="invalid_value", param=f"{param}.rate")
                 if side == "input":
                     in_rate = rate
                 else:
@@ -142,16 +140,16 @@ class DuplexConnection(RealtimeConnection):
             if isinstance(out, dict) and "transport" in out:
                 t = out.pop("transport")
                 if t not in ("json", "binary"):
-                    raise ClientError("invalid_value", "'session.audio.output.transport' must be 'json' or 'binary'.", "session.audio.output.transport")
+                    raise ClientError("'session.audio.output.transport' must be 'json' or 'binary'.", code="invalid_value", param="session.audio.output.transport")
                 binary = t == "binary"
             if isinstance(out, dict) and "pacing" in out:
                 pacing = out.pop("pacing")
                 if pacing not in ("none", "realtime"):
-                    raise ClientError("invalid_value", "'session.audio.output.pacing' must be 'none' or 'realtime'.", "session.audio.output.pacing")
+                    raise ClientError("'session.audio.output.pacing' must be 'none' or 'realtime'.", code="invalid_value", param="session.audio.output.pacing")
                 paced = pacing == "realtime"
         for key in ("input_audio_format", "output_audio_format"):
             if key in body:
-                raise ClientError("invalid_value", f"'session.{key}' is the beta shape; use session.audio.*.format.", f"session.{key}")
+                raise ClientError(f"'session.{key}' is the beta shape; use session.audio.*.format.", code="invalid_value", param=f"session.{key}")
         cfg = apply_session_update(self.cfg, body, self.pipeline.voices)
         self.cfg, self.binary_out, self.paced = cfg, binary, paced
         if in_rate != self.in_rate:
@@ -163,11 +161,11 @@ class DuplexConnection(RealtimeConnection):
     async def audio_frame(self, frame: bytes) -> None:
         if len(frame) < 2 or frame[0] != AUDIO_FRAME:
             kind = f"0x{frame[0]:02x}" if frame else "empty"
-            raise ClientError("invalid_frame", f"Binary frames are [0x01][PCM16 audio]; got a {kind} frame of {len(frame)} bytes.")
+            raise ClientError(f"Binary frames are [0x01][PCM16 audio]; got a {kind} frame of {len(frame)} bytes.", code="invalid_frame")
         if len(frame) - 1 > MAX_FRAME_BYTES:
-            raise ClientError("invalid_frame", f"An audio frame may carry at most {MAX_FRAME_BYTES} bytes.")
+            raise ClientError(f"An audio frame may carry at most {MAX_FRAME_BYTES} bytes.", code="invalid_frame")
         if (len(frame) - 1) % 2:
-            raise ClientError("invalid_frame", "Audio frames carry 16-bit PCM: an even number of bytes after the type byte.")
+            raise ClientError("Audio frames carry 16-bit PCM: an even number of bytes after the type byte.", code="invalid_frame")
         await self.append_input(np.frombuffer(frame, "<i2", offset=1).astype(np.float32) / 32768.0)
 
     async def append_input(self, pcm: np.ndarray) -> None:
@@ -185,10 +183,10 @@ class DuplexConnection(RealtimeConnection):
     def ack(self, ev: Mapping[str, Any]) -> None:
         rid, played = ev.get("response_id"), ev.get("played_ms")
         if not isinstance(played, int) or isinstance(played, bool) or played < 0:
-            raise ClientError("invalid_value", "'played_ms' must be a non-negative integer.", "played_ms")
+            raise ClientError("'played_ms' must be a non-negative integer.", code="invalid_value", param="played_ms")
         item = self.played.get(rid) if isinstance(rid, str) else None
         if item is None:
-            raise ClientError("response_not_found", f"No response {rid!r} with audio on this session.", "response_id")
+            raise ClientError(f"No response {rid!r} with audio on this session.", code="response_not_found", param="response_id")
         item.heard_ms = max(item.heard_ms or 0, min(played, item.audio_ms))
 
     async def speech_started(self, at_ms: int, td: TurnDetection) -> None:
@@ -212,7 +210,7 @@ class DuplexConnection(RealtimeConnection):
     async def dispatch(self, t: str, ev: dict[str, Any], event_id: str | None) -> None:
         if t == "session.update":
             if "session" not in ev:
-                raise ClientError("missing_required_parameter", "Missing required parameter: 'session'.", "session")
+                raise ClientError("Missing required parameter: 'session'.", code="missing_required_parameter", param="session")
             self._update(ev["session"])
             self.emit("session.updated", session=self.session_wire())
         elif t == "playback.ack":
@@ -222,7 +220,7 @@ class DuplexConnection(RealtimeConnection):
         elif t == "session.close":
             await self.sessions.end(self.session, "client_closed")
         elif t == "session.resume":
-            raise ClientError("invalid_value", "session.resume must be the first event on a new connection.", "type")
+            raise ClientError("session.resume must be the first event on a new connection.", code="invalid_value", param="type")
         else:
             await super().dispatch(t, ev, event_id)
 
@@ -238,7 +236,7 @@ class DuplexConnection(RealtimeConnection):
             return bytes([AUDIO_FRAME]) + data["delta"]
         return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **wire_data(data)})
 
-    async def write(self, ws: WebSocket) -> None:
+    async def write(self, sock: Socket) -> None:
         """This attachment's writer: events as they come, or with pacing "realtime",
         audio cut into 20 ms frames sent in real time (PACING_LEAD_S ahead), the other
         events in order between them. Unsent events go back to the session when the
@@ -263,7 +261,7 @@ class DuplexConnection(RealtimeConnection):
             wake.set()
 
         async def send(out: str | bytes) -> None:
-            sending = ws.send_bytes(out) if isinstance(out, bytes) else ws.send_text(out)
+            sending = sock.send(out)
             if not self.paced:
                 await sending
                 return
@@ -324,30 +322,30 @@ class DuplexConnection(RealtimeConnection):
         return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **data})
 
 
-def _refusal(exc: SessionError, session_id: str) -> dict[str, Any]:
+def _refusal(exc: OmniError, session_id: str) -> dict[str, Any]:
     if isinstance(exc, SessionGone):
         return {"type": "session.expired", "session_id": session_id, "reason": exc.reason}
-    return realtime_error_event(exc)
+    return error_event(exc)
 
 
-def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> APIRouter:
-    router = APIRouter()
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
 
     async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, DuplexConnection]:
         if not isinstance(sid, str) or not sid:
-            raise ClientError("missing_required_parameter", "Missing required parameter: 'session_id'.", "session_id")
+            raise ClientError("Missing required parameter: 'session_id'.", code="missing_required_parameter", param="session_id")
         s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
         conn = s.data.get("duplex")
         if not isinstance(conn, DuplexConnection):  # a session of another kind
-            raise ClientError("invalid_value", f"Session {sid} is not a duplex session.", "session_id")
+            raise ClientError(f"Session {sid} is not a duplex session.", code="invalid_value", param="session_id")
         return s, conn
 
-    async def attach(ws: WebSocket, session: Session, conn: DuplexConnection, first: bool, principal: str) -> tuple[Session, DuplexConnection] | None:
+    async def attach(sock: Socket, session: Session, conn: DuplexConnection, first: bool, principal: str) -> tuple[Session, DuplexConnection] | None:
         """Serve one attachment. Returns the session to switch to when the client
         resumes another one as its first event; None when this connection is over."""
         gen = session.attachment
         loop = asyncio.get_running_loop()
-        writer = loop.create_task(conn.write(ws))
+        writer = loop.create_task(conn.write(sock))
         ended = asyncio.ensure_future(session.closed.wait())
 
         async def heartbeat() -> None:
@@ -359,7 +357,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
         beat = loop.create_task(heartbeat())
         switch: tuple[Session, DuplexConnection] | None = None
         try:
-            while (data := await next_message(ws, writer, ended)) is not None:
+            while (data := await sock.receive(writer, ended)) is not None:
                 if isinstance(data, bytes) and data[:1] != b"{":
                     try:
                         session.touch()
@@ -396,34 +394,30 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
             await sessions.detach(session.id)  # resumable for disconnect_grace_s
         return None
 
-    @router.websocket("/v1/duplex")
-    async def duplex(ws: WebSocket) -> None:
-        principal = principal_of(ws).name
-        model = ws.query_params.get("model") or pipeline.models[0]
+    async def duplex(request: web.Request) -> web.StreamResponse:
+        principal = principal_of(request).name
+        model = request.query.get("model") or pipeline.models[0]
         session: Session | None = None
+        sock: Socket | None = None
         try:
-            if ws.query_params.get("session_id"):
-                await ws.accept()
-                sid = ws.query_params["session_id"]
+            if request.query.get("session_id"):
+                sock = await accept(request)
+                sid = request.query["session_id"]
                 try:
-                    session, conn = await resume(sid, ws.query_params.get("resume_token"), principal)
+                    session, conn = await resume(sid, request.query.get("resume_token"), principal)
                 except (SessionError, ClientError) as exc:
-                    if isinstance(exc, ClientError):
-                        await ws.send_json({"type": "error", "error": {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param}})
-                    else:
-                        await ws.send_json(_refusal(exc, sid))
-                    await close_websocket(ws, 1008, "resume refused")
-                    return
+                    await sock.send_json(_refusal(exc, sid))
+                    await sock.close(WS_POLICY_VIOLATION, "resume refused")
+                    return sock.ws
                 resumed = True
             else:
                 try:
                     session = await sessions.open("duplex", pipeline.name, principal=principal)
                 except SessionError as exc:
-                    await reject_websocket(ws, exc)
-                    return
+                    return await reject(request, exc)
                 conn = DuplexConnection(session, sessions, pipeline, model)
                 _own(session, conn)
-                await ws.accept()
+                sock = await accept(request)
                 conn.emit("session.created", session=conn.session_wire(), resume_token=session.issue_resume_token())
                 resumed = False
             first = not resumed
@@ -431,7 +425,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
                 if resumed:
                     dropped = session.dropped_events - session.data.get("dropped_seen", 0)
                     session.data["dropped_seen"] = session.dropped_events
-                    await ws.send_text(
+                    await sock.send(
                         conn.direct(
                             "session.resumed",
                             session=conn.session_wire(),
@@ -440,7 +434,7 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
                             dropped_events=dropped,
                         )
                     )
-                nxt = await attach(ws, session, conn, first, principal)
+                nxt = await attach(sock, session, conn, first, principal)
                 if nxt is None:
                     break
                 # the client resumed an older session: the fresh one is not needed
@@ -448,26 +442,31 @@ def build_duplex_router(sessions: SessionManager, pipeline: PipelineSpec) -> API
                 session, conn = nxt
                 await sessions.end(fresh, "replaced_by_resume")
                 resumed, first = True, False
-        except (WebSocketDisconnect, RuntimeError, ConnectionError):
+        except DISCONNECTED:
             if session is not None and session.state == SessionState.ACTIVE:
                 await sessions.detach(session.id)
-        except Exception as exc:  # noqa: BLE001 - a fault: tell the client, close 1011
-            log.exception("duplex session %s failed", session.id if session else "-")
-            try:
-                await ws.send_json({"type": "error", "error": {"type": "server_error", "code": "internal_error", "message": str(exc) or type(exc).__name__, "param": None}})
-            except Exception:  # noqa: BLE001
-                pass
+        except Exception as exc:  # noqa: BLE001 - a fault: tell the client, end the session, close 1011
+            err = to_omni(exc, f"duplex session {session.id if session else '-'}")
+            if sock is not None:
+                try:
+                    await sock.send_json(error_event(err))
+                except DISCONNECTED:
+                    pass
             if session is not None:
                 await sessions.end(session, "server_error")
-            await close_websocket(ws, WS_INTERNAL_ERROR, "internal error")
-            return
+            if sock is not None:
+                await sock.close(WS_INTERNAL_ERROR, "internal error")
+                return sock.ws
+            raise
+        assert sock is not None
         if session is not None and session.state == SessionState.CLOSED:
             reason = session.close_reason or ""
-            await close_websocket(ws, 1008 if reason == "slow_consumer" else 1000, reason)
+            await sock.close(WS_POLICY_VIOLATION if reason == "slow_consumer" else 1000, reason)
         else:
-            await close_websocket(ws)
+            await sock.close()
+        return sock.ws
 
-    return router
+    m.websocket("/v1/duplex", duplex, "full-duplex voice with resume")
 
 
 def _own(session: Session, conn: DuplexConnection) -> None:

@@ -17,19 +17,18 @@ import base64
 import io
 import re
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import numpy as np
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_rt import metrics
-from omni_rt.request import RequestAborted
+from omni_rt.errors import ClientError, OmniError, RequestAborted
 from omni_rt.specs import PipelineSpec
-from omni_rt.stage import StageError
 from protocols.auth import principal_of
-from protocols.openai_http import APIError, open_oneshot, parse_json, validate_body
+from protocols.http import json_response, read_json, validate_body
+from protocols.registry import Mount
 from sessions import SessionManager
 
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
@@ -40,11 +39,11 @@ class ImageRequest(BaseModel):
 
     prompt: str = Field(min_length=1, max_length=32000)
     model: str | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(default=1, ge=1)
     size: str | None = None
     response_format: Literal["b64_json", "url"] | None = None
     output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: int | None = Field(None, ge=0, le=100)
+    output_compression: int | None = Field(default=None, ge=0, le=100)
     quality: str | None = None
     style: str | None = None
     background: str | None = None
@@ -52,10 +51,10 @@ class ImageRequest(BaseModel):
     user: str | None = None
     stream: Literal[False] | None = None
     # extensions
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    negative_prompt: str | None = Field(None, max_length=32000)
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0, le=50)
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    negative_prompt: str | None = Field(default=None, max_length=32000)
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0, le=50)
 
 
 def encode_image(img: np.ndarray, fmt: str, compression: int | None) -> bytes:
@@ -69,6 +68,13 @@ def encode_image(img: np.ndarray, fmt: str, compression: int | None) -> bytes:
     return buf.getvalue()
 
 
+@runtime_checkable
+class ImageModel(Protocol):
+    """What this wire needs from the image pipeline's stage."""
+
+    def limits(self) -> dict[str, Any]: ...
+
+
 class ImageService:
     def __init__(self, sessions: SessionManager, pipeline: PipelineSpec, limits: Callable[[], dict[str, Any]]) -> None:
         self.sessions = sessions
@@ -79,28 +85,26 @@ class ImageService:
         req = validate_body(ImageRequest, raw)
         lim = self.limits()
         if req.model is not None and req.model not in self.pipeline.models:
-            raise APIError(400, f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
+            raise ClientError(f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         if req.response_format == "url":
-            raise APIError(400, "response_format 'url' is not supported (this server stores no images); use 'b64_json'.", param="response_format", code="invalid_value")
+            raise ClientError("response_format 'url' is not supported (this server stores no images); use 'b64_json'.", param="response_format", code="invalid_value")
         if req.n > lim["max_n"]:
-            raise APIError(400, f"Invalid 'n': {req.n}; at most {lim['max_n']} images per request.", param="n", code="invalid_value")
+            raise ClientError(f"Invalid 'n': {req.n}; at most {lim['max_n']} images per request.", param="n", code="invalid_value")
         size = req.size or "auto"
         if size == "auto":
             size = lim["default_size"]
         m = re.fullmatch(r"(\d{1,5})x(\d{1,5})", size)
         mult, side = lim["size_multiple"], lim["max_side"]
         if m is None or not all(mult <= int(v) <= side and int(v) % mult == 0 for v in m.groups()):
-            raise APIError(
-                400,
-                f"Unsupported size '{req.size}': use 'auto' or 'WIDTHxHEIGHT' with each side a multiple of {mult} between {mult} and {side}.",
+            raise ClientError(f"Unsupported size '{req.size}': use 'auto' or 'WIDTHxHEIGHT' with each side a multiple of {mult} between {mult} and {side}.",
                 param="size",
                 code="invalid_value",
             )
         steps = req.num_inference_steps or lim["default_steps"]
         if steps > lim["max_steps"]:
-            raise APIError(400, f"Invalid 'num_inference_steps': {steps}; at most {lim['max_steps']}.", param="num_inference_steps", code="invalid_value")
+            raise ClientError(f"Invalid 'num_inference_steps': {steps}; at most {lim['max_steps']}.", param="num_inference_steps", code="invalid_value")
         if req.output_compression is not None and req.output_format == "png":
-            raise APIError(400, "output_compression applies to jpeg and webp only.", param="output_compression", code="invalid_value")
+            raise ClientError("output_compression applies to jpeg and webp only.", param="output_compression", code="invalid_value")
         width, height = (int(v) for v in m.groups())
         params = {
             "prompt": req.prompt,
@@ -114,10 +118,10 @@ class ImageService:
         }
         return req, params
 
-    async def generate(self, raw: Any, principal: str) -> JSONResponse:
+    async def generate(self, raw: Any, principal: str) -> web.Response:
         req, params = self.validate(raw)
         t0 = time.monotonic()
-        session = await open_oneshot(self.sessions, self.pipeline.name, principal)
+        session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
         images: dict[int, np.ndarray] = {}
         outcome = "failed"
         try:
@@ -129,10 +133,8 @@ class ImageService:
                     if "image" in p.arrays:
                         images[int(p.meta["index"])] = p.arrays["image"]
             outcome = "completed"
-        except StageError as exc:
-            raise APIError(500, f"generation failed: {exc}", type="server_error", code="generation_failed") from None
         except RequestAborted as exc:
-            raise APIError(503, f"the request was stopped ({session.close_reason or exc.reason})", type="server_error", code="session_closed") from None
+            raise OmniError(f"the request was stopped ({session.close_reason or exc.reason})", code="session_closed", http_status=503) from None
         finally:
             await asyncio.shield(self.sessions.end(session, outcome))
         fmt = req.output_format
@@ -145,14 +147,13 @@ class ImageService:
             "size": f"{params['width']}x{params['height']}",
             "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0, "images": len(encoded), "steps": params["steps"] * req.n},
         }
-        return JSONResponse(body, headers={"x-session-id": session.id})
+        return json_response(body, headers={"x-session-id": session.id})
 
 
-def build_images_router(images: ImageService) -> APIRouter:
-    router = APIRouter()
+def mount(m: Mount) -> None:
+    images = ImageService(m.sessions, m.pipeline, m.processor(ImageModel).limits)
 
-    @router.post("/v1/images/generations")
-    async def generations(request: Request) -> JSONResponse:
-        return await images.generate(await parse_json(request), principal_of(request).name)
+    async def generations(request: web.Request) -> web.StreamResponse:
+        return await images.generate(await read_json(request), principal_of(request).name)
 
-    return router
+    m.route("POST", "/v1/images/generations", generations, "text to image (OpenAI)")

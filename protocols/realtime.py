@@ -25,18 +25,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import numpy as np
-from fastapi import APIRouter, WebSocket
-from starlette.websockets import WebSocketDisconnect, WebSocketState
+from aiohttp import web
 
 from omni_rt import metrics
+from omni_rt.errors import WS_POLICY_VIOLATION, ClientError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
-from omni_rt.request import RequestAborted, RequestStream
+from omni_rt.request import RequestStream
 from omni_rt.specs import PipelineSpec
-from omni_rt.stage import StageError
 from protocols.audio_formats import pcm16_bytes
 from protocols.auth import principal_of
-from protocols.sessions_api import reject_websocket
-from sessions import Session, SessionError, SessionEvent, SessionManager
+from protocols.errors import error_event, to_omni
+from protocols.registry import Mount
+from protocols.ws import DISCONNECTED, Socket, accept, numbered_json, reject, write_events
+from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.realtime")
 
@@ -59,14 +60,6 @@ GA_NAMES = {
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(10)}"
-
-
-class ClientError(Exception):
-    """A bad client event: answered with an `error` event, the socket stays open."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.code, self.message, self.param, self.type = code, message, param, type
 
 
 # ---- session configuration ----------------------------------------------------------------
@@ -142,31 +135,29 @@ def _want(obj: Mapping[str, Any], key: str, typ: type | tuple[type, ...], param:
     v = obj[key]
     if not isinstance(v, typ) or (typ in (int, float, (int, float)) and isinstance(v, bool)):
         names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
-        raise ClientError("invalid_type", f"'{param}' must be {names}, got {type(v).__name__}.", param)
+        raise ClientError(f"'{param}' must be {names}, got {type(v).__name__}.", code="invalid_type", param=param)
     return v
 
 
 def _modalities(v: Any, param: str) -> bool:
     if not isinstance(v, list) or not v or not all(m in ("text", "audio") for m in v):
-        raise ClientError("invalid_value", f"'{param}' must be a list of 'text' / 'audio'.", param)
+        raise ClientError(f"'{param}' must be a list of 'text' / 'audio'.", code="invalid_value", param=param)
     return "audio" in v
 
 
 def _format(v: Any, param: str) -> None:
     ok = v == "pcm16" or (isinstance(v, Mapping) and v.get("type") == "audio/pcm" and v.get("rate", RATE) == RATE)
     if not ok:
-        raise ClientError(
-            "invalid_value", f"Unsupported audio format {json.dumps(v)}; use pcm16 (audio/pcm at {RATE} Hz).", param
-        )
+        raise ClientError(f"Unsupported audio format {json.dumps(v)}; use pcm16 (audio/pcm at {RATE} Hz).", code="invalid_value", param=param)
 
 
 def _turn_detection(v: Any, param: str, current: TurnDetection | None) -> TurnDetection | None:
     if v is None:
         return None
     if not isinstance(v, Mapping):
-        raise ClientError("invalid_type", f"'{param}' must be an object or null.", param)
+        raise ClientError(f"'{param}' must be an object or null.", code="invalid_type", param=param)
     if v.get("type", "server_vad") != "server_vad":
-        raise ClientError("invalid_value", f"'{param}.type' {v.get('type')!r} is not supported; use server_vad or null.", f"{param}.type")
+        raise ClientError(f"'{param}.type' {v.get('type')!r} is not supported; use server_vad or null.", code="invalid_value", param=f"{param}.type")
     td = TurnDetection(**(current.__dict__ if current else {}))
     for key, typ in (("threshold", (int, float)), ("prefix_padding_ms", int), ("silence_duration_ms", int)):
         if key in v:
@@ -175,16 +166,16 @@ def _turn_detection(v: Any, param: str, current: TurnDetection | None) -> TurnDe
         if key in v:
             setattr(td, key, _want(v, key, bool, f"{param}.{key}"))
     if not 0.0 < td.threshold < 1.0:
-        raise ClientError("invalid_value", f"'{param}.threshold' must be between 0 and 1.", f"{param}.threshold")
+        raise ClientError(f"'{param}.threshold' must be between 0 and 1.", code="invalid_value", param=f"{param}.threshold")
     if not 0 <= td.prefix_padding_ms <= 5000 or not 0 < td.silence_duration_ms <= 10000:
-        raise ClientError("invalid_value", f"'{param}' padding/silence durations are out of range.", param)
+        raise ClientError(f"'{param}' padding/silence durations are out of range.", code="invalid_value", param=param)
     return td
 
 
 def apply_session_update(cfg: Config, s: Mapping[str, Any], voices: Mapping[str, str]) -> Config:
     """Apply a session.update body (GA nested or beta flat shape) to a copy of `cfg`."""
     if not isinstance(s, Mapping):
-        raise ClientError("invalid_type", "'session' must be an object.", "session")
+        raise ClientError("'session' must be an object.", code="invalid_type", param="session")
     new = Config(**cfg.__dict__)
     if "voice" in s:
         new.voice = _voice(s["voice"], voices, "session.voice")
@@ -206,7 +197,7 @@ def apply_session_update(cfg: Config, s: Mapping[str, Any], voices: Mapping[str,
     audio = s.get("audio")
     if audio is not None:
         if not isinstance(audio, Mapping):
-            raise ClientError("invalid_type", "'session.audio' must be an object.", "session.audio")
+            raise ClientError("'session.audio' must be an object.", code="invalid_type", param="session.audio")
         inp, out = audio.get("input") or {}, audio.get("output") or {}
         if "format" in inp:
             _format(inp["format"], "session.audio.input.format")
@@ -223,16 +214,16 @@ def apply_session_update(cfg: Config, s: Mapping[str, Any], voices: Mapping[str,
 
 def _voice(v: Any, voices: Mapping[str, str], param: str) -> str:
     if not isinstance(v, str) or v.lower() not in voices:
-        raise ClientError("invalid_value", f"Unknown voice {v!r}; available: {', '.join(sorted(voices))}.", param)
+        raise ClientError(f"Unknown voice {v!r}; available: {', '.join(sorted(voices))}.", code="invalid_value", param=param)
     return v.lower()
 
 
 def _temperature(v: Any, param: str) -> float:
     """OpenAI's realtime sampling temperature: a number in [0.6, 1.2]."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ClientError("invalid_type", f"Invalid type for '{param}': expected a decimal.", param)
+        raise ClientError(f"Invalid type for '{param}': expected a decimal.", code="invalid_type", param=param)
     if not 0.6 <= float(v) <= 1.2:
-        raise ClientError("invalid_value", f"Invalid '{param}': {v} is outside [0.6, 1.2].", param)
+        raise ClientError(f"Invalid '{param}': {v} is outside [0.6, 1.2].", code="invalid_value", param=param)
     return float(v)
 
 
@@ -240,7 +231,7 @@ def _max_tokens(v: Any, param: str) -> int | None:
     if v == "inf":
         return None
     if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
-        raise ClientError("invalid_value", f"'{param}' must be an integer 1-4096 or 'inf'.", param)
+        raise ClientError(f"'{param}' must be an integer 1-4096 or 'inf'.", code="invalid_value", param=param)
     return v
 
 
@@ -401,9 +392,9 @@ class RealtimeConnection:
             data["epoch"] = resp.epoch if resp is not None and resp.id == rid else self.session.epoch
         self.session.emit(self.name(type), data, fence=fence)
 
-    def error(self, err: ClientError, event_id: str | None = None) -> None:
-        e = {"type": err.type, "code": err.code, "message": err.message, "param": err.param, "event_id": event_id}
-        self.session.emit("error", {"error": e})
+    def error(self, err: OmniError, event_id: str | None = None) -> None:
+        """A bad client event (or a refused one): an `error` event; the socket stays open."""
+        self.session.emit("error", {"error": error_event(err, event_id)["error"]})
 
     async def shutdown(self, reason: str) -> None:
         """Stop this connection's work (the session is ending or the client left for good)."""
@@ -452,15 +443,15 @@ class RealtimeConnection:
 
     async def append(self, b64: Any, event_id: str | None) -> None:
         if not isinstance(b64, str):
-            raise ClientError("invalid_type", "'audio' must be a base64 string.", "audio")
+            raise ClientError("'audio' must be a base64 string.", code="invalid_type", param="audio")
         if len(b64) > MAX_APPEND_BYTES * 4 // 3 + 4:
-            raise ClientError("invalid_value", f"An append may carry at most {MAX_APPEND_BYTES} bytes of audio.", "audio")
+            raise ClientError(f"An append may carry at most {MAX_APPEND_BYTES} bytes of audio.", code="invalid_value", param="audio")
         try:
             raw = base64.b64decode(b64, validate=True)
         except (binascii.Error, ValueError):
-            raise ClientError("invalid_value", "'audio' is not valid base64.", "audio") from None
+            raise ClientError("'audio' is not valid base64.", code="invalid_value", param="audio") from None
         if len(raw) % 2:
-            raise ClientError("invalid_value", "'audio' must be 16-bit PCM: an even number of bytes.", "audio")
+            raise ClientError("'audio' must be 16-bit PCM: an even number of bytes.", code="invalid_value", param="audio")
         if not raw:
             return
         await self.append_pcm(np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0)
@@ -522,11 +513,8 @@ class RealtimeConnection:
 
     async def commit(self, event_id: str | None) -> None:
         if self.input is None or self.input_ms < MIN_COMMIT_MS:
-            raise ClientError(
-                "input_audio_buffer_commit_empty",
-                f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_MS}ms of audio, "
-                f"but buffer only has {self.input_ms:.2f}ms of audio.",
-            )
+            raise ClientError(f"Error committing input audio buffer: buffer too small. Expected at least {MIN_COMMIT_MS}ms of audio, "
+                f"but buffer only has {self.input_ms:.2f}ms of audio.", code="input_audio_buffer_commit_empty")
         stream, item_id = self.input, self.input_item_id
         assert item_id is not None
         self.input, self.input_item_id, self.input_ms = None, None, 0
@@ -565,24 +553,24 @@ class RealtimeConnection:
     async def item_create(self, ev: Mapping[str, Any]) -> None:
         item = ev.get("item")
         if not isinstance(item, Mapping):
-            raise ClientError("missing_required_parameter", "Missing required parameter: 'item'.", "item")
+            raise ClientError("Missing required parameter: 'item'.", code="missing_required_parameter", param="item")
         if item.get("type", "message") != "message":
-            raise ClientError("invalid_value", f"Item type {item.get('type')!r} is not supported; use 'message'.", "item.type")
+            raise ClientError(f"Item type {item.get('type')!r} is not supported; use 'message'.", code="invalid_value", param="item.type")
         role = item.get("role")
         if role not in ("user", "assistant", "system"):
-            raise ClientError("invalid_value", "'item.role' must be user, assistant or system.", "item.role")
+            raise ClientError("'item.role' must be user, assistant or system.", code="invalid_value", param="item.role")
         content = item.get("content")
         if not isinstance(content, list) or not content:
-            raise ClientError("invalid_value", "'item.content' must be a non-empty list.", "item.content")
+            raise ClientError("'item.content' must be a non-empty list.", code="invalid_value", param="item.content")
         parts: list[dict[str, Any]] = []
         audio: np.ndarray | None = None
         for i, c in enumerate(content):
             if not isinstance(c, Mapping):
-                raise ClientError("invalid_type", f"'item.content[{i}]' must be an object.", f"item.content[{i}]")
+                raise ClientError(f"'item.content[{i}]' must be an object.", code="invalid_type", param=f"item.content[{i}]")
             t = c.get("type")
             if t in ("input_text", "text", "output_text"):
                 if not isinstance(c.get("text"), str):
-                    raise ClientError("invalid_type", f"'item.content[{i}].text' must be a string.", f"item.content[{i}].text")
+                    raise ClientError(f"'item.content[{i}].text' must be a string.", code="invalid_type", param=f"item.content[{i}].text")
                 parts.append({"type": t, "text": c["text"]})
             elif t == "input_audio" and role == "user":
                 raw = c.get("audio")
@@ -591,14 +579,14 @@ class RealtimeConnection:
                 except (binascii.Error, ValueError):
                     data = None
                 if data is None or len(data) % 2 or len(data) > MAX_APPEND_BYTES:
-                    raise ClientError("invalid_value", f"'item.content[{i}].audio' must be base64 16-bit PCM.", f"item.content[{i}].audio")
+                    raise ClientError(f"'item.content[{i}].audio' must be base64 16-bit PCM.", code="invalid_value", param=f"item.content[{i}].audio")
                 audio = np.frombuffer(data, "<i2").astype(np.float32) / 32768.0
                 parts.append({"type": "input_audio", "transcript": c.get("transcript")})
             else:
-                raise ClientError("invalid_value", f"Content type {t!r} is not supported for a {role} item.", f"item.content[{i}].type")
+                raise ClientError(f"Content type {t!r} is not supported for a {role} item.", code="invalid_value", param=f"item.content[{i}].type")
         item_id = item.get("id") if isinstance(item.get("id"), str) else _id("item")
         if item_id in self.items:
-            raise ClientError("invalid_value", f"An item with id '{item_id}' already exists.", "item.id")
+            raise ClientError(f"An item with id '{item_id}' already exists.", code="invalid_value", param="item.id")
         new = Item(item_id, role, parts)
         if audio is not None:
             stream = self.session.submit(outputs={"audio_encoder"}, fenced=False)
@@ -614,9 +602,9 @@ class RealtimeConnection:
     def item_delete(self, ev: Mapping[str, Any]) -> None:
         item_id = ev.get("item_id")
         if not isinstance(item_id, str) or item_id not in self.items:
-            raise ClientError("item_not_found", f"Item with item_id '{item_id}' not found.", "item_id")
+            raise ClientError(f"Item with item_id '{item_id}' not found.", code="item_not_found", param="item_id")
         if self.response is not None and self.response.item.id == item_id:
-            raise ClientError("invalid_value", "The item of the active response cannot be deleted; cancel it first.", "item_id")
+            raise ClientError("The item of the active response cannot be deleted; cancel it first.", code="invalid_value", param="item_id")
         del self.items[item_id]
         self.emit("conversation.item.deleted", item_id=item_id)
 
@@ -624,12 +612,12 @@ class RealtimeConnection:
         item_id = ev.get("item_id")
         item = self.items.get(item_id) if isinstance(item_id, str) else None
         if item is None:
-            raise ClientError("item_not_found", f"Item with item_id '{item_id}' not found.", "item_id")
+            raise ClientError(f"Item with item_id '{item_id}' not found.", code="item_not_found", param="item_id")
         if item.role != "assistant" or not any(c.get("type") in ("output_audio", "audio") for c in item.content):
-            raise ClientError("invalid_value", "Only assistant audio items can be truncated.", "item_id")
+            raise ClientError("Only assistant audio items can be truncated.", code="invalid_value", param="item_id")
         end = ev.get("audio_end_ms")
         if not isinstance(end, int) or isinstance(end, bool) or end < 0:
-            raise ClientError("invalid_value", "'audio_end_ms' must be a non-negative integer.", "audio_end_ms")
+            raise ClientError("'audio_end_ms' must be a non-negative integer.", code="invalid_value", param="audio_end_ms")
         content_index = ev.get("content_index", 0)
         end = min(end, item.audio_ms)  # clamp: the client cannot have heard more than was sent
         # history keeps only what the user heard: the transcript up to that point
@@ -643,14 +631,11 @@ class RealtimeConnection:
     # ---- responses ----
     async def create_response(self, ev: Mapping[str, Any], event_id: str | None) -> None:
         if self.response is not None:
-            raise ClientError(
-                "conversation_already_has_active_response",
-                f"Conversation already has an active response in progress: {self.response.id}. "
-                "Wait until the response is finished before creating a new one.",
-            )
+            raise ClientError(f"Conversation already has an active response in progress: {self.response.id}. "
+                "Wait until the response is finished before creating a new one.", code="conversation_already_has_active_response")
         overrides = ev.get("response") or {}
         if not isinstance(overrides, Mapping):
-            raise ClientError("invalid_type", "'response' must be an object.", "response")
+            raise ClientError("'response' must be an object.", code="invalid_type", param="response")
         cfg = self.cfg
         audio_out = cfg.audio_out
         for key in ("modalities", "output_modalities"):
@@ -751,10 +736,9 @@ class RealtimeConnection:
             if resp.cancel_reason is not None:
                 status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
             else:
-                log.exception("response %s failed", resp.id)
-                msg = str(exc) if isinstance(exc, StageError) else "internal error"
+                err = to_omni(exc, f"response {resp.id}")
                 status = "failed"
-                details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": msg}}
+                details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": err.public_message()}}
         finally:
             await asyncio.shield(stream.close())
         if status == "completed" and resp.cancel_reason is not None:
@@ -814,29 +798,27 @@ class RealtimeConnection:
             try:
                 ev = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ClientError("invalid_json", "The event is not valid JSON.") from None
+                raise ClientError("The event is not valid JSON.", code="invalid_json") from None
             if not isinstance(ev, dict):
-                raise ClientError("invalid_json", "An event must be a JSON object.")
+                raise ClientError("An event must be a JSON object.", code="invalid_json")
             event_id = ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
             t = ev.get("type")
             if not isinstance(t, str):
-                raise ClientError("missing_required_parameter", "Missing required parameter: 'type'.", "type")
+                raise ClientError("Missing required parameter: 'type'.", code="missing_required_parameter", param="type")
             self.session.touch()
             await self.dispatch(t, ev, event_id)
-        except ClientError as err:
+        except (ClientError, SessionError) as err:
             self.error(err, event_id)
-        except SessionError as exc:
-            self.error(ClientError(exc.code, exc.message), event_id)
 
     async def dispatch(self, t: str, ev: dict[str, Any], event_id: str | None) -> None:
         if t == "session.update":
             if "session" not in ev:
-                raise ClientError("missing_required_parameter", "Missing required parameter: 'session'.", "session")
+                raise ClientError("Missing required parameter: 'session'.", code="missing_required_parameter", param="session")
             self.cfg = apply_session_update(self.cfg, ev["session"], self.pipeline.voices)
             self.emit("session.updated", session=self.cfg.wire(self.ga, self.session.id))
         elif t == "input_audio_buffer.append":
             if "audio" not in ev:
-                raise ClientError("missing_required_parameter", "Missing required parameter: 'audio'.", "audio")
+                raise ClientError("Missing required parameter: 'audio'.", code="missing_required_parameter", param="audio")
             await self.append(ev["audio"], event_id)
         elif t == "input_audio_buffer.commit":
             await self.commit(event_id)
@@ -852,10 +834,10 @@ class RealtimeConnection:
             await self.create_response(ev, event_id)
         elif t == "response.cancel":
             if self.response is None:
-                raise ClientError("response_cancel_not_active", "Cancellation failed: no active response found.")
+                raise ClientError("Cancellation failed: no active response found.", code="response_cancel_not_active")
             await self.cancel_response("client_cancelled")
         else:
-            raise ClientError("invalid_value", f"Invalid value: '{t}'. Supported event types are the Realtime client events.", "type")
+            raise ClientError(f"Invalid value: '{t}'. Supported event types are the Realtime client events.", code="invalid_value", param="type")
 
 
 def wire_data(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -863,89 +845,42 @@ def wire_data(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: base64.b64encode(v).decode() if isinstance(v, (bytes, bytearray)) else v for k, v in data.items()}
 
 
-async def send_events(ws: WebSocket, session: Session, frame: Callable[[SessionEvent], str | bytes | None]) -> None:
-    """Write the session's events to `ws` until this attachment ends. The last fence
-    check before the wire: nothing of a cancelled turn goes out. `frame` renders an
-    event (text or binary; None skips it)."""
-    async for ev in session.events():
-        if ev.fence is not None and ev.fence.is_stale_against(session.fence):
-            metrics.DROPPED_STALE.labels(hop="adapter").inc()
-            continue
-        out = frame(ev)
-        if isinstance(out, bytes):
-            await ws.send_bytes(out)
-        elif out is not None:
-            await ws.send_text(out)
-        if ev.type in ("session.expired", "session.closed"):
-            break
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
 
-
-def numbered_json(render: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda data: data) -> Callable[[SessionEvent], str]:
-    """A `send_events` frame function: each event as JSON with a per-connection
-    `event_id` (`event_000001`, …) and its data rendered by `render`."""
-    count = 0
-
-    def frame(ev: SessionEvent) -> str:
-        nonlocal count
-        count += 1
-        return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **render(ev.data)})
-
-    return frame
-
-
-async def next_message(ws: WebSocket, *others: "asyncio.Future[Any]") -> str | bytes | None:
-    """The next text or binary message, or None when the client left or one of
-    `others` (e.g. the writer) finished first."""
-    receive = asyncio.ensure_future(ws.receive())
-    done, _ = await asyncio.wait({receive, *others}, return_when=asyncio.FIRST_COMPLETED)
-    if receive not in done:
-        receive.cancel()
-        return None
-    msg = receive.result()
-    if msg["type"] == "websocket.disconnect":
-        return None
-    data = msg.get("text") if msg.get("text") is not None else msg.get("bytes")
-    return data if data is not None else b""
-
-
-async def close_websocket(ws: WebSocket, code: int = 1000, reason: str = "") -> None:
-    if ws.application_state == WebSocketState.CONNECTED and ws.client_state != WebSocketState.DISCONNECTED:
+    async def realtime(request: web.Request) -> web.StreamResponse:
+        model = request.query.get("model") or pipeline.models[0]
+        ga = "realtime=v1" not in (request.headers.get("openai-beta") or "")
         try:
-            await ws.close(code, reason)
-        except (RuntimeError, WebSocketDisconnect):
-            pass  # the client is already gone
-
-
-def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> APIRouter:
-    router = APIRouter()
-
-    @router.websocket("/v1/realtime")
-    async def realtime(ws: WebSocket) -> None:
-        model = ws.query_params.get("model") or pipeline.models[0]
-        ga = "realtime=v1" not in (ws.headers.get("openai-beta") or "")
-        try:
-            session = await sessions.open("realtime", pipeline.name, principal=principal_of(ws).name)
+            session = await sessions.open("realtime", pipeline.name, principal=principal_of(request).name)
         except SessionError as exc:
-            await reject_websocket(ws, exc)
-            return
+            return await reject(request, exc)
         conn = RealtimeConnection(session, sessions, pipeline, ga, model)
-        frame = numbered_json(wire_data)
-
+        sock: Socket | None = None
         writer: asyncio.Task[None] | None = None
         ended: asyncio.Future[Any] | None = None
         reason = "client_disconnected"
         try:
-            await ws.accept()
+            sock = await accept(request)
             conn.emit("session.created", session=conn.cfg.wire(ga, session.id))
-            writer = asyncio.get_running_loop().create_task(send_events(ws, session, frame))
+            writer = asyncio.get_running_loop().create_task(write_events(sock, session, numbered_json(wire_data)))
             ended = asyncio.ensure_future(session.closed.wait())
-            while (data := await next_message(ws, writer, ended)) is not None:
+            while (data := await sock.receive(writer, ended)) is not None:
                 if data:
                     await conn.handle(data)
             if writer.done() or ended.done():
                 reason = "ended"
-        except (WebSocketDisconnect, RuntimeError):
+        except DISCONNECTED:
             pass
+        except Exception as exc:  # noqa: BLE001 - a fault of ours: tell the client, close 1011
+            err = to_omni(exc, f"realtime session {session.id}")
+            reason = "server_error"
+            if sock is not None:
+                try:
+                    await sock.send_json(error_event(err))
+                except DISCONNECTED:
+                    pass
+                await sock.close(err.ws_close, "internal error")
         finally:
             if ended is not None:
                 ended.cancel()
@@ -954,6 +889,8 @@ def build_realtime_router(sessions: SessionManager, pipeline: PipelineSpec) -> A
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
-            await close_websocket(ws, 1008 if session.close_reason == "slow_consumer" else 1000, session.close_reason or "")
+            if sock is not None:
+                await sock.close(WS_POLICY_VIOLATION if session.close_reason == "slow_consumer" else 1000, session.close_reason or "")
+        return sock.ws if sock is not None else web.Response(status=500)
 
-    return router
+    m.websocket("/v1/realtime", realtime, "OpenAI Realtime (GA and beta)")

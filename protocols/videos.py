@@ -39,19 +39,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from aiohttp import web
 
+from omni_rt.errors import ClientError, NotFound, OmniError, RequestAborted
 from omni_rt.payloads import Fence
-from omni_rt.request import RequestAborted
 from omni_rt.specs import PipelineSpec
-from omni_rt.stage import StageError
 from protocols.auth import principal_of
-from protocols.openai_http import APIError, session_api_error
-from protocols.realtime import close_websocket, next_message, numbered_json, send_events
-from protocols.sessions_api import realtime_error_event, reject_websocket
-from protocols.world import FORMATS, JsonEvents, WorldError, encode_frame
+from protocols.errors import to_omni
+from protocols.events import EventError as WorldError
+from protocols.events import JsonEvents
+from protocols.http import json_response
+from protocols.registry import Mount
+from protocols.world import FORMATS, WorldModel, encode_frame
+from protocols.ws import DISCONNECTED, Socket, accept, numbered_json, reject, write_events
 from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.videos")
@@ -81,7 +81,7 @@ def encode_mp4(frames: list[np.ndarray], fps: int) -> bytes:
 def _size(raw: Any, multiple: int, param: str = "size") -> tuple[int, int]:
     m = re.fullmatch(r"(\d{1,4})x(\d{1,4})", str(raw))
     if m is None or not all(multiple <= int(v) <= MAX_SIDE and int(v) % multiple == 0 for v in m.groups()):
-        raise APIError(400, f"Unsupported size '{raw}': use 'WIDTHxHEIGHT', each side a multiple of {multiple} up to {MAX_SIDE}.", param=param, code="invalid_value")
+        raise ClientError(f"Unsupported size '{raw}': use 'WIDTHxHEIGHT', each side a multiple of {multiple} up to {MAX_SIDE}.", param=param, code="invalid_value")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -89,9 +89,9 @@ def _int(raw: Any, name: str, lo: int, hi: int) -> int:
     try:
         v = int(str(raw))
     except ValueError:
-        raise APIError(400, f"Invalid '{name}': {raw!r} is not an integer.", param=name, code="invalid_value") from None
+        raise ClientError(f"Invalid '{name}': {raw!r} is not an integer.", param=name, code="invalid_value") from None
     if not lo <= v <= hi:
-        raise APIError(400, f"Invalid '{name}': {v}; it must be between {lo} and {hi}.", param=name, code="invalid_value")
+        raise ClientError(f"Invalid '{name}': {v}; it must be between {lo} and {hi}.", param=name, code="invalid_value")
     return v
 
 
@@ -135,25 +135,22 @@ class VideoJobs:
         known = {"prompt", "model", "seconds", "size", "fps", "seed", "steps", "input_reference"}
         bad = sorted(set(raw) - known)
         if bad:
-            raise APIError(400, f"Unrecognized request argument supplied: {bad[0]}", param=bad[0], code="unknown_parameter")
+            raise ClientError(f"Unrecognized request argument supplied: {bad[0]}", param=bad[0], code="unknown_parameter")
         prompt = raw.get("prompt")
         if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > 32000:
-            raise APIError(400, "'prompt' is required: a non-empty string of at most 32000 characters.", param="prompt", code="missing_required_parameter")
+            raise ClientError("'prompt' is required: a non-empty string of at most 32000 characters.", param="prompt", code="missing_required_parameter")
         if raw.get("input_reference") is not None:
-            raise APIError(400, "input_reference is not supported by this server.", param="input_reference", code="invalid_value")
+            raise ClientError("input_reference is not supported by this server.", param="input_reference", code="invalid_value")
         model = raw.get("model") or self.pipeline.models[0]
         if model not in self.pipeline.models:
-            raise APIError(400, f"The model '{model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
+            raise ClientError(f"The model '{model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         d = self.describe()
         width, height = _size(raw.get("size") or f"{d['default_size']}x{d['default_size']}", int(d["size_multiple"]))
         seconds = _int(raw.get("seconds", 4), "seconds", 1, MAX_SECONDS)
         fps = _int(raw.get("fps", 8), "fps", 1, 30)
         seed = _int(raw["seed"], "seed", 0, 2**31 - 1) if raw.get("seed") is not None else secrets.randbelow(2**31)
         steps = _int(raw["steps"], "steps", 1, int(d["max_steps"])) if raw.get("steps") is not None else None
-        try:
-            session = await self.sessions.open("video", self.pipeline.name, principal=principal)
-        except SessionError as exc:
-            raise session_api_error(exc) from None
+        session = await self.sessions.open("video", self.pipeline.name, principal=principal)
         job = VideoJob(f"video_{secrets.token_hex(12)}", principal, model, prompt, width, height, seconds, fps, seed, steps, session=session)
         self.jobs[job.id] = job
         job.task = asyncio.get_running_loop().create_task(self._run(job))
@@ -180,9 +177,9 @@ class VideoJobs:
             job.mp4 = await asyncio.to_thread(encode_mp4, [frames[i] for i in sorted(frames)], job.fps)
             job.status, job.progress, job.completed_at = "completed", 100, int(time.time())
             outcome = "completed"
-        except (StageError, RequestAborted) as exc:
+        except OmniError as exc:
             job.status = "failed"
-            job.error = {"code": "generation_failed", "message": str(exc)}
+            job.error = {"code": "generation_failed", "message": exc.public_message()}
         except asyncio.CancelledError:
             job.status = "failed"
             job.error = {"code": "cancelled", "message": "the job was deleted"}
@@ -204,7 +201,7 @@ class VideoJobs:
     def get(self, job_id: str, principal: Any) -> VideoJob:
         job = self.jobs.get(job_id)
         if job is None or (not principal.admin and job.principal != principal.name):
-            raise APIError(404, f"Video '{job_id}' not found.", param="video_id", code="video_not_found")
+            raise NotFound(f"Video '{job_id}' not found.", param="video_id", code="video_not_found")
         return job
 
     async def delete(self, job: VideoJob) -> None:
@@ -329,12 +326,9 @@ class VideoConnection(JsonEvents):
                         self.emit("generation.progress", generation_id=gen_id, frames_done=self.next_frame, frames=self.total)
             except RequestAborted:
                 pass
-            except (StageError, SessionError) as exc:
-                self.emit("error", fence, error={"type": "server_error", "code": "generation_failed", "message": str(exc), "param": None, "event_id": None})
-                return
-            except Exception:  # noqa: BLE001 - this session only
-                log.exception("video session %s: generation failed", self.session.id)
-                self.emit("error", fence, error={"type": "server_error", "code": "generation_failed", "message": "internal error", "param": None, "event_id": None})
+            except Exception as exc:  # noqa: BLE001 - this session only; it hears why
+                err = to_omni(exc, f"video session {self.session.id}")
+                self.emit("error", fence, error={"type": "server_error", "code": "generation_failed", "message": err.public_message(), "param": None, "event_id": None})
                 return
             if self.restart:
                 self.restart = False
@@ -365,76 +359,70 @@ class VideoConnection(JsonEvents):
         return True
 
 
-def build_videos_router(sessions: SessionManager, pipeline: PipelineSpec, describe: Callable[[], dict[str, Any]]) -> APIRouter:
-    router = APIRouter()
-    jobs = VideoJobs(sessions, pipeline, describe)
+def mount(m: Mount) -> None:
+    sessions, pipeline, model = m.sessions, m.pipeline, m.processor(WorldModel)
+    jobs = VideoJobs(sessions, pipeline, model.describe)
 
-    @router.post("/v1/videos")
-    async def create(request: Request) -> JSONResponse:
-        ctype = request.headers.get("content-type", "")
-        if ctype.startswith("multipart/form-data") or ctype.startswith("application/x-www-form-urlencoded"):
-            async with request.form() as form:
-                files = [k for k, v in form.items() if not isinstance(v, str)]
-                if files:
-                    raise APIError(400, f"File fields are not supported ({', '.join(files)}).", param=files[0], code="invalid_value")
-                raw: Any = dict(form.items())
+    async def create(request: web.Request) -> web.StreamResponse:
+        ctype = request.content_type
+        raw: Any
+        if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            form = await request.post()
+            files = [k for k, v in form.items() if not isinstance(v, str)]
+            if files:
+                raise ClientError(f"File fields are not supported ({', '.join(files)}).", param=files[0])
+            raw = dict(form.items())
         else:
             try:
-                raw = json.loads(await request.body() or b"null")
+                raw = json.loads(await request.read() or b"null")
             except (ValueError, UnicodeDecodeError) as exc:
-                raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+                raise ClientError(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
             if not isinstance(raw, dict):
-                raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+                raise ClientError("The request body must be a JSON object.", code="invalid_json")
         job = await jobs.create(raw, principal_of(request).name)
-        return JSONResponse(job.wire())
+        return json_response(job.wire())
 
-    @router.get("/v1/videos")
-    async def list_videos(request: Request) -> dict[str, Any]:
+    async def list_videos(request: web.Request) -> web.StreamResponse:
         p = principal_of(request)
         data = [j.wire() for j in sorted(jobs.jobs.values(), key=lambda j: j.created_at, reverse=True) if p.admin or j.principal == p.name]
-        return {"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None}
+        return json_response({"object": "list", "data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None})
 
-    @router.get("/v1/videos/{video_id}")
-    async def get_video(request: Request, video_id: str) -> dict[str, Any]:
-        return jobs.get(video_id, principal_of(request)).wire()
+    async def get_video(request: web.Request) -> web.StreamResponse:
+        return json_response(jobs.get(request.match_info["video_id"], principal_of(request)).wire())
 
-    @router.get("/v1/videos/{video_id}/content")
-    async def content(request: Request, video_id: str) -> Response:
+    async def content(request: web.Request) -> web.StreamResponse:
+        video_id = request.match_info["video_id"]
         job = jobs.get(video_id, principal_of(request))
-        variant = request.query_params.get("variant", "video")
+        variant = request.query.get("variant", "video")
         if variant != "video":
-            raise APIError(400, f"Unsupported variant '{variant}'; this server has 'video'.", param="variant", code="invalid_value")
+            raise ClientError(f"Unsupported variant '{variant}'; this server has 'video'.", param="variant")
         if job.mp4 is None:
-            raise APIError(409, f"Video '{video_id}' is {job.status}; its content is ready when it has completed.", code="video_not_ready")
-        return Response(job.mp4, media_type="video/mp4")
+            raise ClientError(f"Video '{video_id}' is {job.status}; its content is ready when it has completed.", code="video_not_ready", http_status=409)
+        return web.Response(body=job.mp4, content_type="video/mp4")
 
-    @router.delete("/v1/videos/{video_id}")
-    async def delete(request: Request, video_id: str) -> dict[str, Any]:
-        job = jobs.get(video_id, principal_of(request))
+    async def delete(request: web.Request) -> web.StreamResponse:
+        job = jobs.get(request.match_info["video_id"], principal_of(request))
         await jobs.delete(job)
-        return {"id": job.id, "object": "video.deleted", "deleted": True}
+        return json_response({"id": job.id, "object": "video.deleted", "deleted": True})
 
-    @router.websocket("/v1/realtime/video")
-    async def live(ws: WebSocket) -> None:
+    async def live(request: web.Request) -> web.StreamResponse:
         try:
-            session = await sessions.open("video", pipeline.name, principal=principal_of(ws).name)
+            session = await sessions.open("video", pipeline.name, principal=principal_of(request).name)
         except SessionError as exc:
-            await reject_websocket(ws, exc, realtime_error_event)
-            return
-        conn = VideoConnection(session, describe())
-        frame = numbered_json()
-
+            return await reject(request, exc)
+        conn = VideoConnection(session, model.describe())
+        sock: Socket | None = None
         writer: asyncio.Task[None] | None = None
         ended: asyncio.Future[Any] | None = None
         try:
-            await ws.accept()
+            sock = await accept(request)
             conn.emit("session.created", session=conn.wire())
-            writer = asyncio.get_running_loop().create_task(send_events(ws, session, frame))
+            writer = asyncio.get_running_loop().create_task(write_events(sock, session, numbered_json()))
             ended = asyncio.ensure_future(session.closed.wait())
-            while (data := await next_message(ws, writer, ended)) is not None:
+            while (data := await sock.receive(writer, ended)) is not None:
                 await conn.handle(data)
-        except (WebSocketDisconnect, RuntimeError):
+        except DISCONNECTED:
             pass
         finally:
             if ended is not None:
@@ -444,7 +432,13 @@ def build_videos_router(sessions: SessionManager, pipeline: PipelineSpec, descri
             if writer is not None:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
-            await close_websocket(ws, 1000)
+            if sock is not None:
+                await sock.close(1000)
+        return sock.ws if sock is not None else web.Response(status=500)
 
-    return router
-
+    m.route("POST", "/v1/videos", create, "video jobs (OpenAI); GET/DELETE /v1/videos/{id}, …/content")
+    m.route("GET", "/v1/videos", list_videos)
+    m.route("GET", "/v1/videos/{video_id}", get_video)
+    m.route("GET", "/v1/videos/{video_id}/content", content)
+    m.route("DELETE", "/v1/videos/{video_id}", delete)
+    m.websocket("/v1/realtime/video", live, "live video generation with prompt edits")

@@ -35,15 +35,17 @@ from typing import Any, Mapping
 
 import numpy as np
 import soxr
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from aiohttp import web
 
 from omni_rt import metrics
+from omni_rt.errors import ClientError, NotFound
 from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import Pcm16Resampler
 from protocols.auth import principal_of
-from protocols.openai_http import APIError, error_response, session_api_error
-from protocols.realtime import RATE, ClientError, RealtimeConnection, apply_session_update, wire_data
+from protocols.http import json_response
+from protocols.pages import demo_page
+from protocols.realtime import RATE, RealtimeConnection, apply_session_update, wire_data
+from protocols.registry import Mount
 from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.webrtc")
@@ -69,8 +71,10 @@ def configure_ice(host_addresses: list[str] | None) -> None:
     aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: [a for a in addrs if (use_ipv6 if ":" in a else use_ipv4)]
 
 
-class OfferError(ValueError):
-    pass
+class OfferError(ClientError):
+    """An SDP offer (or its session body) that cannot start a call: 400 invalid_sdp."""
+
+    code = "invalid_sdp"
 
 
 def check_offer(sdp: Any) -> str:
@@ -247,7 +251,7 @@ class WebRTCConnection(RealtimeConnection):
     async def dispatch(self, t: str, ev: dict[str, Any], event_id: str | None) -> None:
         if t in ("input_audio_buffer.append", "input_audio_buffer.commit") and self.cfg.turn_detection is not None:
             # audio comes over RTP; with server VAD there is nothing to append or commit
-            raise ClientError("invalid_value", f"'{t}' is not used on a WebRTC call: audio arrives over RTP.", "type")
+            raise ClientError(f"'{t}' is not used on a WebRTC call: audio arrives over RTP.", code="invalid_value", param="type")
         if t == "output_audio_buffer.clear":
             if self.response is not None:
                 await self.cancel_response("client_cancelled")
@@ -334,17 +338,18 @@ class Call:
         await self.pc.close()
 
 
-def bad(status: int, message: str, code: str) -> JSONResponse:
-    return error_response(APIError(status, message, type="invalid_request_error", code=code))
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
+    hosts = m.server.webrtc_host_addresses
+    if hosts is None and m.server.host in ("127.0.0.1", "localhost"):
+        hosts = ["127.0.0.1"]  # a loopback server: offer loopback candidates (aioice skips them)
+    configure_ice(hosts)
+    ice_servers = m.server.webrtc_ice_servers
 
-
-def build_webrtc_router(sessions: SessionManager, pipeline: PipelineSpec, ice_servers: list[str]) -> APIRouter:
-    router = APIRouter()
-
-    async def start_call(request: Request, sdp: str, session_body: Any) -> tuple[Call, str]:
+    async def start_call(request: web.Request, sdp: str, session_body: Any) -> tuple[Call, str]:
         from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
-        model = request.query_params.get("model") or pipeline.models[0]
+        model = request.query.get("model") or pipeline.models[0]
         session = await sessions.open("webrtc", pipeline.name, principal=principal_of(request).name)
         conn = WebRTCConnection(session, sessions, pipeline, model)
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers]))
@@ -400,65 +405,66 @@ def build_webrtc_router(sessions: SessionManager, pipeline: PipelineSpec, ice_se
             await sessions.end(session, "offer_failed")
             raise
 
-    def refused(exc: Exception) -> JSONResponse:
-        if isinstance(exc, SessionError):
-            return error_response(session_api_error(exc))
-        return bad(400, str(exc), "invalid_sdp")
-
-    @router.post("/v1/realtime/calls")
-    async def create_call(request: Request) -> Response:
-        ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+    async def create_call(request: web.Request) -> web.StreamResponse:
+        ctype = request.content_type.lower()
         session_body = None
-        try:
-            if ctype == "multipart/form-data":
-                form = await request.form()
-                sdp = form.get("sdp")
-                raw_session = form.get("session")
-                if raw_session is not None:
-                    try:
-                        session_body = json.loads(raw_session if isinstance(raw_session, str) else await raw_session.read())
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        return bad(400, "'session' must be JSON (a session.update body).", "invalid_value")
-                if not isinstance(sdp, str):
-                    sdp = (await sdp.read()).decode("utf-8", "replace") if sdp is not None else None
-            elif ctype in ("application/sdp", "text/plain", ""):
-                body = await request.body()
-                if len(body) > MAX_SDP_BYTES:
-                    raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.")
-                sdp = body.decode("utf-8", "replace")
-            else:
-                return bad(415, f"Send the offer as application/sdp (or multipart/form-data), not {ctype}.", "unsupported_media_type")
-            call, answer = await start_call(request, check_offer(sdp), session_body)
-        except (OfferError, SessionError) as exc:
-            return refused(exc)
+        if ctype == "multipart/form-data":
+            form = await request.post()
+            sdp = _form_text(form.get("sdp"))
+            raw_session = form.get("session")
+            if raw_session is not None:
+                try:
+                    session_body = json.loads(_form_text(raw_session) or "")
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise ClientError("'session' must be JSON (a session.update body).") from None
+        elif ctype in ("application/sdp", "text/plain", "application/octet-stream", ""):
+            body = await request.read()
+            if len(body) > MAX_SDP_BYTES:
+                raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.")
+            sdp = body.decode("utf-8", "replace")
+        else:
+            raise ClientError(
+                f"Send the offer as application/sdp (or multipart/form-data), not {ctype}.", code="unsupported_media_type", http_status=415
+            )
+        call, answer = await start_call(request, check_offer(sdp), session_body)
         location = f"/v1/realtime/calls/{call.session.id}"
-        return Response(answer, status_code=201, media_type="application/sdp", headers={"Location": location})
+        return web.Response(text=answer, status=201, content_type="application/sdp", headers={"Location": location})
 
-    @router.post("/offer")
-    async def offer(request: Request) -> Response:
+    async def offer(request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
+            body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return bad(400, "The body must be JSON: {sdp, type: 'offer'}.", "invalid_json")
+            raise ClientError("The body must be JSON: {sdp, type: 'offer'}.", code="invalid_json") from None
         if not isinstance(body, Mapping) or body.get("type", "offer") != "offer":
-            return bad(400, "Expected {sdp, type: 'offer'}.", "invalid_value")
-        try:
-            call, answer = await start_call(request, check_offer(body.get("sdp")), body.get("session"))
-        except (OfferError, SessionError) as exc:
-            return refused(exc)
-        return JSONResponse({"sdp": answer, "type": "answer", "call_id": call.session.id}, headers={"Location": f"/v1/realtime/calls/{call.session.id}"})
+            raise ClientError("Expected {sdp, type: 'offer'}.")
+        call, answer = await start_call(request, check_offer(body.get("sdp")), body.get("session"))
+        return json_response({"sdp": answer, "type": "answer", "call_id": call.session.id}, headers={"Location": f"/v1/realtime/calls/{call.session.id}"})
 
-    async def hangup(call_id: str, request: Request) -> Response:
+    async def hangup(request: web.Request) -> web.StreamResponse:
+        call_id = request.match_info["call_id"]
         who = principal_of(request)
         try:
             s: Session | None = sessions.get(call_id)
         except SessionError:
             s = None
         if s is None or s.kind != "webrtc" or not (who.admin or who.name == s.principal):
-            return bad(404, f"No call '{call_id}'.", "call_not_found")
+            raise NotFound(f"No call '{call_id}'.", code="call_not_found")
         await sessions.end(s, "hangup")
-        return Response(status_code=204)
+        return web.Response(status=204)
 
-    router.add_api_route("/v1/realtime/calls/{call_id}", hangup, methods=["DELETE"])
-    router.add_api_route("/v1/realtime/calls/{call_id}/hangup", hangup, methods=["POST"])
-    return router
+    async def demo(request: web.Request) -> web.StreamResponse:
+        return demo_page()
+
+    m.route("POST", "/v1/realtime/calls", create_call, "WebRTC call (SDP offer → answer)")
+    m.route("POST", "/offer", offer)
+    m.route("DELETE", "/v1/realtime/calls/{call_id}", hangup)
+    m.route("POST", "/v1/realtime/calls/{call_id}/hangup", hangup)
+    m.route("GET", "/demo", demo)
+
+
+def _form_text(value: Any) -> str | None:
+    """A multipart field as text (a plain field, or a file part's contents)."""
+    if value is None or isinstance(value, str):
+        return value
+    data = value.file.read() if hasattr(value, "file") else bytes(value)
+    return data.decode("utf-8", "replace")

@@ -32,30 +32,25 @@ import io
 import json
 import logging
 import secrets
-from typing import Any, Callable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-from fastapi import APIRouter
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from aiohttp import web
 
 from omni_rt import metrics
+from omni_rt.errors import OmniError, RequestAborted
 from omni_rt.payloads import Fence
-from omni_rt.request import RequestAborted
-from omni_rt.stage import StageError
 from protocols.auth import principal_of
-from protocols.realtime import close_websocket, next_message, numbered_json, send_events
-from protocols.sessions_api import realtime_error_event, reject_websocket
+from protocols.errors import to_omni
+from protocols.events import EventError as WorldError
+from protocols.events import JsonEvents
+from protocols.registry import Mount
+from protocols.ws import DISCONNECTED, Socket, accept, numbered_json, reject, write_events
 from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.world")
 
 FORMATS = {"jpeg": "JPEG", "png": "PNG"}
-
-
-class WorldError(ValueError):
-    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.code, self.param = message, code, param
 
 
 def encode_frame(img: np.ndarray, fmt: str) -> bytes:
@@ -66,27 +61,11 @@ def encode_frame(img: np.ndarray, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-class JsonEvents:
-    """Client events as JSON objects with a string `type`, and `error` events in
-    OpenAI's shape; for adapters with an `emit(type, **data)`."""
+@runtime_checkable
+class WorldModel(Protocol):
+    """What this wire needs from the world pipeline's stage."""
 
-    def emit(self, type: str, **data: Any) -> None:
-        raise NotImplementedError
-
-    def error(self, message: str, code: str = "invalid_value", param: str | None = None, event_id: Any = None) -> None:
-        self.emit("error", error={"type": "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id})
-
-    def read_event(self, raw: str | bytes) -> dict[str, Any] | None:
-        """The event, or None once the client has been told why it is not one."""
-        try:
-            ev = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self.error(f"The event is not valid JSON: {exc}", "invalid_json")
-            return None
-        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-            self.error("An event is a JSON object with a string 'type'.", "invalid_event", "type")
-            return None
-        return ev
+    def describe(self) -> dict[str, Any]: ...
 
 
 class WorldConnection(JsonEvents):
@@ -243,11 +222,9 @@ class WorldConnection(JsonEvents):
                     self.emit("world.step.done", step_id=step_id, frame_index=frame)
         except RequestAborted:
             pass
-        except (StageError, SessionError) as exc:
-            self.emit("error", fence, error={"type": "server_error", "code": "step_failed", "message": str(exc), "param": None, "event_id": None})
-        except Exception:  # noqa: BLE001 - this session only
-            log.exception("world session %s: a step failed", self.session.id)
-            self.emit("error", fence, error={"type": "server_error", "code": "step_failed", "message": "internal error", "param": None, "event_id": None})
+        except Exception as exc:  # noqa: BLE001 - this session only; it hears why
+            err = to_omni(exc, f"world session {self.session.id}")
+            self.emit("error", fence, error={"type": "server_error", "code": "step_failed", "message": err.public_message(), "param": None, "event_id": None})
 
     async def cancel(self, reason: str) -> bool:
         """Stop the running step, if any: the epoch advances first, so nothing of it is
@@ -273,13 +250,12 @@ class WorldConnection(JsonEvents):
         self.emit("world.reset.done", session=self.wire())
 
 
-def build_world_router(sessions: SessionManager, pipeline: str, describe: Callable[[], dict[str, Any]]) -> APIRouter:
-    router = APIRouter()
+def mount(m: Mount) -> None:
+    sessions, pipeline, model = m.sessions, m.pipeline.name, m.processor(WorldModel)
 
-    @router.websocket("/v1/world")
-    async def world(ws: WebSocket) -> None:
-        principal = principal_of(ws).name
-        sid, token = ws.query_params.get("session_id"), ws.query_params.get("resume_token")
+    async def world(request: web.Request) -> web.StreamResponse:
+        principal = principal_of(request).name
+        sid, token = request.query.get("session_id"), request.query.get("resume_token")
         try:
             if sid:
                 session = await sessions.resume(sid, token, principal)
@@ -288,26 +264,24 @@ def build_world_router(sessions: SessionManager, pipeline: str, describe: Callab
                 session = await sessions.open("world", pipeline, principal=principal)
                 resumed = False
         except SessionError as exc:
-            await reject_websocket(ws, exc, realtime_error_event)
-            return
-        conn = WorldConnection(session, sessions, describe())
+            return await reject(request, exc)
+        conn = WorldConnection(session, sessions, model.describe())
         attachment = session.attachment  # a resume elsewhere takes the session over
-        frame = numbered_json()
-
+        sock: Socket | None = None
         writer: asyncio.Task[None] | None = None
         ended: asyncio.Future[Any] | None = None
         closing = False
         try:
-            await ws.accept()
+            sock = await accept(request)
             kind = "session.resumed" if resumed else "session.created"
             conn.emit(kind, session=conn.wire(), resume_token=session.issue_resume_token())
-            writer = asyncio.get_running_loop().create_task(send_events(ws, session, frame))
+            writer = asyncio.get_running_loop().create_task(write_events(sock, session, numbered_json()))
             ended = asyncio.ensure_future(session.closed.wait())
-            while (data := await next_message(ws, writer, ended)) is not None:
+            while (data := await sock.receive(writer, ended)) is not None:
                 if not await conn.handle(data):
                     closing = True
                     break
-        except (WebSocketDisconnect, RuntimeError):
+        except DISCONNECTED:
             pass
         finally:
             if ended is not None:
@@ -328,6 +302,8 @@ def build_world_router(sessions: SessionManager, pipeline: str, describe: Callab
                 await asyncio.wait({writer}, timeout=2)
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
-            await close_websocket(ws, 1000)
+            if sock is not None:
+                await sock.close(1000)
+        return sock.ws if sock is not None else web.Response(status=500)
 
-    return router
+    m.websocket("/v1/world", world, "world-model rollouts (action in, frames out)")

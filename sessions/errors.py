@@ -1,26 +1,39 @@
-"""Session errors. Each names the problem; protocol adapters map them to wire errors."""
+"""Session errors. Each names the problem and, as every `OmniError`, how the wires
+report it (HTTP status, WebSocket close code); adapters map them in one place."""
 
 from __future__ import annotations
 
+from typing import Mapping
 
-class SessionError(Exception):
+from omni_rt.errors import CLIENT, SERVER, WS_POLICY_VIOLATION, WS_TRY_AGAIN_LATER, OmniError
+
+
+class SessionError(OmniError):
     """Base class. `code` is the stable machine-readable name adapters put on the wire."""
 
     code = "session_error"
+    http_status = 400
+    ws_close = WS_POLICY_VIOLATION
+    type = CLIENT
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+    def __init__(self, message: str, *, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message, headers=headers)
 
 
 class SessionLimit(SessionError):
     """Admission refused: a cap is full. `scope` is total, kind or principal."""
 
     code = "session_limit"
+    http_status = 429
+    ws_close = WS_TRY_AGAIN_LATER
+    type = "requests"
 
     def __init__(self, scope: str, kind: str, cap: int, retry_after_s: int) -> None:
         what = {"total": "sessions in total", "kind": f"'{kind}' sessions", "principal": "sessions for this principal"}[scope]
-        super().__init__(f"Session limit reached: at most {cap} {what} may be open at once; retry later.")
+        super().__init__(
+            f"Session limit reached: at most {cap} {what} may be open at once; retry later.",
+            headers={"retry-after": str(retry_after_s)},
+        )
         self.scope = scope
         self.kind = kind
         self.cap = cap
@@ -31,10 +44,17 @@ class StoreUnavailable(SessionError):
     """The session store (Redis) cannot be reached: no new admissions."""
 
     code = "session_store_unavailable"
+    http_status = 503
+    ws_close = WS_TRY_AGAIN_LATER
+    type = SERVER
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"retry-after": "5"})
 
 
 class SessionNotFound(SessionError):
     code = "session_not_found"
+    http_status = 404
 
     def __init__(self, session_id: str) -> None:
         super().__init__(f"No session '{session_id}' exists.")
@@ -45,6 +65,7 @@ class SessionGone(SessionError):
     """The session existed but is over (closed, expired, evicted)."""
 
     code = "session_gone"
+    http_status = 410
 
     def __init__(self, session_id: str, reason: str) -> None:
         super().__init__(f"Session '{session_id}' is over ({reason}); open a new one.")
@@ -54,6 +75,7 @@ class SessionGone(SessionError):
 
 class InvalidResumeToken(SessionError):
     code = "invalid_resume_token"
+    http_status = 403
 
     def __init__(self, session_id: str, missing: bool = False) -> None:
         what = "is required" if missing else "does not match"
@@ -65,10 +87,11 @@ class SessionElsewhere(SessionError):
     """The session lives on another node (redis store): the client should go there."""
 
     code = "session_elsewhere"
+    http_status = 409
 
     def __init__(self, session_id: str, node: str, url: str | None) -> None:
         where = f"node {node}" + (f" ({url})" if url else "")
-        super().__init__(f"Session '{session_id}' lives on {where}; reconnect there.")
+        super().__init__(f"Session '{session_id}' lives on {where}; reconnect there.", headers={"location": url} if url else None)
         self.session_id = session_id
         self.node = node
         self.url = url
@@ -76,6 +99,7 @@ class SessionElsewhere(SessionError):
 
 class IllegalTransition(SessionError):
     code = "invalid_session_state"
+    http_status = 409
 
     def __init__(self, session_id: str, state: str, action: str) -> None:
         super().__init__(f"Session '{session_id}' is {state}; cannot {action}.")
@@ -88,7 +112,9 @@ class StaleFence(SessionError):
     """An input carrying the fence of a turn that was cancelled or cleared."""
 
     code = "stale_fence"
+    http_status = 409
 
 
 class UnknownPipeline(SessionError):
     code = "unknown_pipeline"
+    http_status = 404

@@ -42,8 +42,8 @@ SERVER_OVERLAY = {
 
 
 def http_client(base_url: str, headers: dict[str, str], timeout: float = 120) -> Any:
-    """A reusable HTTP client for tests. Idle connections expire before uvicorn's 5 s
-    keep-alive does (a reused connection the server closed fails the request)."""
+    """A reusable HTTP client for tests. Idle connections expire quickly (a reused
+    connection the server closed meanwhile fails the request)."""
     import httpx
 
     return httpx.Client(

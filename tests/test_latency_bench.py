@@ -1,205 +1,21 @@
-"""Tests for clients.tts and latency_bench, against a tiny fake speech server.
-
-The fake server (Starlette + uvicorn) streams PCM in small chunks with short sleeps and
-records how many requests it is serving at once. It runs in a thread for most tests;
-the --compare tests start it as a subprocess (this file is also its script:
-``python tests/test_latency_bench.py --port P --deploy FILE``).
-"""
+"""Tests for clients.tts and latency_bench, against a tiny fake speech server
+(`tests/fake_speech_server.py`: in a thread for most tests, a subprocess for the
+--compare ones)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import base64
 import json
 import random
-import signal
 import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-
-import uvicorn  # noqa: E402
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
-
-RATE = 24000
-CHUNK_SAMPLES = 2400  # 0.1 s per chunk
-N_CHUNKS = 4  # 0.4 s of audio per request
-AUDIO_S = N_CHUNKS * CHUNK_SAMPLES / RATE
-
-
-# -- the fake server ------------------------------------------------------------------
-
-
-class FakeState:
-    def __init__(self, first_delay: float = 0.01, chunk_delay: float = 0.01) -> None:
-        self.first_delay = first_delay
-        self.chunk_delay = chunk_delay
-        self.reset()
-
-    def reset(self) -> None:
-        self.current = 0
-        self.max_current = 0
-        self.served = 0
-        self.failed = 0
-        self.bodies: list[dict] = []
-
-
-def _pcm_chunk(i: int) -> bytes:
-    return struct.pack("<h", i % 1000) * CHUNK_SAMPLES
-
-
-def _wav_header() -> bytes:
-    # Streaming WAV: sizes unknown, so 0xFFFFFFFF as many servers do.
-    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt "
-            + struct.pack("<IHHIIHH", 16, 1, 1, RATE, RATE * 2, 2, 16)
-            + b"data" + struct.pack("<I", 0xFFFFFFFF))
-
-
-def _error(status: int, message: str, code: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}},
-        status_code=status,
-    )
-
-
-def make_app(state: FakeState) -> Starlette:
-    async def health(request: Request):
-        return PlainTextResponse("ok")
-
-    async def speech(request: Request):
-        body = await request.json()
-        state.bodies.append(body)
-        text = body.get("input", "")
-        n = len(state.bodies)
-        if text.startswith("FAIL_ALWAYS") or (text.startswith("FAIL_EVERY_3") and n % 3 == 0):
-            state.failed += 1
-            return _error(400, "input rejected by fake server", "bad_input", "input")
-        if text.startswith("JSON200"):
-            return JSONResponse({"error": {"message": "not audio", "type": "server_error"}})
-        fmt = body.get("response_format", "pcm")
-        sse = body.get("stream_format") == "sse"
-        state.current += 1
-        state.max_current = max(state.max_current, state.current)
-
-        async def gen():
-            try:
-                if fmt == "wav" and not sse:
-                    yield _wav_header()  # header first, audio later: TTFP must skip it
-                for i in range(N_CHUNKS):
-                    await asyncio.sleep(state.first_delay if i == 0 else state.chunk_delay)
-                    pcm = _pcm_chunk(i)
-                    if sse:
-                        ev = {"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()}
-                        yield f"data: {json.dumps(ev)}\n\n".encode()
-                    else:
-                        yield pcm
-                if sse:
-                    if text.startswith("SSE_ERROR"):
-                        err = {"type": "error", "error": {"message": "engine died", "code": "engine_error"}}
-                        yield f"data: {json.dumps(err)}\n\n".encode()
-                    elif not text.startswith("SSE_TRUNCATE"):
-                        done = {"type": "speech.audio.done", "usage": {"input_tokens": len(text.split())}}
-                        yield f"data: {json.dumps(done)}\n\n".encode()
-                state.served += 1
-            finally:
-                state.current -= 1
-
-        media = "text/event-stream" if sse else ("audio/wav" if fmt == "wav" else "audio/pcm")
-        return StreamingResponse(gen(), media_type=media)
-
-    return Starlette(routes=[Route("/health", health), Route("/v1/audio/speech", speech, methods=["POST"])])
-
-
-class ThreadServer:
-    def __init__(self, state: FakeState) -> None:
-        self.state = state
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        config = uvicorn.Config(make_app(state), log_level="warning", lifespan="off", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> "ThreadServer":
-        self.thread.start()
-        deadline = time.time() + 10
-        while not self.server.started:
-            if time.time() > deadline:
-                raise RuntimeError("fake server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-
-def fake_main(argv: list[str] | None = None) -> None:
-    """Run the fake as a server process (used by --compare tests)."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--deploy", default="")
-    ap.add_argument("--startup-delay", type=float, default=0.3)
-    ap.add_argument("--spawn-child", default=None, help="start a sleeping child; write its pid to this file")
-    ap.add_argument("--ignore-sigint", action="store_true")
-    ap.add_argument("--ignore-sigterm", action="store_true")
-    ap.add_argument("--exit-now", action="store_true")
-    a = ap.parse_args(argv)
-    print(f"fake server starting: deploy={a.deploy}", flush=True)
-    if a.exit_now:
-        print("fake server: giving up", flush=True)
-        sys.exit(3)
-    stem = Path(a.deploy).stem if a.deploy else ""
-    # Make variants distinguishable: batch hands over late, fused is quickest.
-    first = {"split_batch": 0.06, "split_chunk": 0.015, "fused": 0.01}.get(stem, 0.01)
-    state = FakeState(first_delay=first, chunk_delay=0.01)
-    if a.spawn_child:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-        Path(a.spawn_child).write_text(str(child.pid))
-    time.sleep(a.startup_delay)
-    config = uvicorn.Config(make_app(state), host=a.host, port=a.port, log_level="warning",
-                            lifespan="off", access_log=False)
-    server = uvicorn.Server(config)
-    if a.ignore_sigint or a.ignore_sigterm:
-        # Serve from a thread (uvicorn installs no signal handlers off the main thread)
-        # and keep the main thread alive, so only the signals we do not ignore stop us.
-        if a.ignore_sigint:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if a.ignore_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        threading.Thread(target=server.run, daemon=True).start()
-        while True:
-            time.sleep(1)
-    server.run()
-
-
-if __name__ == "__main__":
-    try:
-        fake_main()
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled
-        pass
-    sys.exit(0)
-
-
-# -- tests ----------------------------------------------------------------------------
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
@@ -208,8 +24,9 @@ import yaml  # noqa: E402
 from clients.tts import SpeechError, speak  # noqa: E402
 from latency_bench import stats  # noqa: E402
 from latency_bench.tts import TtsOptions, compute_ratios, run_closed_loop, run_compare  # noqa: E402
+from tests.fake_speech_server import AUDIO_S, CHUNK_SAMPLES, N_CHUNKS, RATE, FakeState, ThreadServer, pcm_chunk  # noqa: E402
 
-THIS = Path(__file__).resolve()
+FAKE_SERVER = ROOT / "tests" / "fake_speech_server.py"
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +56,7 @@ def test_speak_pcm_measures_ttfp_e2el_and_audio(fake):
     assert r.status == 200
     assert r.audio_bytes == N_CHUNKS * CHUNK_SAMPLES * 2
     assert r.audio_s == pytest.approx(AUDIO_S)
-    assert r.audio == b"".join(_pcm_chunk(i) for i in range(N_CHUNKS))
+    assert r.audio == b"".join(pcm_chunk(i) for i in range(N_CHUNKS))
     assert 0 < r.ttfp_s < r.e2el_s
     assert r.rtf == pytest.approx(r.e2el_s / AUDIO_S)
     body = fake.state.bodies[-1]
@@ -419,7 +236,7 @@ def _free_port_base(n: int) -> int:
 
 
 def _fake_cmd(*extra: str) -> str:
-    return " ".join([sys.executable, str(THIS), "--host", "{host}", "--port", "{port}", "--deploy", "{deploy}",
+    return " ".join([sys.executable, str(FAKE_SERVER), "--host", "{host}", "--port", "{port}", "--deploy", "{deploy}",
                      *extra])
 
 

@@ -63,7 +63,16 @@ def _processor(models_dir, **args):
 
     spec = load_pipeline(PIPELINE_DIR / "robot.yaml").profiles["default"].stages[0]
     spec = spec.model_copy(update={"model": str(models_dir / "tiny-flow-policy"), "processor_args": {**spec.processor_args, **args}})
-    return PolicyProcessor(spec, None, {})
+    return PolicyProcessor(spec, _Steps(), {})
+
+
+class _Steps:
+    """A StepEngine that is never called (these tests exercise input preparation)."""
+
+    name = "unused"
+
+    async def run(self, x, priority=1, op=None):
+        raise AssertionError("not used")
 
 
 def _obs(arrays, text=None):

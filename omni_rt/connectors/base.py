@@ -9,11 +9,10 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from omni_rt.errors import ConnectorError
 from omni_rt.payloads import Handle, Payload
 
-
-class ConnectorError(RuntimeError):
-    """A handle that cannot be resolved (already consumed, cleaned up, foreign)."""
+__all__ = ["Connector", "ConnectorError"]
 
 
 class Connector(abc.ABC):

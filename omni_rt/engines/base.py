@@ -1,19 +1,34 @@
-"""What every stage engine offers the stage workers and StagePool."""
+"""What every stage engine offers the stage workers and StagePool, and the contracts
+processors program against.
+
+`Engine` is the lifecycle and load/health part every engine shares. What a processor
+calls is one of three contracts, written as `typing.Protocol`s so that a processor
+states which one it needs (`StageProcessor.engine_as`) and a fake engine in tests is
+checked against the same contract as the real one:
+
+- `ArEngine`: autoregressive generation (vLLM; `omni_rt.testing` fakes it), streamed
+  token deltas, abort.
+- `StepEngine`: a batched step loop over a torch module (`TorchEngine`).
+- `DiffusionEngine`: a denoising loop with step-level batching (`DiffusersEngine`).
+"""
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, AsyncIterator, Protocol, runtime_checkable
 
+from omni_rt.errors import EngineDead, EngineError, EngineRequestError
 
-class EngineError(RuntimeError):
-    pass
+__all__ = ["ArEngine", "DiffusionEngine", "Engine", "EngineDead", "EngineError", "EngineRequestError", "StepEngine"]
 
 
 class Engine(abc.ABC):
     """One engine per stage replica. Engines never block the event loop."""
 
     name: str = "engine"
+    # Why the engine is gone (None while it is usable). Set by `mark_dead`; a dead
+    # engine's replica takes no new work and `/health` reports it.
+    dead: str | None = None
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load weights / spawn processes. Called once before use."""
@@ -29,5 +44,61 @@ class Engine(abc.ABC):
         """Work items waiting to run (not yet started); None where the engine does not say."""
         return None
 
+    @property
+    def alive(self) -> bool:
+        return self.dead is None
+
+    def mark_dead(self, reason: str) -> EngineDead:
+        """Record that the engine is gone; returns the error its callers get."""
+        if self.dead is None:
+            self.dead = reason
+        return EngineDead(f"engine {self.name} is not available ({self.dead}); retry later")
+
     def health(self) -> dict[str, Any]:
-        return {"ok": True, "load": self.load()}
+        out: dict[str, Any] = {"ok": self.alive, "load": self.load()}
+        if self.dead is not None:
+            out["dead"] = self.dead
+        return out
+
+
+@runtime_checkable
+class ArEngine(Protocol):
+    """Autoregressive generation: an async generator of the new token ids of each
+    engine step, until max_tokens, a stop token or `abort`. A consumer that stops
+    iterating aborts the request inside the engine."""
+
+    name: str
+
+    def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        prompt_embeds: Any = None,
+        sampling: dict[str, Any],
+    ) -> AsyncIterator[list[int]]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class StepEngine(Protocol):
+    """A batched step loop: `run` one item (an array, or named arrays for a module
+    method `op`) and get its slice of the batched result."""
+
+    name: str
+
+    async def run(self, x: Any, priority: int = 1, op: str | None = None) -> Any: ...
+
+
+@runtime_checkable
+class DiffusionEngine(Protocol):
+    """Denoising with step-level batching: `generate(job)` yields progress, previews
+    and finally the image; leaving the iteration cancels the job between steps."""
+
+    name: str
+
+    def generate(self, job: Any) -> AsyncIterator[dict[str, Any]]: ...
+
+    @property
+    def size_multiple(self) -> int: ...

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from omni_rt import metrics
-from omni_rt.engines.base import Engine, EngineError
+from omni_rt.engines.base import Engine, EngineError, EngineRequestError
 
 log = logging.getLogger("omni_rt.engines.diffusers")
 
@@ -154,7 +154,8 @@ class DiffusersEngine(Engine):
 
     @property
     def size_multiple(self) -> int:
-        return 2 * self.vae_scale_factor  # latents are packed 2x2
+        # latents are packed 2x2; before the pipeline is loaded, Flux's (8x VAE)
+        return 2 * self.vae_scale_factor if self.pipe is not None else 16
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, job: DiffusionJob) -> AsyncIterator[dict[str, Any]]:
@@ -162,13 +163,15 @@ class DiffusersEngine(Engine):
         {step, latents}` every `preview_every` steps, then `image {image: uint8 HWC,
         latents: the final packed latents}`.
         Leaving the iteration early cancels the job at the next step boundary."""
+        if self.dead is not None:
+            raise self.mark_dead(self.dead)
         if self._new is None or self._task is None or self._task.done():
             raise EngineError(f"engine {self.name} is not running")
         m = self.size_multiple
         if job.height % m or job.width % m or job.height < m or job.width < m:
-            raise EngineError(f"height and width must be positive multiples of {m}, got {job.width}x{job.height}")
+            raise EngineRequestError(f"height and width must be positive multiples of {m}, got {job.width}x{job.height}")
         if job.steps < 1:
-            raise EngineError("steps must be >= 1")
+            raise EngineRequestError("steps must be >= 1")
         job.id = next(self._ids)
         job.arrived = time.monotonic()
         self._new.put_nowait(job)
@@ -191,6 +194,7 @@ class DiffusersEngine(Engine):
             raise
         except Exception as exc:  # a bug: every waiting job hears of it instead of hanging
             log.exception("engine %s: the step loop stopped", self.name)
+            self.mark_dead(f"step loop died: {type(exc).__name__}")
             assert self._new is not None
             while not self._new.empty():
                 self._active.append(self._new.get_nowait())

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from omni_rt import metrics
-from omni_rt.engines.base import Engine, EngineError
+from omni_rt.engines.base import Engine, EngineError, EngineRequestError
 
 log = logging.getLogger("omni_rt.engines.torch")
 
@@ -87,6 +87,13 @@ class TorchEngine(Engine):
         self.module = await loop.run_in_executor(self._executor, _load)
         self._queue = asyncio.PriorityQueue()
         self._loop_task = loop.create_task(self._step_loop(), name=f"torch-engine-{self.name}")
+        self._loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: "asyncio.Task[None]") -> None:
+        """The step loop never returns: if it ended by itself, the engine is dead."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("engine %s: the step loop died", self.name, exc_info=task.exception())
+            self.mark_dead(f"step loop died: {type(task.exception()).__name__}")
 
     async def stop(self) -> None:
         if self._loop_task is not None:
@@ -119,10 +126,12 @@ class TorchEngine(Engine):
         arrival order. Cancelling the awaiting task drops the item if it has not
         started yet.
         """
+        if self.dead is not None:
+            raise self.mark_dead(self.dead)
         if self._queue is None or self._loop_task is None or self._loop_task.done():
             raise EngineError(f"engine {self.name} is not running")
         if not isinstance(x, (np.ndarray, dict)):
-            raise EngineError(f"engine {self.name} takes an array or a dict of arrays, not {type(x).__name__}")
+            raise EngineRequestError(f"engine {self.name} takes an array or a dict of arrays, not {type(x).__name__}")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Item(priority, next(self._seq), x, fut, op))
         return await fut

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omni_rt.engines.base import Engine, EngineError
+from omni_rt.engines.base import Engine, EngineDead, EngineError, EngineRequestError
 
 if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~3 s and ~300 MB
     from vllm.sampling_params import SamplingParams
@@ -315,9 +315,10 @@ class VllmEngine(Engine):
 
     def health(self) -> dict[str, Any]:
         llm = self._llm
-        ok = llm is not None and not llm.errored
-        unfinished = llm.get_num_unfinished_requests() if llm is not None else 0
-        return {"ok": ok, "load": self.load(), "started": llm is not None, "unfinished": unfinished}
+        if llm is not None and llm.errored and self.dead is None:
+            self.mark_dead("vLLM engine died")
+        unfinished = llm.get_num_unfinished_requests() if llm is not None and self.alive else 0
+        return {**super().health(), "started": llm is not None, "unfinished": unfinished}
 
     def engine_unfinished_requests(self) -> int:
         """Requests vLLM itself still tracks (tests: nothing leaks after an abort)."""
@@ -330,7 +331,7 @@ class VllmEngine(Engine):
 
         unknown = set(sampling) - SAMPLING_KEYS
         if unknown:
-            raise EngineError(
+            raise EngineRequestError(
                 f"{self.name}: unsupported sampling keys {sorted(unknown)}; "
                 f"allowed: {sorted(SAMPLING_KEYS)}"
             )
@@ -339,14 +340,14 @@ class VllmEngine(Engine):
         if ranges is not None:
             checked = _check_ranges(ranges, self._vocab_size)
             if kwargs.get("allowed_token_ids") is not None:
-                raise EngineError(f"{self.name}: pass allowed_token_ids or {ALLOWED_TOKEN_RANGES}, not both")
+                raise EngineRequestError(f"{self.name}: pass allowed_token_ids or {ALLOWED_TOKEN_RANGES}, not both")
             kwargs["extra_args"] = {**(kwargs.get("extra_args") or {}), ALLOWED_TOKEN_RANGES: checked}
         # DELTA: each RequestOutput carries only the tokens new since the last one.
         kwargs["output_kind"] = RequestOutputKind.DELTA
         try:
             return SamplingParams(**kwargs)
         except (TypeError, ValueError) as e:
-            raise EngineError(f"{self.name}: bad sampling params: {e}") from e
+            raise EngineRequestError(f"{self.name}: bad sampling params: {e}") from e
 
     def _prompt(self, prompt_token_ids: list[int] | None, prompt_embeds: Any) -> dict[str, Any]:
         # vLLM 0.32 deprecates raw prompt dicts ({"prompt_token_ids": ...}) in
@@ -356,31 +357,31 @@ class VllmEngine(Engine):
         from vllm.inputs.engine import embeds_input, tokens_input
 
         if (prompt_token_ids is None) == (prompt_embeds is None):
-            raise EngineError(f"{self.name}: pass exactly one of prompt_token_ids / prompt_embeds")
+            raise EngineRequestError(f"{self.name}: pass exactly one of prompt_token_ids / prompt_embeds")
         if prompt_token_ids is not None:
             ids = [int(t) for t in prompt_token_ids]
             if not ids:
-                raise EngineError(f"{self.name}: empty prompt")
+                raise EngineRequestError(f"{self.name}: empty prompt")
             vocab = self._vocab_size or 0
             bad = [t for t in ids if t < 0 or t >= vocab]
             if bad:
-                raise EngineError(f"{self.name}: prompt token ids out of vocabulary (size {vocab}): {bad[:8]}")
+                raise EngineRequestError(f"{self.name}: prompt token ids out of vocabulary (size {vocab}): {bad[:8]}")
             return dict(tokens_input(ids))
 
         import torch
 
         llm = self.llm
         if not llm.model_config.enable_prompt_embeds:
-            raise EngineError(f"{self.name}: start the engine with enable_prompt_embeds=True to pass prompt_embeds")
+            raise EngineRequestError(f"{self.name}: start the engine with enable_prompt_embeds=True to pass prompt_embeds")
         emb = prompt_embeds if isinstance(prompt_embeds, torch.Tensor) else torch.as_tensor(prompt_embeds)
         if emb.ndim == 3 and emb.shape[0] == 1:
             emb = emb[0]
         if emb.ndim != 2 or emb.shape[0] == 0 or emb.shape[1] != self.hidden_size:
-            raise EngineError(
+            raise EngineRequestError(
                 f"{self.name}: prompt_embeds must be [n, {self.hidden_size}], got {tuple(emb.shape)}"
             )
         if not emb.is_floating_point():
-            raise EngineError(f"{self.name}: prompt_embeds must be floating point, got {emb.dtype}")
+            raise EngineRequestError(f"{self.name}: prompt_embeds must be floating point, got {emb.dtype}")
         # Tensors cross to the engine process by msgpack: must be dense, on CPU. Cast
         # to the model dtype here so the worker does not copy it again.
         emb = emb.detach().to(device="cpu", dtype=llm.model_config.dtype).contiguous()
@@ -400,9 +401,11 @@ class VllmEngine(Engine):
         consumer stops iterating (break, aclose, GeneratorExit, task cancel) the
         request is aborted inside vLLM before this generator finishes closing.
         """
+        if self.dead is not None:
+            raise self.mark_dead(self.dead)
         llm = self.llm
         if request_id in self._inflight:
-            raise EngineError(f"{self.name}: request {request_id!r} already running")
+            raise EngineRequestError(f"{self.name}: request {request_id!r} already running")
         params = self._sampling_params(sampling)
         prompt = self._prompt(prompt_token_ids, prompt_embeds)
 
@@ -423,7 +426,7 @@ class VllmEngine(Engine):
         except EngineError:
             raise
         except Exception as e:  # validation errors, EngineDeadError, ...
-            raise EngineError(f"{self.name}: request {request_id!r} failed: {e!r}") from e
+            raise self._classify(request_id, e) from e
         finally:
             self._inflight.discard(request_id)
             self._aborted.discard(request_id)
@@ -436,6 +439,20 @@ class VllmEngine(Engine):
                     await stream.aclose()
                 with contextlib.suppress(Exception):
                     await llm.abort(request_id)
+
+    def _classify(self, request_id: str, exc: Exception) -> EngineError:
+        """vLLM's split: its engine died (every later request would fail too: the stage
+        goes unhealthy), it refused this request's input (reported as is), or
+        something else broke (internal)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        llm = self._llm
+        if isinstance(exc, EngineDeadError) or (llm is not None and llm.errored):
+            log.error("%s: the vLLM engine died: %r", self.name, exc)
+            return self.mark_dead(f"vLLM engine died: {type(exc).__name__}")
+        if isinstance(exc, (ValueError, TypeError)):
+            return EngineRequestError(f"{self.name}: request {request_id!r} refused: {exc}")
+        return EngineError(f"{self.name}: request {request_id!r} failed: {exc!r}")
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() stream ends without error. Unknown ids are ignored."""
@@ -454,12 +471,12 @@ def _check_ranges(ranges: Any, vocab_size: int | None = None) -> list[list[int]]
     try:
         out = [[int(lo), int(hi)] for lo, hi in ranges]
     except (TypeError, ValueError) as e:
-        raise EngineError(f"{ALLOWED_TOKEN_RANGES} must be a list of [lo, hi) pairs: {e}") from e
+        raise EngineRequestError(f"{ALLOWED_TOKEN_RANGES} must be a list of [lo, hi) pairs: {e}") from e
     if not out:
-        raise EngineError(f"{ALLOWED_TOKEN_RANGES} is empty")
+        raise EngineRequestError(f"{ALLOWED_TOKEN_RANGES} is empty")
     for lo, hi in out:
         if not 0 <= lo < hi or (vocab_size is not None and hi > vocab_size):
-            raise EngineError(f"{ALLOWED_TOKEN_RANGES}: bad range [{lo}, {hi}) for vocabulary {vocab_size}")
+            raise EngineRequestError(f"{ALLOWED_TOKEN_RANGES}: bad range [{lo}, {hi}) for vocabulary {vocab_size}")
     return out
 
 

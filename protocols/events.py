@@ -1,0 +1,40 @@
+"""JSON event sockets in the style of the Realtime API (`/v1/world`, the live video
+socket): client events are JSON objects with a string `type`; errors go back as
+`error` events in OpenAI's shape and the socket stays open."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from omni_rt.errors import ClientError
+
+
+class EventError(ClientError):
+    """A bad client event: `message`, `code` and the field it is about."""
+
+    def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message, code=code, param=param)
+
+
+class JsonEvents:
+    """Reading client events and answering errors, for adapters with an
+    `emit(type, **data)`."""
+
+    def emit(self, type: str, **data: Any) -> None:
+        raise NotImplementedError
+
+    def error(self, message: str, code: str = "invalid_value", param: str | None = None, event_id: Any = None) -> None:
+        self.emit("error", error={"type": "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id})
+
+    def read_event(self, raw: str | bytes) -> dict[str, Any] | None:
+        """The event, or None once the client has been told why it is not one."""
+        try:
+            ev = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.error(f"The event is not valid JSON: {exc}", "invalid_json")
+            return None
+        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+            self.error("An event is a JSON object with a string 'type'.", "invalid_event", "type")
+            return None
+        return ev

@@ -1,0 +1,145 @@
+"""The HTTP kit of the OpenAI-style APIs (aiohttp's server).
+
+- Errors: `error_middleware` answers every `OmniError` with OpenAI's error body and its
+  status (+ headers such as `retry-after`), aiohttp's own HTTP errors (404, 405, 413
+  for a body over `client_max_size`) in the same shape, and anything unexpected with a
+  logged traceback and a generic 500.
+- Bodies: `read_json` (the body as JSON, or a clear 400) and `validate_body` (a pydantic
+  model; the first bad field becomes the error's `param`).
+- Replies: `json_response`, and `Streamed` + `send_streamed` for bodies that stream as
+  the pipeline produces them (speech audio, SSE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from omni_rt.errors import ClientError, NotFound, OmniError
+from protocols.errors import error_body, to_omni
+from protocols.ws import DISCONNECTED
+
+log = logging.getLogger("protocols.http")
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _dumps(obj: Any) -> str:
+    # compact, UTF-8 as is (the bytes earlier releases sent)
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_response(body: Any, *, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(text=_dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(exc: OmniError) -> web.Response:
+    return json_response(error_body(exc), status=exc.http_status, headers=exc.headers)
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> OmniError:
+    if exc.status == 404:
+        return NotFound(f"Unknown path {request.path}")
+    if exc.status == 405:
+        return ClientError(f"Method {request.method} is not allowed on {request.path}", code="method_not_allowed", http_status=405)
+    if exc.status == 413:
+        limit = request.app._client_max_size  # noqa: SLF001 - aiohttp keeps the limit only here
+        return ClientError(f"The request body is larger than {limit} bytes.", code="request_too_large", http_status=413)
+    return ClientError(exc.reason or "Bad request", code="bad_request", http_status=exc.status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except OmniError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise  # redirects and the like
+        return error_response(_http_error(request, exc))
+    except (asyncio.CancelledError, *DISCONNECTED):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the one catch-all of the HTTP side
+        return error_response(to_omni(exc, f"{request.method} {request.path}"))
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body as JSON (a 413 past the server's body limit)."""
+    body = await request.read()
+    if not body:
+        raise ClientError("The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: also numbers too long to convert
+        raise ClientError(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def validation_error(errors: list[Any]) -> ClientError:
+    """pydantic's first error as OpenAI's 400, the field path as `param`."""
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    kind = e.get("type", "")
+    msg = e.get("msg", "invalid value")
+    if kind == "missing":
+        return ClientError(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    if kind == "extra_forbidden":
+        return ClientError(f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    if kind in ("json_invalid", "model_attributes_type", "dict_type"):
+        return ClientError(f"The request body is not valid JSON: {msg}", code="invalid_json")
+    return ClientError(f"Invalid value for '{param}': {msg}.", param=param, code="invalid_value")
+
+
+def validate_body(model: type[M], raw: Any) -> M:
+    """A JSON body as `model`, or the OpenAI-shaped 400 naming the first bad field."""
+    if not isinstance(raw, dict):
+        raise ClientError("The request body must be a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise validation_error(list(err.errors())) from None
+
+
+@dataclass
+class Streamed:
+    """A body that streams as the pipeline produces it. `close` runs however the
+    response ends, even when the client left before the first byte (it ends the
+    request's session)."""
+
+    body: AsyncIterator[bytes]
+    content_type: str
+    close: Callable[[], Awaitable[None]]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+async def send_streamed(request: web.Request, reply: Streamed) -> web.StreamResponse:
+    resp = web.StreamResponse(status=200, headers=reply.headers)
+    resp.content_type = reply.content_type
+    try:
+        await resp.prepare(request)
+        async for chunk in reply.body:
+            await resp.write(chunk)
+        await resp.write_eof()
+    except DISCONNECTED:
+        pass  # the client left; `close` frees what the request held
+    except Exception as exc:
+        if not resp.prepared:
+            raise
+        # The headers are out: end the connection without terminating the chunked
+        # body, so the client sees a cut stream rather than a complete one.
+        to_omni(exc, f"{request.method} {request.path} (streaming)")
+        if request.transport is not None:
+            request.transport.close()
+    finally:
+        aclose = getattr(reply.body, "aclose", None)
+        if aclose is not None:
+            await asyncio.shield(aclose())
+        await asyncio.shield(reply.close())
+    return resp

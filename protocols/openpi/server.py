@@ -1,0 +1,263 @@
+"""OpenPI policy WebSocket (`openpi-client`'s `WebsocketClientPolicy` works unchanged).
+
+Served at `/v1/openpi` and at the server root `/` (the client connects with no path;
+a plain `GET /` still gets the index page). Each connection is a session of kind
+`robot` whose episode state lives in the session.
+
+Wire (docs/api/openpi.md):
+- The server speaks first: one binary frame, the policy's metadata (msgpack).
+- Then lockstep: a binary msgpack observation in, a binary msgpack reply out with
+  `actions` [horizon, dim] float32, `policy_timing.infer_ms` (the policy stage's own
+  time) and `server_timing.infer_ms` (observation handed to the pipeline → actions
+  back) plus `prev_total_ms` from the second call on (the previous call's time from
+  waiting for the observation to the reply sent), as openpi's server reports them.
+- msgpack-numpy as openpi encodes it: arrays are maps with **bytes** keys
+  `{__ndarray__, data, dtype, shape}`, numpy scalars `{__npgeneric__, data, dtype}`;
+  object, void and complex dtypes are refused. Decoded arrays are read-only views.
+- Extension: `{"endpoint": "reset"}` (optionally with `"seed": n`) starts a new
+  episode on the same connection; the reply is `{"reset": true, "episode": n, "seed": s}`.
+- Query parameters: `layout` (which embodiment's keys and action dims; the metadata
+  lists them) and `seed` (the episode's noise seed).
+- Errors as openpi does them: a text frame with the message, then close 1011, for
+  that connection only. Over the session cap: the text frame, then close 1013. A
+  session that ends on the server's side (idle lease, operator) sends the reason as
+  text and closes 1001.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from aiohttp import web
+
+from omni_rt import metrics
+from omni_rt.errors import WS_GOING_AWAY, WS_INTERNAL_ERROR, WS_NORMAL, ClientError, RequestAborted, StageError
+from omni_rt.payloads import Payload, PayloadError, PayloadKind
+from omni_rt.request import RequestStream
+from protocols.auth import principal_of
+from protocols.errors import to_omni
+from protocols.openpi.codec import ProtocolError, flatten, packb, unpackb
+from protocols.registry import Mount
+from protocols.ws import DISCONNECTED, Socket, accept, reject
+from sessions import IllegalTransition, Session, SessionError, SessionManager
+
+log = logging.getLogger("protocols.openpi")
+
+# Observations bigger than this are refused with a clear error (the transport itself
+# takes frames up to its limit and closes bigger ones with 1009).
+MAX_OBSERVATION_BYTES = 64 * 1024 * 1024
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the adapter needs from the robot pipeline's policy stage."""
+
+    def metadata(self, layout: str | None) -> dict[str, Any]: ...  # KeyError for an unknown layout
+
+    def new_episode(self, seed: int | None = None) -> dict[str, Any]: ...
+
+
+class _Refusal(Exception):
+    """End this connection: send `message` as text, then close with `code`."""
+
+    def __init__(self, message: str, code: int = WS_INTERNAL_ERROR) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+def _seed(raw: Any) -> int | None:
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, str, np.integer)):
+        raise ProtocolError(f"seed must be an integer, got {raw!r}")
+    try:
+        seed = int(raw)
+    except ValueError:
+        raise ProtocolError(f"seed must be an integer, got {raw!r}") from None
+    if not 0 <= seed < 2**32:
+        raise ProtocolError(f"seed must be in 0..2^32-1, got {seed}")
+    return seed
+
+
+class PolicyConnection:
+    def __init__(self, sock: Socket, session: Session, policy: Policy, layout: str) -> None:
+        self.sock = sock
+        self.session = session
+        self.policy = policy
+        self.layout = layout
+        self.episodes = 0
+        self.prev_total_ms: float | None = None
+        self.waiting = False  # between calls, waiting for the next observation
+        self.told = False  # the robot was told its session ended
+
+    def reset(self, seed: int | None) -> dict[str, Any]:
+        self.session.data["episode"] = self.policy.new_episode(seed)
+        self.episodes += 1
+        self.session.touch()
+        return {"reset": True, "episode": self.episodes, "seed": self.session.data["episode"]["seed"]}
+
+    async def handle(self, data: bytes) -> tuple[bytes, RequestStream | None]:
+        """The reply to one frame, and the request still winding down (if any): it is
+        finished after the reply went out, off the robot's critical path."""
+        if len(data) > MAX_OBSERVATION_BYTES:
+            raise ProtocolError(f"observation frame of {len(data)} bytes exceeds the {MAX_OBSERVATION_BYTES}-byte limit")
+        obj = unpackb(data)
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"an observation is a msgpack map, got {type(obj).__name__}")
+        if "endpoint" in obj:
+            if obj["endpoint"] != "reset":
+                raise ProtocolError(f"unknown endpoint {obj['endpoint']!r}; this server knows 'reset'")
+            return packb(self.reset(_seed(obj.get("seed")))), None
+        arrays, texts = flatten(obj)
+        reply, stream = await self.infer(arrays, texts)
+        return packb(reply), stream
+
+    async def infer(self, arrays: dict[str, np.ndarray], texts: dict[str, str]) -> tuple[dict[str, Any], RequestStream]:
+        s = self.session
+        t0 = time.perf_counter()
+        stream = s.submit({"layout": self.layout, "episode": s.data["episode"]})
+        try:
+            try:
+                payload = Payload(PayloadKind.OBSERVATION, s.fence, arrays=arrays, meta={"text": texts})
+            except PayloadError as exc:
+                raise ProtocolError(f"observation: {exc}") from None
+            s.send_input(stream, payload)
+            stream.end_input()
+            result: Payload | None = None
+            async for _stage, p, last in stream.payloads():
+                result = p
+                if last:
+                    break  # the chunk is complete; the request winds down after the reply
+            if result is None:
+                raise StageError("the policy returned no actions")
+        except BaseException:
+            await stream.close()
+            raise
+        s.data["episode"] = result.meta["episode"]
+        infer_ms = (time.perf_counter() - t0) * 1000.0
+        metrics.POLICY_INFER_SECONDS.observe(infer_ms / 1000.0)
+        server_timing = {"infer_ms": infer_ms}
+        if self.prev_total_ms is not None:
+            server_timing["prev_total_ms"] = self.prev_total_ms
+        reply = {
+            "actions": result.arrays["actions"],
+            "policy_timing": {"infer_ms": float(result.meta["infer_ms"])},
+            "server_timing": server_timing,
+        }
+        return reply, stream
+
+    @staticmethod
+    async def finish(stream: RequestStream) -> None:
+        """Let a request whose result was sent complete, then free it."""
+        try:
+            async for _ in stream.events():
+                pass
+        finally:
+            await stream.close()
+
+    def _ended(self) -> "_Refusal":
+        return _Refusal(f"session ended by the server ({self.session.close_reason or 'aborted'})", WS_GOING_AWAY)
+
+    async def _watch(self) -> None:
+        """A session ended by the server (idle lease, operator) while the robot is
+        between calls: tell it why and close. (During a call the aborted request
+        reports it.)"""
+        await self.session.closed.wait()
+        if self.waiting:
+            self.told = True
+            await _refuse(self.sock, self._ended())
+
+    async def serve(self) -> None:
+        watcher = asyncio.ensure_future(self._watch())
+        try:
+            while True:
+                t_wait = time.perf_counter()
+                self.waiting = True
+                if self.session.closed.is_set():  # ended while the last reply went out
+                    raise self._ended()
+                data = await self.sock.receive()
+                self.waiting = False
+                if data is None or self.told:
+                    return  # the client left, or was told the session ended
+                if isinstance(data, str):
+                    raise ProtocolError("openpi frames are binary msgpack; got a text frame")
+                try:
+                    reply, stream = await self.handle(data)
+                except (RequestAborted, IllegalTransition):
+                    raise self._ended() from None
+                try:
+                    await self.sock.send(reply)
+                    self.prev_total_ms = (time.perf_counter() - t_wait) * 1000.0
+                finally:
+                    if stream is not None:
+                        await self.finish(stream)
+        finally:
+            watcher.cancel()
+
+
+async def serve(request: web.Request, sessions: SessionManager, pipeline: str, pol: Policy) -> web.StreamResponse:
+    try:
+        layout = request.query.get("layout")
+        meta = pol.metadata(layout)
+        seed = _seed(request.query.get("seed"))
+    except (KeyError, ProtocolError) as exc:
+        sock = await accept(request)
+        await _refuse(sock, _Refusal(str(exc.args[0] if isinstance(exc, KeyError) else exc)))
+        return sock.ws
+    try:
+        session = await sessions.open("robot", pipeline, params={}, principal=principal_of(request).name)
+    except SessionError as exc:
+        return await reject(request, exc, lambda e: f"{e.code}: {e.message}")
+    reason = "client_disconnected"
+    sock: Socket | None = None
+    try:
+        session.data["episode"] = pol.new_episode(seed)
+        sock = await accept(request)
+        conn = PolicyConnection(sock, session, pol, meta["layout"])
+        await sock.send(packb({**meta, "session_id": session.id, "seed": session.data["episode"]["seed"], "extensions": ["reset"]}))
+        await conn.serve()
+    except _Refusal as exc:
+        reason = session.close_reason or "ended"
+        if sock is not None:
+            await _refuse(sock, exc)
+    except DISCONNECTED:
+        pass
+    except Exception as exc:  # noqa: BLE001 - this connection only
+        err = to_omni(exc, f"openpi session {session.id}")
+        # the client's own bad input (a bad frame, an observation the policy cannot
+        # use) is reported as is; a fault of ours as a generic message
+        reason = "bad_input" if isinstance(err, (ClientError, StageError)) else "error"
+        if sock is not None:
+            await _refuse(sock, _Refusal(err.message if err.expose else "internal error in the policy server"))
+    finally:
+        await sessions.end(session, reason)
+        if sock is not None:
+            await sock.close(WS_NORMAL)
+    return sock.ws if sock is not None else web.Response(status=500)
+
+
+async def _refuse(sock: Socket, exc: _Refusal) -> None:
+    try:
+        await sock.send(exc.message)
+    except DISCONNECTED:
+        pass
+    await sock.close(exc.code, exc.message.encode()[:120].decode(errors="ignore"))
+
+
+def mount(m: Mount) -> None:
+    """`/v1/openpi` and the server root `/` (a plain GET of `/` still gets the index)."""
+    pol = m.processor(Policy)
+
+    async def endpoint(request: web.Request) -> web.StreamResponse:
+        return await serve(request, m.sessions, m.pipeline.name, pol)
+
+    m.websocket("/v1/openpi", endpoint, "OpenPI policy (openpi-client; also at /)")
+    m.websocket("/", endpoint)
+
+
+__all__ = ["MAX_OBSERVATION_BYTES", "Policy", "PolicyConnection", "mount", "serve"]

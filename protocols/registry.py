@@ -1,0 +1,117 @@
+"""Which wire protocols exist, and what a wire gets when it is mounted.
+
+A pipeline names the wires it is served on (`wires:` in its YAML); the composition
+root mounts each one with a `Mount`: the session manager, the pipeline, the server
+settings, the pipeline's entry stage (read through a contract the wire declares) and
+the route table. Adding a pipeline with a wire of its own touches its YAML, its
+processors, its protocol module and the table below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, TypeVar
+
+from aiohttp import web
+
+from omni_rt.specs import PipelineSpec, ServerSpec, SpecError
+from sessions import SessionManager
+
+# wire name -> "module:function" that mounts it (imported only when a pipeline uses it)
+WIRES: dict[str, str] = {
+    "speech": "protocols.speech:mount",
+    "chat": "protocols.chat:mount",
+    "realtime": "protocols.realtime:mount",
+    "duplex": "protocols.duplex:mount",
+    "webrtc": "protocols.webrtc:mount",
+    "images": "protocols.images:mount",
+    "world": "protocols.world:mount",
+    "videos": "protocols.videos:mount",
+    "openpi": "protocols.openpi:mount",
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+C = TypeVar("C")
+
+
+@dataclass
+class Routes:
+    """The server's route table, filled by every wire before the app is built. A
+    WebSocket route may share a path with a plain GET page (OpenPI at `/`)."""
+
+    http: dict[tuple[str, str], Handler] = field(default_factory=dict)
+    websocket: dict[str, Handler] = field(default_factory=dict)
+    index: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, what) for the index page
+
+    def add(self, method: str, path: str, handler: Handler, source: str) -> None:
+        if (method, path) in self.http:
+            raise SpecError(f"{source}: {method} {path} is served by another wire already")
+        self.http[(method, path)] = handler
+
+    def add_websocket(self, path: str, handler: Handler, source: str) -> None:
+        if path in self.websocket:
+            raise SpecError(f"{source}: the WebSocket {path} is served by another wire already")
+        self.websocket[path] = handler
+
+    def install(self, app: web.Application) -> None:
+        for path in sorted({p for _, p in self.http} | set(self.websocket)):
+            ws = self.websocket.get(path)
+            page = self.http.get(("GET", path))
+            if ws is not None:
+                app.router.add_get(path, _upgrade_or(ws, page))
+            for (method, p), handler in self.http.items():
+                if p == path and not (ws is not None and method == "GET"):
+                    app.router.add_route(method, path, handler)
+
+
+def _upgrade_or(ws: Handler, page: Handler | None) -> Handler:
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("upgrade", "").lower() == "websocket" or page is None:
+            return await ws(request)
+        return await page(request)
+
+    return dispatch
+
+
+@dataclass
+class Mount:
+    """What one wire gets for one pipeline."""
+
+    wire: str
+    sessions: SessionManager
+    pipeline: PipelineSpec
+    server: ServerSpec
+    entry_processor: Any  # the pipeline's entry stage processor (any replica: they are configured alike)
+    routes: Routes
+    options: dict[str, Any] = field(default_factory=dict)  # test hooks (e.g. "vad": a voice-activity detector factory)
+
+    @property
+    def source(self) -> str:
+        return f"pipelines.{self.pipeline.name}.wires.{self.wire}"
+
+    def processor(self, contract: type[C]) -> C:
+        """The pipeline's entry stage, read through the contract the wire needs (a
+        runtime-checkable Protocol): a clear error at start-up if it does not fit."""
+        proc = self.entry_processor
+        if not isinstance(proc, contract):
+            raise SpecError(f"{self.source}: the entry stage's processor {type(proc).__name__} does not offer {contract.__name__}")
+        return proc
+
+    def route(self, method: str, path: str, handler: Handler, what: str | None = None) -> None:
+        self.routes.add(method, path, handler, self.source)
+        if what is not None:
+            self.routes.index.append((method, path, what))
+
+    def websocket(self, path: str, handler: Handler, what: str | None = None) -> None:
+        self.routes.add_websocket(path, handler, self.source)
+        if what is not None:
+            self.routes.index.append(("WS", path, what))
+
+
+def mount(m: Mount) -> None:
+    target = WIRES.get(m.wire)
+    if target is None:
+        raise SpecError(f"{m.source}: unknown wire {m.wire!r}; known: {', '.join(sorted(WIRES))}")
+    module, _, fn = target.partition(":")
+    getattr(importlib.import_module(module), fn)(m)

@@ -1,0 +1,142 @@
+"""The WebSocket transport kit every socket adapter is built on (aiohttp's server).
+
+- `accept(request)`: the handshake, with the server's frame limit and heartbeats.
+- `Socket`: send text / bytes / JSON, read the next message (or learn that the client
+  left, or that something else the adapter waits on finished first), close tolerantly.
+- `DISCONNECTED`: the transport's own disconnect errors. Adapters catch these, and
+  only these, as "the client left"; everything else is a fault (see `protocols.errors`).
+- `write_events(socket, session, frame)`: a session's event stream onto the socket,
+  with the last fence check before the wire; `numbered_json` renders events as JSON
+  with a per-connection `event_id`.
+- `reject(request, exc, frame)`: refuse a session on a socket in the protocol's own
+  error shape, then close with the error's close code (1013 for capacity).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable, Mapping
+
+from aiohttp import WSMsgType, web
+
+from omni_rt import metrics
+from omni_rt.errors import WS_NORMAL, OmniError
+from protocols.errors import close_reason, error_event
+from sessions import Session, SessionEvent
+
+# Frames up to this size reach the protocols, which answer oversized ones in their own
+# error shape (a realtime append over 15 MiB of audio, an OpenPI observation over 64
+# MiB); the transport closes bigger ones with 1009.
+MAX_FRAME_BYTES = 128 * 1024 * 1024
+# Transport keepalive: a ping this often; a client that does not answer within half of
+# it is gone.
+HEARTBEAT_S = 20.0
+
+# A send on a socket whose peer is gone raises aiohttp's ClientConnectionResetError
+# (a ConnectionResetError); a peer that vanished mid-write, an OSError of the family.
+DISCONNECTED: tuple[type[BaseException], ...] = (ConnectionError,)
+
+
+class Socket:
+    """One accepted WebSocket."""
+
+    def __init__(self, ws: web.WebSocketResponse, request: web.Request) -> None:
+        self.ws = ws
+        self.request = request
+
+    @property
+    def closed(self) -> bool:
+        return self.ws.closed
+
+    async def send(self, data: str | bytes) -> None:
+        if isinstance(data, bytes):
+            await self.ws.send_bytes(data)
+        else:
+            await self.ws.send_str(data)
+
+    async def send_json(self, obj: Mapping[str, Any]) -> None:
+        await self.ws.send_str(json.dumps(obj))
+
+    async def receive(self, *others: "asyncio.Future[Any]") -> str | bytes | None:
+        """The next text or binary message; None when the client left or one of
+        `others` (e.g. the event writer) finished first."""
+        if not others:
+            return _data(await self.ws.receive())
+        receive = asyncio.ensure_future(self.ws.receive())
+        done, _ = await asyncio.wait({receive, *others}, return_when=asyncio.FIRST_COMPLETED)
+        if receive not in done:
+            receive.cancel()
+            await asyncio.gather(receive, return_exceptions=True)
+            return None
+        return _data(receive.result())
+
+    async def close(self, code: int = WS_NORMAL, reason: str = "") -> None:
+        """Close with `code` unless the socket is already closed (the client left)."""
+        if not self.ws.closed:
+            try:
+                await self.ws.close(code=code, message=reason.encode()[:123])
+            except DISCONNECTED:
+                pass
+
+
+def _data(msg: Any) -> str | bytes | None:
+    if msg.type is WSMsgType.TEXT:
+        return str(msg.data)
+    if msg.type is WSMsgType.BINARY:
+        return bytes(msg.data)
+    return None  # CLOSE, CLOSING, CLOSED, ERROR: the client is gone
+
+
+async def accept(request: web.Request, *, max_frame: int = MAX_FRAME_BYTES, heartbeat: float | None = HEARTBEAT_S) -> Socket:
+    ws = web.WebSocketResponse(max_msg_size=max_frame, heartbeat=heartbeat)
+    await ws.prepare(request)
+    return Socket(ws, request)
+
+
+async def reject(
+    request: web.Request,
+    exc: OmniError,
+    frame: Callable[[OmniError], Mapping[str, Any] | str | bytes] = error_event,
+) -> web.WebSocketResponse:
+    """Tell a WebSocket client why its session was refused (in its protocol's shape),
+    then close with the error's close code."""
+    sock = await accept(request, heartbeat=None)
+    msg = frame(exc)
+    try:
+        if isinstance(msg, Mapping):
+            await sock.send_json(msg)
+        else:
+            await sock.send(msg)
+    except DISCONNECTED:
+        pass
+    await sock.close(exc.ws_close, close_reason(exc))
+    return sock.ws
+
+
+async def write_events(sock: Socket, session: Session, frame: Callable[[SessionEvent], str | bytes | None]) -> None:
+    """Write the session's events to the socket until this attachment ends. The last
+    fence check before the wire: nothing of a cancelled turn goes out. `frame` renders
+    an event (text or binary; None skips it)."""
+    async for ev in session.events():
+        if ev.fence is not None and ev.fence.is_stale_against(session.fence):
+            metrics.DROPPED_STALE.labels(hop="adapter").inc()
+            continue
+        out = frame(ev)
+        if out is not None:
+            await sock.send(out)
+        if ev.type in ("session.expired", "session.closed"):
+            break
+
+
+def numbered_json(render: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda data: data) -> Callable[[SessionEvent], str]:
+    """A `write_events` frame function: each event as JSON with a per-connection
+    `event_id` (`event_000001`, …) and its data rendered by `render`."""
+    count = 0
+
+    def frame(ev: SessionEvent) -> str:
+        nonlocal count
+        count += 1
+        return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **render(ev.data)})
+
+    return frame
