@@ -63,7 +63,7 @@ def build_engine(
 
         return DiffusersEngine(model, name=name, **engine_args)
     if kind == "fake":
-        from omni_rt.engines.fake import FakeArEngine
+        from omni_rt.testing.engines import FakeArEngine
 
         return FakeArEngine(name=name, **engine_args)
     raise SpecError(f"stage {name}: unknown engine {kind!r}")
@@ -94,7 +94,9 @@ class Runtime:
                 stages.setdefault(s.name, (pname, s))  # errors name the first pipeline with it
         return stages
 
-    def _resolve(self, pipeline: str, s: StageSpec) -> StageSpec:
+    # ---- what a stage is built from (the test harness swaps these for fakes) ----
+    def resolve_stage(self, pipeline: str, s: StageSpec) -> StageSpec:
+        """The stage with its model paths resolved to local directories."""
         key = f"pipelines.{pipeline}.stages.{s.name}"
         aux = {
             k: AuxEngineSpec(engine=a.engine, model=self.resolve_model(a.model, f"{key}.aux.{k}.model"), engine_args=a.engine_args)
@@ -103,6 +105,16 @@ class Runtime:
         model = self.resolve_model(s.model, f"{key}.model") if s.model else None
         return s.model_copy(update={"model": model, "aux": aux})
 
+    def processor_class(self, spec: StageSpec) -> type[StageProcessor]:
+        return import_processor(spec.processor)
+
+    def make_engine(self, spec: StageSpec, role: str, name: str, processor: type[StageProcessor]) -> Engine:
+        """The engine of one replica (`role` "main") or of its aux engine `role`."""
+        if role == "main":
+            return build_engine(spec.engine, spec.model, spec.engine_args, processor, role, name)
+        a = spec.aux[role]
+        return build_engine(a.engine, a.model, a.engine_args, processor, role, name)
+
     def build(self) -> None:
         # Only connectors some edge uses are created (plus inproc for client I/O).
         used = {"inproc"} | {e.connector for p in self.profiles.values() for e in p.edges}
@@ -110,15 +122,13 @@ class Runtime:
             cspec = self.connector_specs.get(name)
             self.connectors[name] = make_connector(cspec.backend if cspec else name, name)
         for name, (pipeline, raw) in self._stage_specs().items():
-            spec = self._resolve(pipeline, raw)
-            proc_cls = import_processor(spec.processor)
+            spec = self.resolve_stage(pipeline, raw)
+            proc_cls = self.processor_class(spec)
             replicas = []
             for i in range(spec.replicas):
                 rname = f"{name}-{i}" if spec.replicas > 1 else name
-                engine = build_engine(spec.engine, spec.model, spec.engine_args, proc_cls, "main", rname)
-                aux = {
-                    k: build_engine(a.engine, a.model, a.engine_args, proc_cls, k, f"{rname}.{k}") for k, a in spec.aux.items()
-                }
+                engine = self.make_engine(spec, "main", rname, proc_cls)
+                aux = {k: self.make_engine(spec, k, f"{rname}.{k}", proc_cls) for k in spec.aux}
                 try:
                     processor = proc_cls(spec, engine, aux)
                 except SpecError as exc:

@@ -81,20 +81,28 @@ async def read_json(request: web.Request) -> Any:
         raise ClientError(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
-def validation_error(errors: list[Any]) -> ClientError:
-    """pydantic's first error as OpenAI's 400, the field path as `param`."""
+# error types a validator may raise itself (PydanticCustomError): they are the wire code
+WIRE_CODES = frozenset({"invalid_value", "invalid_type", "unknown_parameter", "missing_required_parameter"})
+
+
+def validation_error(errors: list[Any], prefix: str = "", type_code: str = "invalid_value") -> ClientError:
+    """pydantic's first error as OpenAI's 400, its field path (under `prefix`) as
+    `param`. A wrong JSON type gets `type_code` (the Realtime API says invalid_type)."""
     e = errors[0]
     loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
+    param = ".".join([prefix, *loc] if prefix else loc) or None
     kind = e.get("type", "")
     msg = e.get("msg", "invalid value")
+    if kind in WIRE_CODES:
+        return ClientError(msg, param=param, code=kind)
     if kind == "missing":
         return ClientError(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
     if kind == "extra_forbidden":
         return ClientError(f"Unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
-    if kind in ("json_invalid", "model_attributes_type", "dict_type"):
+    if kind in ("json_invalid", "model_attributes_type", "dict_type") and not prefix:
         return ClientError(f"The request body is not valid JSON: {msg}", code="invalid_json")
-    return ClientError(f"Invalid value for '{param}': {msg}.", param=param, code="invalid_value")
+    code = type_code if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+    return ClientError(f"Invalid value for '{param}': {msg}.", param=param, code=code)
 
 
 def validate_body(model: type[M], raw: Any) -> M:

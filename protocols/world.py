@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
 import logging
 import secrets
 from typing import Any, Protocol, runtime_checkable
@@ -38,14 +37,14 @@ import numpy as np
 from aiohttp import web
 
 from omni_rt import metrics
-from omni_rt.errors import OmniError, RequestAborted
+from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, RequestAborted
 from omni_rt.payloads import Fence
 from protocols.auth import principal_of
 from protocols.errors import to_omni
 from protocols.events import EventError as WorldError
 from protocols.events import JsonEvents
 from protocols.registry import Mount
-from protocols.ws import DISCONNECTED, Socket, accept, numbered_json, reject, write_events
+from protocols.ws import accept, numbered_json, reject, serve_events
 from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.world")
@@ -267,43 +266,31 @@ def mount(m: Mount) -> None:
             return await reject(request, exc)
         conn = WorldConnection(session, sessions, model.describe())
         attachment = session.attachment  # a resume elsewhere takes the session over
-        sock: Socket | None = None
-        writer: asyncio.Task[None] | None = None
-        ended: asyncio.Future[Any] | None = None
-        closing = False
         try:
             sock = await accept(request)
-            kind = "session.resumed" if resumed else "session.created"
-            conn.emit(kind, session=conn.wire(), resume_token=session.issue_resume_token())
-            writer = asyncio.get_running_loop().create_task(write_events(sock, session, numbered_json()))
-            ended = asyncio.ensure_future(session.closed.wait())
-            while (data := await sock.receive(writer, ended)) is not None:
-                if not await conn.handle(data):
-                    closing = True
-                    break
-        except DISCONNECTED:
-            pass
-        finally:
-            if ended is not None:
-                ended.cancel()
-            still_ours = session.attached_as(attachment)
+        except BaseException:
+            await sessions.detach(session.id)
+            raise
+        kind = "session.resumed" if resumed else "session.created"
+        conn.emit(kind, session=conn.wire(), resume_token=session.issue_resume_token())
+
+        async def on_exit(why: str) -> None:
+            if not session.attached_as(attachment):
+                return  # taken over by a resume elsewhere: the new attachment owns it
             try:
-                if still_ours:
-                    await conn.cancel("client_disconnected")
-                if closing and still_ours:
+                await conn.cancel("client_disconnected")
+                if why == "client_closed":
                     conn.emit("session.closed")
-                    await asyncio.sleep(0)
                     await sessions.end(session, "closed")
-                elif still_ours:
+                elif why == "server_error":
+                    await sessions.end(session, "server_error")
+                else:
                     await sessions.detach(session.id)  # resumable within disconnect_grace_s
             except SessionError as exc:
                 log.info("world session %s: %s", session.id, exc)
-            if writer is not None:
-                await asyncio.wait({writer}, timeout=2)
-                writer.cancel()
-                await asyncio.gather(writer, return_exceptions=True)
-            if sock is not None:
-                await sock.close(1000)
-        return sock.ws if sock is not None else web.Response(status=500)
+
+        why = await serve_events(sock, session, numbered_json(), conn.handle, on_exit)
+        await sock.close(WS_INTERNAL_ERROR if why == "server_error" else WS_NORMAL)
+        return sock.ws
 
     m.websocket("/v1/world", world, "world-model rollouts (action in, frames out)")

@@ -10,19 +10,21 @@
   with a per-connection `event_id`.
 - `reject(request, exc, frame)`: refuse a session on a socket in the protocol's own
   error shape, then close with the error's close code (1013 for capacity).
+- `serve_events(...)`: the whole life of a JSON event socket (writer, reader, the
+  fault path) for the wires built the same way (realtime, world, live video).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from aiohttp import WSMsgType, web
 
 from omni_rt import metrics
 from omni_rt.errors import WS_NORMAL, OmniError
-from protocols.errors import close_reason, error_event
+from protocols.errors import close_reason, error_event, to_omni
 from sessions import Session, SessionEvent
 
 # Frames up to this size reach the protocols, which answer oversized ones in their own
@@ -140,3 +142,51 @@ def numbered_json(render: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lam
         return json.dumps({"type": ev.type, "event_id": f"event_{count:06d}", **render(ev.data)})
 
     return frame
+
+
+WRITER_DRAIN_S = 0.5  # how long the writer may take to send what the end of an attachment produced
+
+
+async def serve_events(
+    sock: Socket,
+    session: Session,
+    frame: Callable[[SessionEvent], str | bytes | None],
+    on_message: Callable[[str | bytes], Awaitable[bool]],
+    on_exit: Callable[[str], Awaitable[None]],
+) -> str:
+    """Run one attachment of a JSON event socket: the session's events go out as they
+    come, client messages go to `on_message` (False: the client asked to close).
+    `on_exit(why)` runs before the writer stops, so what it says (`session.closed`)
+    still goes out. Returns why it stopped: "client_left", "client_closed",
+    "session_ended" (the server ended the session, or the writer stopped), or
+    "server_error" (a fault of ours: the client got an `error` event; the caller
+    closes with 1011)."""
+    writer = asyncio.get_running_loop().create_task(write_events(sock, session, frame))
+    ended = asyncio.ensure_future(session.closed.wait())
+    why = "client_left"
+    try:
+        while (data := await sock.receive(writer, ended)) is not None:
+            if data and not await on_message(data):
+                why = "client_closed"
+                break
+        else:
+            if writer.done() or ended.done():
+                why = "session_ended"
+    except DISCONNECTED:
+        why = "client_left"
+    except Exception as exc:  # noqa: BLE001 - a fault of ours: tell the client
+        err = to_omni(exc, f"{session.kind} session {session.id}")
+        why = "server_error"
+        try:
+            await sock.send_json(error_event(err))
+        except DISCONNECTED:
+            pass
+    finally:
+        ended.cancel()
+        try:
+            await on_exit(why)
+        finally:
+            await asyncio.wait({writer}, timeout=WRITER_DRAIN_S)
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+    return why

@@ -94,6 +94,10 @@ class SessionManager:
         self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
         self._gone_limit = gone_limit
         self._closing: dict[str, asyncio.Task[None]] = {}
+        # Ends scheduled from code that cannot wait for them (a full event queue, a
+        # stuck writer). The loop keeps only weak references to tasks: these are held
+        # here until they finish, or they could be collected mid-flight.
+        self.background: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self.stats = {"admitted": 0, "rejected": 0, "closed": 0, "expired": 0, "evicted": 0, "slots_released": 0, "lapsed_leases": 0}
 
@@ -109,6 +113,7 @@ class SessionManager:
             await asyncio.gather(self._reaper, return_exceptions=True)
             self._reaper = None
         await asyncio.gather(*(self.end(s, "shutdown") for s in list(self._sessions.values())), return_exceptions=True)
+        await asyncio.gather(*self.background, return_exceptions=True)
         await self.store.close()
 
     # ---- admission -------------------------------------------------------------------
@@ -236,7 +241,14 @@ class SessionManager:
         """An attached client stopped reading and its event queue is full: end it."""
         log.warning("session %s (%s): the client is not reading (%d events queued); ending it", s.id, s.kind, len(s._events))
         s._events.clear()  # what it did not read is gone; the final event goes out first
-        asyncio.get_running_loop().create_task(self.end(s, "slow_consumer"))
+        self.end_soon(s, "slow_consumer")
+
+    def end_soon(self, s: Session, reason: str) -> "asyncio.Task[None]":
+        """End `s` in the background (for callers that cannot wait, e.g. inside emit)."""
+        task = asyncio.get_running_loop().create_task(self.end(s, reason), name=f"end-{s.id}")
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     async def expire(self, session_id: str, reason: str = "idle_timeout") -> None:
         await self.end(self.get(session_id), reason)

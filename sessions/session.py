@@ -297,6 +297,11 @@ class Session:
             metrics.SESSION_EVENTS_DROPPED.labels(kind=self.kind).inc()
 
     @property
+    def queued_events(self) -> int:
+        """Events waiting for the client (replayed on resume)."""
+        return len(self._events)
+
+    @property
     def attachment(self) -> int:
         """Changes each time a client's attachment ends (detach, takeover by a resume)."""
         return self._attach_gen

@@ -10,7 +10,7 @@ import numpy as np
 
 from omni_rt.connectors.base import Connector
 from omni_rt.connectors.inproc import InprocConnector
-from omni_rt.engines.fake import FakeArEngine
+from omni_rt.testing.engines import FakeArEngine
 from omni_rt.orchestrator import Orchestrator
 from omni_rt.payloads import Handle, Payload, PayloadKind
 from omni_rt.specs import ProfileSpec

@@ -10,10 +10,10 @@ from protocols.audio_formats import (
     SUPPORTED_FORMATS,
     AudioFormatError,
     StreamingEncoder,
-    TempoFilter,
     available_formats,
     content_type,
 )
+from protocols.audio_tempo import TempoFilter
 
 import av  # noqa: E402 - a required dependency: missing means failure, not a skip
 

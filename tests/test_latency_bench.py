@@ -24,7 +24,7 @@ import yaml  # noqa: E402
 from clients.tts import SpeechError, speak  # noqa: E402
 from latency_bench import stats  # noqa: E402
 from latency_bench.tts import TtsOptions, compute_ratios, run_closed_loop, run_compare  # noqa: E402
-from tests.fake_speech_server import AUDIO_S, CHUNK_SAMPLES, N_CHUNKS, RATE, FakeState, ThreadServer, pcm_chunk  # noqa: E402
+from tests.fake_speech_server import AUDIO_S, CHUNK_SAMPLES, N_CHUNKS, FakeState, ThreadServer, pcm_chunk  # noqa: E402
 
 FAKE_SERVER = ROOT / "tests" / "fake_speech_server.py"
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omni_rt.engines.base import Engine, EngineDead, EngineError, EngineRequestError
+from omni_rt.engines.base import Engine, EngineError, EngineRequestError
 
 if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~3 s and ~300 MB
     from vllm.sampling_params import SamplingParams

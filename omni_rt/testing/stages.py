@@ -1,0 +1,251 @@
+"""Stage processors that stand in for the model-backed ones in the harness.
+
+Each one consumes and produces the same payloads as the real processor it replaces,
+through the same engine contract, so protocol adapters, sessions and the orchestrator
+run exactly as they do over real models. Outputs are deterministic:
+
+- `FakeAudioEncoder` (audio_encoder): one HIDDEN row per 40 ms of audio
+  ([rms, mean, max, min]), streamed block by block.
+- `FakeThinker` (thinker): one word `"w<token> "` per engine token; `seen` records
+  what each request was given (messages, rows of speech).
+- `FakeTalker` (talker): `frames_per_word` codec frames per word of its text.
+- the real `Code2WavProcessor` runs over `vocode` (`code2wav_fn`): a short tone per
+  frame, 2048 samples, a pure function of the frame (stream = batch).
+- `FakeFusedTalker` (talker_fused): text to PCM in one stage.
+- `FakePolicy` (policy), `FakeWorld` (world_dit), `FakeVideo` (video_dit); the real
+  `ImageProcessor` runs over `FakeDiffusionEngine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+from typing import Any, Mapping
+
+import numpy as np
+
+from omni_rt.engines.base import ArEngine, DiffusionEngine, Engine, StepEngine
+from omni_rt.errors import StageError
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.specs import StageSpec
+from omni_rt.stage import StageContext, StageProcessor
+
+RATE = 24000
+SAMPLES_PER_FRAME = 2048  # as SNAC 24 kHz: the real code2wav's framing
+BLOCK_S = 0.04
+
+
+def encode_fn(op: str | None, block: np.ndarray) -> np.ndarray:
+    x = block.astype(np.float32)
+    return np.asarray([[float(np.sqrt(np.mean(x * x))), float(x.mean()), float(x.max()), float(x.min())]], np.float32)
+
+
+def code2wav_fn(op: str | None, frames: np.ndarray) -> np.ndarray:
+    """frames [F, 7] -> audio [F * 2048]: each frame a tone set by its first code."""
+    t = np.arange(SAMPLES_PER_FRAME, dtype=np.float32) / RATE
+    freq = 200.0 + (frames[:, 0].astype(np.float32) % 400)[:, None]
+    return (0.2 * np.sin(2 * np.pi * freq * t[None, :])).astype(np.float32).reshape(-1)
+
+
+class FakeAudioEncoder(StageProcessor):
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.steps = self.engine_as(StepEngine)
+
+    async def run(self, ctx: StageContext) -> None:
+        buf = np.zeros(0, np.float32)
+        block = 0
+        async for p in ctx.input():
+            if p.kind == PayloadKind.HIDDEN:  # already encoded: passed on
+                await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": p.arrays["embeds"]}))
+                continue
+            block = int(int(p.meta.get("sample_rate", RATE)) * BLOCK_S)
+            buf = np.concatenate([buf, p.arrays["pcm"].astype(np.float32).reshape(-1)])
+            while len(buf) >= block:
+                await self._emit(ctx, buf[:block])
+                buf = buf[block:]
+        if len(buf):
+            await self._emit(ctx, buf)
+
+    async def _emit(self, ctx: StageContext, block: np.ndarray) -> None:
+        rows = await self.steps.run(block)
+        await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": rows}))
+        ctx.add_usage(audio_frames=len(rows))
+
+
+class FakeThinker(StageProcessor):
+    DEFAULT_MAX_TOKENS = 16
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.ar = self.engine_as(ArEngine)
+        self.max_tokens = int(spec.processor_args.get("max_tokens", self.DEFAULT_MAX_TOKENS))
+        self.seen: list[dict[str, Any]] = []
+
+    async def run(self, ctx: StageContext) -> None:
+        rows = 0
+        if ctx.inputs:
+            for p in await ctx.input().read_all():
+                if p.kind == PayloadKind.HIDDEN:
+                    rows += len(p.arrays["embeds"])
+        messages = list(ctx.params.get("messages") or [])
+        if not messages:
+            raise StageError("thinker: no messages to respond to")
+        self.seen.append({"request_id": ctx.request_id, "messages": messages, "audio_rows": rows, "params": dict(ctx.params)})
+        words = sum(len(str(m.get("content", "")).split()) for m in messages)
+        ctx.add_usage(input_tokens=words + rows, **({"input_audio_tokens": rows} if rows else {}))
+        prompt = [len(str(m.get("content", ""))) % 1000 for m in messages]
+        sampling: dict[str, Any] = {"max_tokens": int(ctx.params.get("max_output_tokens") or self.max_tokens)}
+        if ctx.params.get("seed") is not None:
+            sampling["seed"] = int(ctx.params["seed"])
+        async for toks in self.ar.generate(f"{ctx.request_id}-thinker", prompt_token_ids=prompt, sampling=sampling):
+            ctx.add_usage(output_tokens=len(toks))
+            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text="".join(f"w{t} " for t in toks)))
+
+
+class FakeTalker(StageProcessor):
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.ar = self.engine_as(ArEngine)
+        self.frames_per_word = int(spec.processor_args.get("frames_per_word", 1))
+
+    async def frames(self, ctx: StageContext, text: str, n: int) -> Any:
+        words = text.split()
+        if not words:
+            return
+        ctx.add_usage(input_tokens=len(words))
+        sampling: dict[str, Any] = {"max_tokens": len(words) * self.frames_per_word}
+        if ctx.params.get("seed") is not None:
+            sampling["seed"] = int(ctx.params["seed"]) + n
+        async for toks in self.ar.generate(f"{ctx.request_id}-s{n}", prompt_token_ids=[len(text) % 1000], sampling=sampling):
+            ctx.add_usage(output_tokens=len(toks))
+            yield np.repeat(np.asarray(toks, np.int32)[:, None], 7, axis=1)
+
+    async def run(self, ctx: StageContext) -> None:
+        inp = ctx.input()
+        start = n = 0
+
+        async def speak(text: str) -> None:
+            nonlocal start, n
+            async for frames in self.frames(ctx, text, n):
+                await ctx.emit(Payload(PayloadKind.CODES, ctx.fence, arrays={"frames": frames}, meta={"frame_start": start}))
+                start += len(frames)
+            n += 1
+
+        if inp.mode == "client":  # the whole text at once (speech API)
+            text = " ".join(p.text or "" for p in await inp.read_all())
+            if not text.strip():
+                raise StageError("empty input text")
+            await speak(text)
+        else:  # streamed by the thinker: spoken as it arrives
+            async for p in inp:
+                await speak(p.text or "")
+
+
+class FakeFusedTalker(FakeTalker):
+    """talker_fused: text in, PCM out (the codec frames decoded by the aux engine)."""
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.decoder = self.engine_as(StepEngine, "decoder")
+
+    async def run(self, ctx: StageContext) -> None:
+        text = " ".join(p.text or "" for p in await ctx.input().read_all())
+        if not text.strip():
+            raise StageError("empty input text")
+        start = 0
+        async for frames in self.frames(ctx, text, 0):
+            pcm = await self.decoder.run(frames)
+            await ctx.emit(Payload(PayloadKind.AUDIO, ctx.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE, "start_sample": start}))
+            start += len(pcm)
+
+
+LAYOUTS = {
+    "droid": {"images": ["observation/exterior_image_1_left", "observation/wrist_image_left"],
+              "state": ["observation/joint_position", "observation/gripper_position"], "action_dim": 8, "action_horizon": 10},
+    "aloha": {"images": ["images/cam_high"], "state": ["state"], "action_dim": 14, "action_horizon": 16},
+}
+
+
+class FakePolicy(StageProcessor):
+    """policy: OBSERVATION in, ACTIONS [horizon, dim] out, `num_steps` engine steps per
+    call; the episode (seed, step) in the session makes a rollout reproducible."""
+
+    num_steps = 3
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.steps = self.engine_as(StepEngine)
+
+    def metadata(self, layout: str | None) -> dict[str, Any]:
+        name = layout or "droid"
+        if name not in LAYOUTS:
+            raise KeyError(f"unknown layout {name!r}; this policy serves: {', '.join(sorted(LAYOUTS))}")
+        lay = LAYOUTS[name]
+        return {"policy": "fake-policy", "layout": name, "layouts": sorted(LAYOUTS), "action_horizon": lay["action_horizon"],
+                "action_dim": lay["action_dim"], "image_keys": lay["images"], "state_keys": lay["state"]}
+
+    def new_episode(self, seed: int | None = None) -> dict[str, Any]:
+        return {"seed": 0 if seed is None else int(seed), "step": 0, "prev": None}
+
+    async def run(self, ctx: StageContext) -> None:
+        lay = LAYOUTS[ctx.params.get("layout") or "droid"]
+        episode = dict(ctx.params.get("episode") or self.new_episode())
+        async for obs in ctx.input():
+            missing = [k for k in (*lay["images"], *lay["state"]) if k not in obs.arrays]
+            if missing:
+                raise StageError(f"observation is missing {', '.join(repr(k) for k in missing)}")
+            t0 = time.perf_counter()
+            x = np.random.default_rng([int(episode["seed"]), int(episode["step"])]).standard_normal(
+                (lay["action_horizon"], lay["action_dim"]), dtype=np.float32)
+            for _ in range(self.num_steps):
+                x = await self.steps.run(x, op="velocity")
+            episode = {"seed": episode["seed"], "step": int(episode["step"]) + 1, "prev": None}
+            await ctx.emit(Payload(PayloadKind.ACTIONS, ctx.fence, arrays={"actions": x.astype(np.float32)},
+                                   meta={"episode": episode, "infer_ms": (time.perf_counter() - t0) * 1000}), last=True)
+
+
+class FakeWorld(StageProcessor):
+    """world_dit: one frame per request (progress per step, then the frame and its
+    latents); `describe()` as the real world stage answers it."""
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.dit = self.engine_as(DiffusionEngine)
+
+    def describe(self) -> dict[str, Any]:
+        return {"action_dim": 4, "history_frames": 2, "default_size": 32, "default_steps": 2, "max_steps": 50,
+                "size_multiple": self.dit.size_multiple}
+
+    async def render(self, ctx: StageContext, frame: int, done: int, total: int, last: bool) -> np.ndarray:
+        p = ctx.params
+        job = SimpleNamespace(prompt=str(p.get("prompt") or ""), height=int(p["height"]), width=int(p["width"]),
+                              steps=int(p.get("steps") or 2), seed=int(p.get("seed", 0)) + frame)
+        async for ev in self.dit.generate(job):
+            if ev["type"] == "progress":
+                await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": done + ev["step"], "total": total}))
+            elif ev["type"] == "image":
+                await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": ev["image"], "latents": ev["latents"]},
+                                       meta={"frame_index": frame}), last=last)
+                latents: np.ndarray = ev["latents"]
+                return latents
+        raise StageError("the engine returned no frame")
+
+    async def run(self, ctx: StageContext) -> None:
+        action = np.asarray(ctx.params["action"], np.float32)
+        if action.shape != (4,) or not np.isfinite(action).all():
+            raise StageError("action must be 4 finite numbers")
+        steps = int(ctx.params.get("steps") or 2)
+        await self.render(ctx, int(ctx.params.get("frame_index", 0)), 0, steps, last=True)
+        ctx.add_usage(frames=1, steps=steps)
+
+
+class FakeVideo(FakeWorld):
+    async def run(self, ctx: StageContext) -> None:
+        frames, start = int(ctx.params["frames"]), int(ctx.params.get("start_frame", 0))
+        steps = int(ctx.params.get("steps") or 2)
+        for k in range(frames):
+            await self.render(ctx, start + k, k * steps, frames * steps, last=k == frames - 1)
+            await asyncio.sleep(0)
+        ctx.add_usage(frames=frames, steps=frames * steps)

@@ -1,0 +1,227 @@
+"""`/v1/duplex`: full-duplex voice over one WebSocket, on the voice pipeline.
+
+The control plane is the OpenAI Realtime GA protocol (`protocols.realtime`: the same
+events, the same conversation, with this wire's transport plugged in:
+`protocols.duplex.transport` and its writer), with these extensions:
+
+- The server speaks first: `session.created` carries `session.capabilities`
+  (`supports_barge_in`, `supports_session_resume`, `chunk_period_ms`, `input_formats`,
+  `output_formats`, `heartbeat_s`, `replay_buffer_events`) and a `resume_token`.
+- Audio flows both ways all the time. In: binary frames `[0x01][PCM16 LE mono]` or
+  `input_audio_buffer.append` events, at the declared input rate
+  (`session.audio.input.format.rate`, one of `RATES`; resampled to the model's 24 kHz
+  with soxr). Out: `response.output_audio.delta` events, or binary frames `[0x01][PCM16]`
+  when `session.audio.output.transport` is `"binary"`, at `session.audio.output.format.rate`.
+  With `session.audio.output.pacing: "realtime"` the answer goes out as 20 ms frames in
+  real time (PACING_LEAD_S ahead) with the other events in order between them; a
+  barge-in drops what was not sent yet. `"none"` (default) sends audio as generated.
+- Every server event carries `server_event_seq`, monotonic over the whole session
+  (across reconnects), and every `response.*` event the `epoch` its response ran under.
+  Barge-in and cancel advance the epoch; nothing of an older epoch is sent after that.
+- `playback.ack {response_id, played_ms}`: what the user has heard. When the user
+  talks over the agent, the answer in history is cut to the last acknowledged point
+  (`conversation.item.truncated`), so the conversation holds only what was heard.
+- Heartbeats: a `heartbeat` event every `heartbeat_s`; clients may send `heartbeat`.
+- A dropped connection detaches the session; the answer in progress keeps running.
+  Within `sessions.disconnect_grace_s` the client re-attaches with
+  `session.resume {session_id, resume_token}` (its first event on a new socket, or the
+  `session_id` and `resume_token` query parameters, which do not take a session slot)
+  and gets `session.resumed`; the events produced while it was away are **replayed**
+  from the session's bounded buffer (`sessions.replay_buffer_events`; the oldest are
+  dropped first, and `session.resumed.dropped_events` says how many). A session past
+  its grace answers `session.expired`. Each resume issues a new `resume_token`.
+- `session.close` → `session.closed`, then the socket closes (1000). A fault in the
+  server → an `error` event, then close 1011.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, WS_POLICY_VIOLATION, ClientError, OmniError
+from protocols.auth import principal_of
+from protocols.duplex.transport import DuplexTiming, DuplexTransport
+from protocols.duplex.writer import write
+from protocols.errors import error_event, to_omni
+from protocols.realtime import Conversation, vad_of
+from protocols.registry import Mount
+from protocols.ws import DISCONNECTED, Socket, accept, reject
+from sessions import Session, SessionError, SessionGone, SessionState
+
+log = logging.getLogger("protocols.duplex")
+
+
+class Duplex:
+    """A duplex session's conversation and transport; they live in the session (they
+    survive reconnects) and stop with it."""
+
+    def __init__(self, conv: Conversation, transport: DuplexTransport) -> None:
+        self.conv = conv
+        self.transport = transport
+
+    @classmethod
+    def create(cls, session: Session, m: Mount, model: str) -> "Duplex":
+        timing: DuplexTiming = m.options.get("duplex_timing", DuplexTiming())
+        conv = Conversation(session, m.sessions, m.pipeline, ga=True, model=model, vad=vad_of(m))
+        transport = DuplexTransport(conv.emit, m.sessions, timing)
+        conv.transport = transport
+        self = cls(conv, transport)
+        session.data["duplex"] = self
+
+        async def stop() -> None:
+            await conv.shutdown("session_ended")
+
+        session.add_finalizer(stop)
+        return self
+
+
+def _refusal(exc: OmniError, session_id: str) -> dict[str, Any]:
+    if isinstance(exc, SessionGone):
+        return {"type": "session.expired", "session_id": session_id, "reason": exc.reason}
+    return error_event(exc)
+
+
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
+
+    async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, Duplex]:
+        if not isinstance(sid, str) or not sid:
+            raise ClientError("Missing required parameter: 'session_id'.", code="missing_required_parameter", param="session_id")
+        s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
+        d = s.data.get("duplex")
+        if not isinstance(d, Duplex):  # a session of another kind
+            raise ClientError(f"Session {sid} is not a duplex session.", param="session_id")
+        return s, d
+
+    async def attach(sock: Socket, session: Session, d: Duplex, first: bool, principal: str) -> tuple[Session, Duplex] | None:
+        """Serve one attachment. Returns the session to switch to when the client
+        resumes another one as its first event; None when this connection is over."""
+        gen = session.attachment
+        loop = asyncio.get_running_loop()
+        writer = loop.create_task(write(d.transport, sock, session, sessions))
+        ended = asyncio.ensure_future(session.closed.wait())
+        interval = d.transport.timing.heartbeat_s
+
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                if session.attached_as(gen):
+                    session.emit("heartbeat", {"interval_s": interval})
+
+        beat = loop.create_task(heartbeat())
+        switch: tuple[Session, Duplex] | None = None
+        try:
+            while (data := await sock.receive(writer, ended)) is not None:
+                if isinstance(data, bytes) and data[:1] != b"{":
+                    try:
+                        session.touch()
+                        await d.transport.audio_frame(d.conv, data)
+                    except ClientError as err:
+                        d.conv.error(err)
+                    continue
+                if first:
+                    first = False
+                    try:
+                        ev = json.loads(data)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        ev = None
+                    if isinstance(ev, dict) and ev.get("type") == "session.resume":
+                        try:
+                            switch = await resume(ev.get("session_id"), ev.get("resume_token"), principal)
+                            break
+                        except ClientError as err:
+                            d.conv.error(err)
+                        except SessionError as exc:
+                            refusal = _refusal(exc, str(ev.get("session_id")))
+                            session.emit(refusal.pop("type"), refusal)
+                        first = True  # a refused resume may be retried
+                        continue
+                await d.conv.handle(data)
+        finally:
+            beat.cancel()
+            ended.cancel()
+            writer.cancel()
+            await asyncio.gather(writer, beat, return_exceptions=True)
+        if switch is not None:
+            return switch
+        if session.attached_as(gen):
+            await sessions.detach(session.id)  # resumable for disconnect_grace_s
+        return None
+
+    async def duplex(request: web.Request) -> web.StreamResponse:
+        principal = principal_of(request).name
+        model = request.query.get("model") or pipeline.models[0]
+        session: Session | None = None
+        sock: Socket | None = None
+        try:
+            if request.query.get("session_id"):
+                sock = await accept(request)
+                sid = request.query["session_id"]
+                try:
+                    session, d = await resume(sid, request.query.get("resume_token"), principal)
+                except (SessionError, ClientError) as exc:
+                    await sock.send_json(_refusal(exc, sid))
+                    await sock.close(WS_POLICY_VIOLATION, "resume refused")
+                    return sock.ws
+                resumed = True
+            else:
+                try:
+                    session = await sessions.open("duplex", pipeline.name, principal=principal)
+                except SessionError as exc:
+                    return await reject(request, exc)
+                d = Duplex.create(session, m, model)
+                sock = await accept(request)
+                d.conv.emit("session.created", session=d.transport.session_wire(d.conv), resume_token=session.issue_resume_token())
+                resumed = False
+            first = not resumed
+            while True:
+                if resumed:
+                    dropped = session.dropped_events - session.data.get("dropped_seen", 0)
+                    session.data["dropped_seen"] = session.dropped_events
+                    await sock.send(
+                        d.transport.direct(
+                            "session.resumed",
+                            session=d.transport.session_wire(d.conv),
+                            resume_token=session.issue_resume_token(),
+                            replayed_events=session.queued_events,
+                            dropped_events=dropped,
+                        )
+                    )
+                nxt = await attach(sock, session, d, first, principal)
+                if nxt is None:
+                    break
+                # the client resumed an older session: the fresh one is not needed
+                fresh = session
+                session, d = nxt
+                await sessions.end(fresh, "replaced_by_resume")
+                resumed, first = True, False
+        except DISCONNECTED:
+            if session is not None and session.state == SessionState.ACTIVE:
+                await sessions.detach(session.id)
+        except Exception as exc:  # noqa: BLE001 - a fault: tell the client, end the session, close 1011
+            err = to_omni(exc, f"duplex session {session.id if session else '-'}")
+            if sock is not None:
+                try:
+                    await sock.send_json(error_event(err))
+                except DISCONNECTED:
+                    pass
+            if session is not None:
+                await sessions.end(session, "server_error")
+            if sock is None:
+                raise
+            await sock.close(WS_INTERNAL_ERROR, "internal error")
+            return sock.ws
+        assert sock is not None
+        if session is not None and session.state == SessionState.CLOSED:
+            reason = session.close_reason or ""
+            await sock.close(WS_POLICY_VIOLATION if reason == "slow_consumer" else WS_NORMAL, reason)
+        else:
+            await sock.close()
+        return sock.ws
+
+    m.websocket("/v1/duplex", duplex, "full-duplex voice with resume")

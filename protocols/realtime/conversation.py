@@ -1,0 +1,278 @@
+"""One realtime conversation, independent of its transport.
+
+The conversation (items, the encoded embeddings of the latest utterance, what the
+user heard of each answer) lives in the session, so it survives a reconnect. Client
+events come in through `handle`; everything the conversation says goes out as session
+events (`emit`), which the transport's writer puts on its wire, and answer audio goes
+to the transport's `AudioOutput`. A transport (`Transport`) plugs in its output, its
+own client events and session keys; it never subclasses the conversation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Literal, Mapping, Protocol
+
+import numpy as np
+from pydantic import Field
+
+from omni_rt.errors import ClientError, OmniError
+from omni_rt.specs import PipelineSpec
+from protocols.errors import error_event
+from protocols.realtime.inputs import InputAudio, decode_pcm16
+from protocols.realtime.items import GA_NAMES, Item, new_id
+from protocols.realtime.models import Config, WireModel, apply_session_update, parse
+from protocols.realtime.output import AudioOutput, EventOutput
+from protocols.realtime.responses import Responses
+from protocols.realtime.vad import VadFactory, silero_vad
+from sessions import Session, SessionError, SessionManager
+
+log = logging.getLogger("protocols.realtime")
+
+
+class Transport(Protocol):
+    """What a wire plugs into a conversation."""
+
+    output: AudioOutput
+    tag_epochs: bool  # response.* events carry the epoch their response ran under
+
+    def update_session(self, conv: "Conversation", body: Any) -> Config:
+        """A session.update body applied to `conv.cfg` (the wire's own keys included)."""
+        ...
+
+    def session_wire(self, conv: "Conversation") -> dict[str, Any]: ...
+
+    async def on_event(self, conv: "Conversation", type: str, ev: dict[str, Any], event_id: str | None) -> bool:
+        """The wire's own client events; True when `type` was one of them."""
+        ...
+
+
+class WebSocketTransport:
+    """`/v1/realtime`: audio as events, the client truncates what it did not play."""
+
+    tag_epochs = False
+
+    def __init__(self, conv_emit: Any) -> None:
+        self.output: AudioOutput = EventOutput(conv_emit)
+
+    def update_session(self, conv: "Conversation", body: Any) -> Config:
+        return apply_session_update(conv.cfg, body, conv.pipeline.voices)
+
+    def session_wire(self, conv: "Conversation") -> dict[str, Any]:
+        return conv.cfg.wire(conv.ga, conv.session.id)
+
+    async def on_event(self, conv: "Conversation", type: str, ev: dict[str, Any], event_id: str | None) -> bool:
+        return False
+
+
+class ContentIn(WireModel):
+    type: str
+    text: str | None = None
+    audio: str | None = None
+    transcript: str | None = None
+
+
+class ItemIn(WireModel):
+    id: str | None = None
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system"]
+    content: list[ContentIn] = Field(min_length=1)
+
+
+class Conversation:
+    def __init__(
+        self,
+        session: Session,
+        sessions: SessionManager,
+        pipeline: PipelineSpec,
+        *,
+        ga: bool,
+        model: str,
+        transport: Transport | None = None,
+        vad: VadFactory = silero_vad,
+    ) -> None:
+        self.session = session
+        self.sessions = sessions
+        self.pipeline = pipeline
+        self.ga = ga
+        self.cfg = Config(model=model)
+        self.vad = vad
+        self.transport: Transport = transport if transport is not None else WebSocketTransport(self.emit)
+        self.items: dict[str, Item] = session.data.setdefault("items", {})
+        self.input = InputAudio(self)
+        self.responses = Responses(self)
+
+    # ---- output --------------------------------------------------------------------------
+    def emit(self, type: str, fence: Any = None, **data: Any) -> None:
+        if self.transport.tag_epochs and type.startswith("response."):
+            resp = self.responses.active
+            rid = data.get("response_id") or (data.get("response") or {}).get("id")
+            data["epoch"] = resp.epoch if resp is not None and resp.id == rid else self.session.epoch
+        self.session.emit(GA_NAMES.get(type, type) if self.ga else type, data, fence=fence)
+
+    def error(self, err: OmniError, event_id: str | None = None) -> None:
+        """A bad (or refused) client event: an `error` event; the socket stays open."""
+        self.session.emit("error", {"error": error_event(err, event_id)["error"]})
+
+    # ---- the conversation ----------------------------------------------------------------
+    def last_item_id(self) -> str | None:
+        return next(reversed(self.items), None)
+
+    def add_item(self, item: Item, done: bool = True, embeds: Any = None) -> None:
+        """Append to the conversation. GA clients also get `conversation.item.done`
+        (right away for finished items; for a response's item when it finishes).
+        `embeds`: the item's encoded speech, which becomes the audio prompts hear (only
+        the latest utterance's is kept)."""
+        if embeds is not None:
+            for it in self.items.values():
+                it.embeds = None
+            item.embeds = embeds
+        prev = self.last_item_id()
+        self.items[item.id] = item
+        self.emit("conversation.item.created", previous_item_id=prev, item=item.wire(self.ga))
+        if self.ga and done:
+            self.emit("conversation.item.done", previous_item_id=prev, item=item.wire(self.ga))
+
+    def messages(self, instructions: str) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": instructions}] if instructions else []
+        for it in self.items.values():
+            text = it.text_for_prompt()
+            if text:
+                msgs.append({"role": it.role if it.role in ("user", "assistant", "system") else "user", "content": text})
+        return msgs
+
+    async def latest_embeds(self) -> np.ndarray | None:
+        """The encoded speech of the latest utterance (spliced in at its placeholder)."""
+        for it in reversed(self.items.values()):
+            if it.embeds is not None:
+                try:
+                    return await it.embeds  # type: ignore[no-any-return]
+                except Exception:  # noqa: BLE001 - answer without the audio rather than not at all
+                    return None
+        return None
+
+    def truncate(self, item: Item, end_ms: int, content_index: int = 0) -> None:
+        """History keeps what the user heard: the transcript up to `end_ms` of the
+        answer's audio (clamped to what was sent)."""
+        end = min(end_ms, item.audio_ms)
+        full = item.transcript
+        keep = full if item.audio_ms == 0 else full[: round(len(full) * end / item.audio_ms)]
+        for c in item.content:
+            if c.get("type") in ("output_audio", "audio"):
+                c["transcript"] = keep
+        self.emit("conversation.item.truncated", item_id=item.id, content_index=content_index, audio_end_ms=end)
+
+    async def interrupt(self, reason: str) -> bool:
+        """Barge-in or cancel: stop the audio that plays and the answer being made, and
+        keep in history only what was heard of every answer that was cut. True when an
+        answer was being made."""
+        cut = self.transport.output.clear()  # before the epoch advance: no await in between
+        cancelled = await self.responses.cancel(reason)
+        for item_id, heard in cut.items():
+            item = self.items.get(item_id)
+            if item is not None:
+                self.truncate(item, heard)
+        return cancelled
+
+    async def shutdown(self, reason: str) -> None:
+        """Stop this conversation's work (the session is ending or the client left)."""
+        try:
+            await self.responses.cancel(reason)
+        except Exception:  # noqa: BLE001 - the rest is stopped regardless
+            log.exception("session %s: cancelling the response failed", self.session.id)
+        await self.input.close()
+
+    # ---- client events -------------------------------------------------------------------
+    async def handle(self, raw: str | bytes) -> None:
+        event_id = None
+        try:
+            try:
+                ev = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise ClientError("The event is not valid JSON.", code="invalid_json") from None
+            if not isinstance(ev, dict):
+                raise ClientError("An event must be a JSON object.", code="invalid_json")
+            event_id = ev.get("event_id") if isinstance(ev.get("event_id"), str) else None
+            t = ev.get("type")
+            if not isinstance(t, str):
+                raise ClientError("Missing required parameter: 'type'.", code="missing_required_parameter", param="type")
+            self.session.touch()
+            if not await self.transport.on_event(self, t, ev, event_id):
+                await self.dispatch(t, ev)
+        except (ClientError, SessionError) as err:
+            self.error(err, event_id)
+
+    def _required(self, ev: Mapping[str, Any], key: str) -> Any:
+        if key not in ev:
+            raise ClientError(f"Missing required parameter: '{key}'.", code="missing_required_parameter", param=key)
+        return ev[key]
+
+    async def dispatch(self, t: str, ev: dict[str, Any]) -> None:
+        if t == "session.update":
+            self.cfg = self.transport.update_session(self, self._required(ev, "session"))
+            self.emit("session.updated", session=self.transport.session_wire(self))
+        elif t == "input_audio_buffer.append":
+            await self.input.append(self._required(ev, "audio"))
+        elif t == "input_audio_buffer.commit":
+            await self.input.commit()
+        elif t == "input_audio_buffer.clear":
+            await self.input.clear()
+        elif t == "conversation.item.create":
+            await self.item_create(ev)
+        elif t == "conversation.item.delete":
+            self.item_delete(ev)
+        elif t == "conversation.item.truncate":
+            self.item_truncate(ev)
+        elif t == "response.create":
+            await self.responses.create(ev.get("response"))
+        elif t == "response.cancel":
+            if self.responses.active is None:
+                raise ClientError("Cancellation failed: no active response found.", code="response_cancel_not_active")
+            await self.interrupt("client_cancelled")
+        else:
+            raise ClientError(f"Invalid value: '{t}'. Supported event types are the Realtime client events.", param="type")
+
+    async def item_create(self, ev: Mapping[str, Any]) -> None:
+        if not isinstance(ev.get("item"), Mapping):
+            raise ClientError("Missing required parameter: 'item'.", code="missing_required_parameter", param="item")
+        item = parse(ItemIn, ev["item"], "item")
+        parts: list[dict[str, Any]] = []
+        audio: np.ndarray | None = None
+        for i, c in enumerate(item.content):
+            if c.type in ("input_text", "text", "output_text"):
+                if c.text is None:
+                    raise ClientError(f"'item.content[{i}].text' must be a string.", code="invalid_type", param=f"item.content[{i}].text")
+                parts.append({"type": c.type, "text": c.text})
+            elif c.type == "input_audio" and item.role == "user":
+                audio = decode_pcm16(c.audio, f"item.content[{i}].audio")
+                parts.append({"type": "input_audio", "transcript": c.transcript})
+            else:
+                raise ClientError(f"Content type {c.type!r} is not supported for a {item.role} item.", param=f"item.content[{i}].type")
+        item_id = item.id or new_id("item")
+        if item_id in self.items:
+            raise ClientError(f"An item with id '{item_id}' already exists.", param="item.id")
+        new = Item(item_id, item.role, parts)
+        self.add_item(new, embeds=await self.input.encode(audio) if audio is not None else None)
+
+    def item_delete(self, ev: Mapping[str, Any]) -> None:
+        item_id = ev.get("item_id")
+        if not isinstance(item_id, str) or item_id not in self.items:
+            raise ClientError(f"Item with item_id '{item_id}' not found.", code="item_not_found", param="item_id")
+        active = self.responses.active
+        if active is not None and active.item.id == item_id:
+            raise ClientError("The item of the active response cannot be deleted; cancel it first.", param="item_id")
+        del self.items[item_id]
+        self.emit("conversation.item.deleted", item_id=item_id)
+
+    def item_truncate(self, ev: Mapping[str, Any]) -> None:
+        item_id = ev.get("item_id")
+        item = self.items.get(item_id) if isinstance(item_id, str) else None
+        if item is None:
+            raise ClientError(f"Item with item_id '{item_id}' not found.", code="item_not_found", param="item_id")
+        if item.role != "assistant" or not any(c.get("type") in ("output_audio", "audio") for c in item.content):
+            raise ClientError("Only assistant audio items can be truncated.", param="item_id")
+        end = ev.get("audio_end_ms")
+        if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+            raise ClientError("'audio_end_ms' must be a non-negative integer.", param="audio_end_ms")
+        self.truncate(item, end, ev.get("content_index", 0))

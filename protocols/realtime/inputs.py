@@ -1,0 +1,184 @@
+"""The input audio buffer of a realtime conversation.
+
+User audio is encoded while it is appended: the first audio of an utterance opens an
+encoder-only request and every chunk streams into it, so a commit only waits for the
+last partial block. With server_vad a detector listens to everything appended: speech
+start opens the utterance (with `prefix_padding_ms` of the audio before it) and, during
+an answer, is a barge-in; speech stop commits and, with `create_response`, answers.
+The encoder requests are not fenced: a barge-in cancels the answer, not the question.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from omni_rt import metrics
+from omni_rt.errors import ClientError
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.request import RequestStream
+from protocols.realtime.items import Item, new_id
+from protocols.realtime.models import RATE, TurnDetection
+from protocols.realtime.vad import VoiceActivity
+
+if TYPE_CHECKING:
+    from protocols.realtime.conversation import Conversation
+
+MAX_APPEND_BYTES = 15 * 1024 * 1024
+MIN_COMMIT_MS = 100
+
+
+def decode_pcm16(b64: Any, param: str, limit: int = MAX_APPEND_BYTES) -> np.ndarray:
+    """Base64 PCM16 LE mono as float32, or the Realtime error for what is wrong with it."""
+    if not isinstance(b64, str):
+        raise ClientError(f"'{param}' must be a base64 string.", code="invalid_type", param=param)
+    if len(b64) > limit * 4 // 3 + 4:
+        raise ClientError(f"An append may carry at most {limit} bytes of audio.", param=param)
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise ClientError(f"'{param}' is not valid base64.", param=param) from None
+    if len(raw) % 2:
+        raise ClientError(f"'{param}' must be 16-bit PCM: an even number of bytes.", param=param)
+    return np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
+
+
+class InputAudio:
+    def __init__(self, conv: "Conversation") -> None:
+        self.conv = conv
+        self.stream: RequestStream | None = None  # the utterance being encoded
+        self.item_id: str | None = None
+        self.ms = 0  # audio appended since the buffer was last committed/cleared
+        self.pending_prefix: list[np.ndarray] = []
+        self.vad: VoiceActivity | None = None
+        self.collecting: set[asyncio.Task[None]] = set()
+
+    # ---- encoding ----------------------------------------------------------------------
+    def _start(self) -> None:
+        self.stream = self.conv.session.submit(outputs={"audio_encoder"}, fenced=False)
+        self.item_id = new_id("item")
+
+    def _send(self, pcm: np.ndarray) -> None:
+        if self.stream is None:
+            self._start()
+        assert self.stream is not None
+        s = self.conv.session
+        s.send_input(self.stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
+        self.ms += len(pcm) * 1000 // RATE
+
+    async def _collect(self, stream: RequestStream, fut: "asyncio.Future[np.ndarray | None]") -> None:
+        chunks = []
+        try:
+            async for _, p, _ in stream.payloads():
+                chunks.append(p.arrays["embeds"])
+            fut.set_result(np.concatenate(chunks) if chunks else None)
+        except Exception as exc:  # noqa: BLE001 - whoever waits must not wait forever
+            if not fut.done():
+                fut.set_exception(exc)
+        finally:
+            if not fut.done():
+                fut.cancel()
+            await asyncio.shield(stream.close())
+
+    def collect(self, stream: RequestStream) -> "asyncio.Future[np.ndarray | None]":
+        """The embeddings of a closed utterance, once its encoder request finishes."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[np.ndarray | None] = loop.create_future()
+        task = loop.create_task(self._collect(stream, fut))
+        self.collecting.add(task)
+        task.add_done_callback(self.collecting.discard)
+        return fut
+
+    async def encode(self, pcm: np.ndarray) -> "asyncio.Future[np.ndarray | None]":
+        """Encode a whole utterance (an input_audio item) and wait for it."""
+        s = self.conv.session
+        stream = s.submit(outputs={"audio_encoder"}, fenced=False)
+        s.send_input(stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
+        stream.end_input()
+        fut = self.collect(stream)
+        await asyncio.wait([fut])
+        return fut
+
+    # ---- client events -----------------------------------------------------------------
+    async def append(self, b64: Any) -> None:
+        pcm = decode_pcm16(b64, "audio")
+        if len(pcm):
+            await self.append_pcm(pcm)
+
+    async def append_pcm(self, pcm: np.ndarray) -> None:
+        """Append float32 mono audio at the model rate (`RATE`)."""
+        if not len(pcm):
+            return
+        td = self.conv.cfg.turn_detection
+        if td is None:
+            self._send(pcm)
+            return
+        # server VAD: keep the last prefix_padding_ms while silent; stream while speaking
+        if self.vad is None:
+            self.vad = await self.conv.vad()
+        events = await asyncio.to_thread(self.vad.push, pcm, td)
+        if self.stream is not None:
+            self._send(pcm)
+        else:
+            self.pending_prefix.append(pcm)
+            keep = td.prefix_padding_ms * RATE // 1000
+            joined = np.concatenate(self.pending_prefix)
+            self.pending_prefix = [joined[-keep:]] if keep else []
+        for kind, at_ms in events:
+            if kind == "start":
+                await self.speech_started(at_ms, td)
+            else:
+                await self.speech_stopped(at_ms, td)
+
+    async def speech_started(self, at_ms: int, td: TurnDetection) -> None:
+        if self.stream is None:
+            prefix = np.concatenate(self.pending_prefix) if self.pending_prefix else np.zeros(0, np.float32)
+            self.pending_prefix = []
+            self._start()
+            if len(prefix):
+                self._send(prefix)
+        self.conv.emit("input_audio_buffer.speech_started", audio_start_ms=max(0, at_ms - td.prefix_padding_ms), item_id=self.item_id)
+        if td.interrupt_response:
+            # The user talks over the agent: the answer stops here (its queued audio
+            # fails the fence check) and the conversation keeps what was heard.
+            t0 = asyncio.get_running_loop().time()
+            if await self.conv.interrupt("turn_detected"):
+                metrics.BARGE_IN_SECONDS.observe(asyncio.get_running_loop().time() - t0)
+
+    async def speech_stopped(self, at_ms: int, td: TurnDetection) -> None:
+        self.conv.emit("input_audio_buffer.speech_stopped", audio_end_ms=at_ms, item_id=self.item_id)
+        await self.commit()
+        if td.create_response:
+            await self.conv.responses.create(None)
+
+    async def commit(self) -> None:
+        if self.stream is None or self.ms < MIN_COMMIT_MS:
+            raise ClientError(
+                "Error committing input audio buffer: buffer too small. Expected at least "
+                f"{MIN_COMMIT_MS}ms of audio, but buffer only has {self.ms:.2f}ms of audio.",
+                code="input_audio_buffer_commit_empty",
+            )
+        stream, item_id = self.stream, self.item_id
+        assert item_id is not None
+        self.stream, self.item_id, self.ms = None, None, 0
+        stream.end_input()
+        prev = self.conv.last_item_id()
+        self.conv.emit("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id)
+        self.conv.add_item(Item(item_id, "user", [{"type": "input_audio", "transcript": None}]), embeds=self.collect(stream))
+
+    async def clear(self) -> None:
+        if self.stream is not None:
+            await self.stream.close()
+        self.stream, self.item_id, self.ms, self.pending_prefix = None, None, 0, []
+        self.conv.emit("input_audio_buffer.cleared")
+
+    async def close(self) -> None:
+        for task in list(self.collecting):
+            task.cancel()
+        if self.stream is not None:
+            await self.stream.close()
+            self.stream = None

@@ -1,0 +1,89 @@
+"""The conversation's pieces: items (messages) and responses, and the event names of
+the two dialects."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from omni_rt.request import RequestStream
+
+AUDIO_PLACEHOLDER = "<|audio|>"
+
+# beta name -> GA name, for the events whose names differ
+GA_NAMES = {
+    "response.audio.delta": "response.output_audio.delta",
+    "response.audio.done": "response.output_audio.done",
+    "response.audio_transcript.delta": "response.output_audio_transcript.delta",
+    "response.audio_transcript.done": "response.output_audio_transcript.done",
+    "response.text.delta": "response.output_text.delta",
+    "response.text.done": "response.output_text.done",
+    "conversation.item.created": "conversation.item.added",
+}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(10)}"
+
+
+def wire_data(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Event data for a JSON wire: audio bytes become base64."""
+    return {k: base64.b64encode(v).decode() if isinstance(v, (bytes, bytearray)) else v for k, v in data.items()}
+
+
+@dataclass
+class Item:
+    id: str
+    role: str
+    content: list[dict[str, Any]]
+    status: str = "completed"
+    embeds: "asyncio.Future[np.ndarray | None] | None" = None  # user audio, encoded (the latest utterance only)
+    audio_ms: int = 0  # assistant audio produced
+    transcript: str = ""  # assistant text / transcript
+
+    def wire(self, ga: bool) -> dict[str, Any]:
+        content = []
+        for c in self.content:
+            c = dict(c)
+            if not ga and c.get("type") in ("output_audio", "output_text"):
+                c["type"] = "audio" if c["type"] == "output_audio" else "text"
+            content.append(c)
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role, "status": self.status, "content": content}
+
+    def text_for_prompt(self) -> str:
+        parts = []
+        for c in self.content:
+            t = c.get("type")
+            if t in ("input_text", "text", "output_text"):
+                parts.append(c.get("text") or "")
+            elif t == "input_audio":
+                # The item whose encoded speech goes to the thinker marks its place with
+                # the placeholder (the embeddings are spliced in there), even when the
+                # client also gave a transcript; older audio turns show their transcript.
+                parts.append(AUDIO_PLACEHOLDER if self.embeds is not None else c.get("transcript") or AUDIO_PLACEHOLDER)
+            elif t in ("output_audio", "audio"):
+                parts.append(c.get("transcript") or "")
+        return " ".join(p for p in parts if p)
+
+
+@dataclass
+class Response:
+    id: str
+    item: Item
+    audio_out: bool
+    stream: RequestStream | None = None
+    task: "asyncio.Task[None] | None" = None
+    cancel_reason: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    epoch: int = 0
+
+    @property
+    def ids(self) -> dict[str, Any]:
+        """The fields every content event of this response carries."""
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}

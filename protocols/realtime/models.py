@@ -1,0 +1,287 @@
+"""The Realtime session configuration: what a session runs with (`Config`, a plain
+struct), the wire models its client events are validated against (pydantic; the
+first error becomes an OpenAI `error` whose `param` is the field path), and the
+session object as each dialect shows it.
+
+`session.update` takes either shape: GA (`audio.input.{format, turn_detection}`,
+`audio.output.{format, voice, speed}`, `output_modalities`) or beta (flat `voice`,
+`modalities`, `input_audio_format`, `turn_detection`, …). Unknown keys are ignored,
+as the reference server does for fields it does not act on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, Literal, Mapping, TypeVar
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic_core import PydanticCustomError
+
+from omni_rt.errors import ClientError
+from protocols.http import validation_error
+
+RATE = 24000
+
+
+# ---- what a session runs with --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TurnDetection:
+    """OpenAI's server_vad settings."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": "server_vad", **self.__dict__}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: str
+    voice: str = "alloy"
+    instructions: str = ""
+    audio_out: bool = True  # modalities include audio (else text only)
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    temperature: float = 0.8
+    max_output_tokens: int | None = None
+    speed: float = 1.0
+
+    def wire(self, ga: bool, session_id: str) -> dict[str, Any]:
+        td = self.turn_detection.wire() if self.turn_detection else None
+        limit: Any = self.max_output_tokens if self.max_output_tokens is not None else "inf"
+        if ga:
+            fmt = {"type": "audio/pcm", "rate": RATE}
+            return {
+                "type": "realtime",
+                "object": "realtime.session",
+                "id": session_id,
+                "model": self.model,
+                "output_modalities": ["audio"] if self.audio_out else ["text"],
+                "instructions": self.instructions,
+                "audio": {
+                    "input": {"format": fmt, "transcription": None, "noise_reduction": None, "turn_detection": td},
+                    "output": {"format": fmt, "voice": self.voice, "speed": self.speed},
+                },
+                "tools": [],
+                "tool_choice": "auto",
+                "max_output_tokens": limit,
+                "tracing": None,
+                "truncation": "auto",
+                "prompt": None,
+                "include": None,
+            }
+        return {
+            "id": session_id,
+            "object": "realtime.session",
+            "model": self.model,
+            "modalities": ["text", "audio"] if self.audio_out else ["text"],
+            "instructions": self.instructions,
+            "voice": self.voice,
+            "input_audio_format": "pcm16",
+            "output_audio_format": "pcm16",
+            "input_audio_transcription": None,
+            "turn_detection": td,
+            "tools": [],
+            "tool_choice": "auto",
+            "temperature": self.temperature,
+            "max_response_output_tokens": limit,
+            "speed": self.speed,
+        }
+
+
+# ---- field types with the Realtime API's codes ----------------------------------------------
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message)
+
+
+def _pcm24(v: Any) -> Any:
+    if v == "pcm16" or (isinstance(v, Mapping) and v.get("type") == "audio/pcm" and v.get("rate", RATE) == RATE):
+        return v
+    raise _invalid(f"Unsupported audio format {json.dumps(v)}; use pcm16 (audio/pcm at {RATE} Hz).")
+
+
+def _modalities(v: Any) -> bool:
+    if not isinstance(v, list) or not v or not all(m in ("text", "audio") for m in v):
+        raise _invalid("Must be a list of 'text' / 'audio'.")
+    return "audio" in v
+
+
+def _temperature(v: Any) -> float:
+    """OpenAI's realtime sampling temperature: a number in [0.6, 1.2]."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PydanticCustomError("invalid_type", "Invalid type: expected a decimal.")
+    if not 0.6 <= float(v) <= 1.2:
+        raise _invalid(f"{v} is outside [0.6, 1.2].")
+    return float(v)
+
+
+def _max_tokens(v: Any) -> int | None:
+    if v == "inf":
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= 4096:
+        raise _invalid("Must be an integer 1-4096 or 'inf'.")
+    return v
+
+
+def _number(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PydanticCustomError("invalid_type", "Must be a number.")
+    return float(v)
+
+
+PcmFormat = Annotated[Any, AfterValidator(_pcm24)]
+AudioOut = Annotated[Any, BeforeValidator(_modalities)]  # modalities -> "audio is among them"
+Temperature = Annotated[Any, BeforeValidator(_temperature)]
+MaxTokens = Annotated[Any, BeforeValidator(_max_tokens)]
+Number = Annotated[Any, BeforeValidator(_number)]
+
+
+class WireModel(BaseModel):
+    # no coercion of wrong JSON types; keys this server does not act on are ignored
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TurnDetectionIn(WireModel):
+    type: Literal["server_vad"] = "server_vad"
+    threshold: Number = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def settings(self) -> TurnDetection:
+        if not 0.0 < self.threshold < 1.0:
+            raise _FieldError("threshold", "Must be between 0 and 1.")
+        if not 0 <= self.prefix_padding_ms <= 5000:
+            raise _FieldError("prefix_padding_ms", "Must be 0-5000 ms.")
+        if not 0 < self.silence_duration_ms <= 10000:
+            raise _FieldError("silence_duration_ms", "Must be 1-10000 ms.")
+        return TurnDetection(
+            float(self.threshold), self.prefix_padding_ms, self.silence_duration_ms, self.create_response, self.interrupt_response
+        )
+
+
+class AudioInputIn(WireModel):
+    format: PcmFormat | None = None
+    turn_detection: dict[str, Any] | None = None  # merged into the current settings; null: manual commits
+
+
+class AudioOutputIn(WireModel):
+    format: PcmFormat | None = None
+    voice: str | None = None
+    speed: Number | None = None
+
+
+class AudioIn(WireModel):
+    input: AudioInputIn | None = None
+    output: AudioOutputIn | None = None
+
+
+class SessionUpdate(WireModel):
+    """The body of `session.update` (either dialect's shape)."""
+
+    voice: str | None = None
+    instructions: str | None = None
+    modalities: AudioOut | None = None
+    output_modalities: AudioOut | None = None
+    input_audio_format: PcmFormat | None = None
+    output_audio_format: PcmFormat | None = None
+    turn_detection: dict[str, Any] | None = None
+    temperature: Temperature | None = None
+    max_response_output_tokens: MaxTokens | None = None
+    max_output_tokens: MaxTokens | None = None
+    audio: AudioIn | None = None
+
+
+class ResponseOverrides(WireModel):
+    """`response.create {response: {...}}`: this response's own settings."""
+
+    modalities: AudioOut | None = None
+    output_modalities: AudioOut | None = None
+    instructions: str | None = None
+    voice: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    max_response_output_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+
+
+class _FieldError(Exception):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], raw: Any, prefix: str) -> M:
+    """`raw` as `model`, or the Realtime error naming the first bad field under `prefix`."""
+    if not isinstance(raw, Mapping):
+        raise ClientError(f"'{prefix}' must be an object.", code="invalid_type", param=prefix)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        raise validation_error(list(err.errors()), prefix, type_code="invalid_type") from None
+
+
+def _given(m: BaseModel, name: str) -> bool:
+    return name in m.model_fields_set
+
+
+def voice_of(v: str, voices: Mapping[str, str], param: str) -> str:
+    if v.lower() not in voices:
+        raise ClientError(f"Unknown voice {v!r}; available: {', '.join(sorted(voices))}.", param=param)
+    return v.lower()
+
+
+def turn_detection(raw: dict[str, Any] | None, current: TurnDetection | None, param: str) -> TurnDetection | None:
+    """A partial turn_detection object over the current settings (None: manual mode)."""
+    if raw is None:
+        return None
+    merged = {**(current.__dict__ if current is not None else {}), **raw}
+    td = parse(TurnDetectionIn, merged, param)
+    try:
+        return td.settings()
+    except _FieldError as exc:
+        raise ClientError(exc.message, param=f"{param}.{exc.field}") from None
+
+
+def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Config:
+    """A validated session.update applied to `cfg` (a new Config)."""
+    changes: dict[str, Any] = {}
+    if s.voice is not None:
+        changes["voice"] = voice_of(s.voice, voices, "session.voice")
+    if s.instructions is not None:
+        changes["instructions"] = s.instructions
+    for key in ("modalities", "output_modalities"):
+        if getattr(s, key) is not None:
+            changes["audio_out"] = getattr(s, key)
+    if _given(s, "turn_detection"):
+        changes["turn_detection"] = turn_detection(s.turn_detection, cfg.turn_detection, "session.turn_detection")
+    if s.temperature is not None:
+        changes["temperature"] = s.temperature
+    for key in ("max_response_output_tokens", "max_output_tokens"):
+        if _given(s, key):
+            changes["max_output_tokens"] = getattr(s, key)
+    if s.audio is not None:
+        inp, out = s.audio.input, s.audio.output
+        if inp is not None and _given(inp, "turn_detection"):
+            changes["turn_detection"] = turn_detection(inp.turn_detection, cfg.turn_detection, "session.audio.input.turn_detection")
+        if out is not None and out.voice is not None:
+            changes["voice"] = voice_of(out.voice, voices, "session.audio.output.voice")
+        if out is not None and out.speed is not None:
+            changes["speed"] = out.speed
+    return replace(cfg, **changes)
+
+
+def apply_session_update(cfg: Config, raw: Any, voices: Mapping[str, str]) -> Config:
+    """Validate a session.update body (either shape) and apply it to `cfg`."""
+    return apply_update(cfg, parse(SessionUpdate, raw, "session"), voices)

@@ -1,0 +1,181 @@
+"""Responses of a realtime conversation: one orchestrator request each, fenced by the
+session. Text (or the transcript) streams as deltas; the audio goes to the
+transport's audio output. Cancel and barge-in advance the session's epoch before the
+request is aborted, so nothing of the old answer goes out after its `response.done`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any, Mapping
+
+from omni_rt import metrics
+from omni_rt.errors import ClientError, RequestAborted
+from omni_rt.payloads import Payload, PayloadKind
+from protocols.audio_formats import pcm16_bytes
+from protocols.errors import to_omni
+from protocols.realtime.items import Item, Response, new_id
+from protocols.realtime.models import RATE, ResponseOverrides, parse, voice_of
+
+if TYPE_CHECKING:
+    from protocols.realtime.conversation import Conversation
+
+
+class Responses:
+    def __init__(self, conv: "Conversation") -> None:
+        self.conv = conv
+        self.active: Response | None = None
+
+    async def create(self, raw: Mapping[str, Any] | None) -> None:
+        """`response.create` (its `response` object), or an answer server VAD starts."""
+        conv = self.conv
+        if self.active is not None:
+            raise ClientError(
+                f"Conversation already has an active response in progress: {self.active.id}. "
+                "Wait until the response is finished before creating a new one.",
+                code="conversation_already_has_active_response",
+            )
+        o = parse(ResponseOverrides, raw or {}, "response")
+        cfg = conv.cfg
+        audio_out = cfg.audio_out
+        for key in ("modalities", "output_modalities"):
+            if getattr(o, key) is not None:
+                audio_out = getattr(o, key)
+        voice = voice_of(o.voice, conv.pipeline.voices, "response.voice") if o.voice is not None else cfg.voice
+        max_tokens = cfg.max_output_tokens
+        for key in ("max_output_tokens", "max_response_output_tokens"):
+            if key in o.model_fields_set:
+                max_tokens = getattr(o, key)
+        part0: dict[str, Any] = {"type": "output_audio", "transcript": ""} if audio_out else {"type": "output_text", "text": ""}
+        item = Item(new_id("item"), "assistant", [part0], status="in_progress")
+        resp = Response(new_id("resp"), item, audio_out, epoch=conv.session.epoch)
+        embeds = await conv.latest_embeds()
+        params = {
+            "messages": conv.messages(o.instructions if o.instructions is not None else cfg.instructions),
+            "voice": conv.pipeline.voices.get(voice, voice),
+            "max_output_tokens": max_tokens,
+            "temperature": o.temperature if o.temperature is not None else cfg.temperature,
+        }
+        # The user's audio was encoded while it was appended: its embeddings go
+        # straight to the thinker, which is this request's entry.
+        session = conv.session
+        resp.stream = session.submit(params, outputs={"thinker", "code2wav"} if audio_out else {"thinker"}, entry="thinker")
+        self.active = resp
+        try:
+            if embeds is not None:
+                session.send_input(resp.stream, Payload(PayloadKind.HIDDEN, session.fence, arrays={"embeds": embeds}))
+            resp.stream.end_input()
+        except BaseException:
+            self.active = None
+            await resp.stream.close()
+            raise
+        conv.emit("response.created", response=self.wire(resp, "in_progress"))
+        resp.task = asyncio.get_running_loop().create_task(self._run(resp))
+
+    def wire(self, resp: Response, status: str, details: Any = None, usage: Any = None) -> dict[str, Any]:
+        ga = self.conv.ga
+        out = {
+            "id": resp.id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": [resp.item.wire(ga)] if status != "in_progress" else [],
+            "usage": usage,
+            "conversation_id": self.conv.session.id,
+            "metadata": None,
+        }
+        key = "output_modalities" if ga else "modalities"
+        out[key] = (["audio"] if ga else ["text", "audio"]) if resp.audio_out else ["text"]
+        return out
+
+    def _part(self, resp: Response, part: Mapping[str, Any]) -> dict[str, Any]:
+        out = dict(part)
+        if not self.conv.ga:
+            out["type"] = "audio" if resp.audio_out else "text"
+        return out
+
+    async def _run(self, resp: Response) -> None:
+        conv = self.conv
+        assert resp.stream is not None
+        stream, item, ids = resp.stream, resp.item, resp.ids
+        fence = conv.session.fence
+        output = conv.transport.output
+        status, details = "completed", None
+        conv.emit("response.output_item.added", response_id=resp.id, output_index=0, item=item.wire(conv.ga))
+        conv.add_item(item, done=False)
+        conv.emit("response.content_part.added", part=self._part(resp, item.content[0]), **ids)
+        text_delta = "response.audio_transcript.delta" if resp.audio_out else "response.text.delta"
+        samples = 0
+        try:
+            async for stage, payload, _ in stream.payloads():
+                if stage == "thinker":
+                    item.transcript += payload.text or ""
+                    conv.emit(text_delta, fence, delta=payload.text or "", **ids)
+                else:
+                    pcm = payload.arrays["pcm"]
+                    if not samples:
+                        metrics.TTFP_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
+                    samples += len(pcm)
+                    item.audio_ms = samples * 1000 // RATE
+                    output.push(resp, fence, pcm16_bytes(pcm))
+                conv.session.touch()
+        except RequestAborted:
+            status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
+        except Exception as exc:  # noqa: BLE001 - the client always hears how its response ended
+            if resp.cancel_reason is not None:
+                status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
+            else:
+                err = to_omni(exc, f"response {resp.id}")
+                status = "failed"
+                details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": err.public_message()}}
+        finally:
+            await asyncio.shield(stream.close())
+        if status == "completed" and resp.cancel_reason is not None:
+            # cancelled while its last payloads were in flight: the stream may end
+            # without raising (stale outputs are skipped), but the answer was cut
+            status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
+        self._finish(resp, status, details, dict(stream.done.usage or {}) if stream.done is not None else {})
+
+    def _finish(self, resp: Response, status: str, details: Any, usage: dict[str, int]) -> None:
+        conv, item, ids = self.conv, resp.item, resp.ids
+        n_in, n_audio = usage.get("input_tokens", 0), usage.get("input_audio_tokens", 0)
+        wire_usage = {
+            "total_tokens": n_in + usage.get("output_tokens", 0),
+            "input_tokens": n_in,
+            "output_tokens": usage.get("output_tokens", 0),
+            # audio tokens: the rows of the user's encoded speech in the prompt
+            "input_token_details": {"text_tokens": n_in - n_audio, "audio_tokens": n_audio, "cached_tokens": 0},
+        }
+        c = item.content[0]
+        c["transcript" if resp.audio_out else "text"] = item.transcript
+        item.status = "completed" if status == "completed" else "incomplete"
+        if status == "completed":
+            if resp.audio_out:
+                conv.emit("response.audio.done", **ids)
+                conv.emit("response.audio_transcript.done", transcript=item.transcript, **ids)
+            else:
+                conv.emit("response.text.done", text=item.transcript, **ids)
+            conv.emit("response.content_part.done", part=self._part(resp, c), **ids)
+        conv.emit("response.output_item.done", response_id=resp.id, output_index=0, item=item.wire(conv.ga))
+        if conv.ga and item.id in conv.items:
+            conv.emit("conversation.item.done", previous_item_id=None, item=item.wire(conv.ga))
+        conv.emit("response.done", response=self.wire(resp, status, details, wire_usage))
+        metrics.E2E_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
+        if self.active is resp:
+            self.active = None
+
+    async def cancel(self, reason: str) -> bool:
+        """Stop the active response (False when there is none)."""
+        resp = self.active
+        if resp is None:
+            return False
+        resp.cancel_reason = reason
+        # Advance the epoch first: from here on nothing of this response passes a
+        # fence check, then abort its stages.
+        self.conv.session.advance_epoch()
+        if resp.stream is not None:
+            await resp.stream.abort(reason)
+        if resp.task is not None:
+            await asyncio.shield(resp.task)
+        return True

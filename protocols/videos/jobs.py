@@ -1,0 +1,178 @@
+"""Video jobs (`/v1/videos`, OpenAI's Videos API) on the `video_edit` pipeline: each
+job is a `video` session that renders the whole clip in one request, then encodes it
+as H.264 MP4 (PyAV)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from omni_rt.errors import ClientError, NotFound, OmniError
+from omni_rt.specs import PipelineSpec
+from sessions import Session, SessionManager
+
+log = logging.getLogger("protocols.videos")
+
+MAX_SIDE = 512
+MAX_SECONDS = 12
+KEEP_FINISHED = 64  # finished jobs kept (with their MP4) before the oldest is dropped
+
+
+def encode_mp4(frames: list[np.ndarray], fps: int) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _size(raw: Any, multiple: int, param: str = "size") -> tuple[int, int]:
+    m = re.fullmatch(r"(\d{1,4})x(\d{1,4})", str(raw))
+    if m is None or not all(multiple <= int(v) <= MAX_SIDE and int(v) % multiple == 0 for v in m.groups()):
+        raise ClientError(f"Unsupported size '{raw}': use 'WIDTHxHEIGHT', each side a multiple of {multiple} up to {MAX_SIDE}.", param=param, code="invalid_value")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _int(raw: Any, name: str, lo: int, hi: int) -> int:
+    try:
+        v = int(str(raw))
+    except ValueError:
+        raise ClientError(f"Invalid '{name}': {raw!r} is not an integer.", param=name, code="invalid_value") from None
+    if not lo <= v <= hi:
+        raise ClientError(f"Invalid '{name}': {v}; it must be between {lo} and {hi}.", param=name, code="invalid_value")
+    return v
+
+
+@dataclass(eq=False)
+class VideoJob:
+    id: str
+    principal: str
+    model: str
+    prompt: str
+    width: int
+    height: int
+    seconds: int
+    fps: int
+    seed: int
+    steps: int | None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    progress: int = 0
+    completed_at: int | None = None
+    error: dict[str, str] | None = None
+    mp4: bytes | None = None
+    session: Session | None = None
+    task: "asyncio.Task[None] | None" = None
+
+    def wire(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "object": "video", "model": self.model, "status": self.status, "progress": self.progress,
+            "created_at": self.created_at, "completed_at": self.completed_at, "expires_at": None, "prompt": self.prompt,
+            "size": f"{self.width}x{self.height}", "seconds": str(self.seconds), "remixed_from_video_id": None, "error": self.error,
+        }
+
+
+class VideoJobs:
+    def __init__(self, sessions: SessionManager, pipeline: PipelineSpec, describe: Callable[[], dict[str, Any]]) -> None:
+        self.sessions = sessions
+        self.pipeline = pipeline
+        self.describe = describe
+        self.jobs: dict[str, VideoJob] = {}
+
+    async def create(self, raw: dict[str, Any], principal: str) -> VideoJob:
+        known = {"prompt", "model", "seconds", "size", "fps", "seed", "steps", "input_reference"}
+        bad = sorted(set(raw) - known)
+        if bad:
+            raise ClientError(f"Unrecognized request argument supplied: {bad[0]}", param=bad[0], code="unknown_parameter")
+        prompt = raw.get("prompt")
+        if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > 32000:
+            raise ClientError("'prompt' is required: a non-empty string of at most 32000 characters.", param="prompt", code="missing_required_parameter")
+        if raw.get("input_reference") is not None:
+            raise ClientError("input_reference is not supported by this server.", param="input_reference", code="invalid_value")
+        model = raw.get("model") or self.pipeline.models[0]
+        if model not in self.pipeline.models:
+            raise ClientError(f"The model '{model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
+        d = self.describe()
+        width, height = _size(raw.get("size") or f"{d['default_size']}x{d['default_size']}", int(d["size_multiple"]))
+        seconds = _int(raw.get("seconds", 4), "seconds", 1, MAX_SECONDS)
+        fps = _int(raw.get("fps", 8), "fps", 1, 30)
+        seed = _int(raw["seed"], "seed", 0, 2**31 - 1) if raw.get("seed") is not None else secrets.randbelow(2**31)
+        steps = _int(raw["steps"], "steps", 1, int(d["max_steps"])) if raw.get("steps") is not None else None
+        session = await self.sessions.open("video", self.pipeline.name, principal=principal)
+        job = VideoJob(f"video_{secrets.token_hex(12)}", principal, model, prompt, width, height, seconds, fps, seed, steps, session=session)
+        self.jobs[job.id] = job
+        job.task = asyncio.get_running_loop().create_task(self._run(job))
+        self._trim()
+        return job
+
+    async def _run(self, job: VideoJob) -> None:
+        assert job.session is not None
+        session, total = job.session, job.seconds * job.fps
+        frames: dict[int, np.ndarray] = {}
+        outcome = "failed"
+        try:
+            job.status = "in_progress"
+            stream = session.submit({"prompt": job.prompt, "width": job.width, "height": job.height, "frames": total,
+                                     "seed": job.seed, "steps": job.steps})
+            stream.end_input()
+            async with stream:
+                async for _stage, p, _last in stream.payloads():
+                    session.touch()
+                    if "progress" in p.meta:
+                        job.progress = min(99, int(100 * p.meta["progress"] / max(1, p.meta["total"])))
+                    else:
+                        frames[int(p.meta["frame_index"])] = p.arrays["image"]
+            job.mp4 = await asyncio.to_thread(encode_mp4, [frames[i] for i in sorted(frames)], job.fps)
+            job.status, job.progress, job.completed_at = "completed", 100, int(time.time())
+            outcome = "completed"
+        except OmniError as exc:
+            job.status = "failed"
+            job.error = {"code": "generation_failed", "message": exc.public_message()}
+        except asyncio.CancelledError:
+            job.status = "failed"
+            job.error = {"code": "cancelled", "message": "the job was deleted"}
+            outcome = "deleted"
+            raise
+        except Exception as exc:  # noqa: BLE001 - this job only; it must not stay in_progress
+            log.exception("video job %s failed", job.id)
+            job.status = "failed"
+            job.error = {"code": "generation_failed", "message": f"internal error ({type(exc).__name__})"}
+        finally:
+            await asyncio.shield(self.sessions.end(session, outcome))
+            job.session = None
+
+    def _trim(self) -> None:
+        done = [j for j in self.jobs.values() if j.status in ("completed", "failed")]
+        for j in sorted(done, key=lambda j: j.created_at)[: max(0, len(done) - KEEP_FINISHED)]:
+            self.jobs.pop(j.id, None)
+
+    def get(self, job_id: str, principal: Any) -> VideoJob:
+        job = self.jobs.get(job_id)
+        if job is None or (not principal.admin and job.principal != principal.name):
+            raise NotFound(f"Video '{job_id}' not found.", param="video_id", code="video_not_found")
+        return job
+
+    async def delete(self, job: VideoJob) -> None:
+        self.jobs.pop(job.id, None)
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+            await asyncio.gather(job.task, return_exceptions=True)
+
+

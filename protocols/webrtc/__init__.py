@@ -1,0 +1,212 @@
+"""WebRTC voice calls (aiortc) on the voice pipeline: what browsers use.
+
+Signalling, OpenAI-style:
+- `POST /v1/realtime/calls` with `Content-Type: application/sdp` (the raw offer), or
+  `multipart/form-data` with `sdp` and an optional `session` (a session.update body)
+  → `201`, body = the SDP answer, `Location: /v1/realtime/calls/{call_id}`.
+- `DELETE /v1/realtime/calls/{call_id}` (or `POST …/hangup`) ends the call.
+- `POST /offer {sdp, type: "offer"}` → `{sdp, type: "answer", call_id}` (the common
+  JSON form).
+
+Media: the caller's Opus audio arrives as 48 kHz frames, is resampled (soxr) to the
+model's 24 kHz and goes through the realtime conversation (server VAD, barge-in,
+multi-turn history: `protocols.realtime.Conversation`, with this wire's transport:
+`call.WebRTCTransport`, `track.TrackOutput`). The answer's audio goes
+out on a paced track: 20 ms frames in real time, silence between answers, a bounded
+buffer. The data channel `oai-events` carries the realtime JSON events both ways
+(session.update, response.create/cancel, transcripts, response.done…), without the
+audio append/delta events: audio goes over RTP. `output_audio_buffer.started` /
+`.stopped` tell when the agent's audio starts and ends playing; on barge-in the server
+drops what it had buffered and sends `output_audio_buffer.cleared`.
+
+A call is a session of kind `webrtc` (over a cap the offer gets 429). It ends on hang-up,
+when the peer connection fails or closes, or when the session expires.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Mapping
+
+from aiohttp import web
+
+from omni_rt.errors import ClientError, NotFound
+from protocols.auth import principal_of
+from protocols.http import json_response
+from protocols.pages import demo_page
+from protocols.realtime import Conversation, apply_session_update, vad_of
+from protocols.registry import Mount
+from protocols.webrtc.call import Call, WebRTCTransport
+from protocols.webrtc.track import TrackOutput
+from sessions import Session, SessionError
+
+log = logging.getLogger("protocols.webrtc")
+
+MAX_SDP_BYTES = 64 << 10
+
+
+def configure_ice(host_addresses: list[str] | None) -> None:
+    """Limit the addresses aioice gathers host candidates on (it skips 127.0.0.1 by
+    default, so a loopback-only deployment or test must name it). aioice has no option
+    for this, so its address lookup is replaced, process-wide."""
+    if host_addresses is None:
+        return
+    import aioice.ice
+
+    addrs = list(host_addresses)
+    aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: [a for a in addrs if (use_ipv6 if ":" in a else use_ipv4)]
+
+
+class OfferError(ClientError):
+    """An SDP offer (or its session body) that cannot start a call: 400 invalid_sdp."""
+
+    code = "invalid_sdp"
+
+
+def check_offer(sdp: Any) -> str:
+    if not isinstance(sdp, str) or not sdp.strip():
+        raise OfferError("The offer is empty; send an SDP offer (Content-Type: application/sdp).")
+    if len(sdp) > MAX_SDP_BYTES:
+        raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.")
+    if not sdp.lstrip().startswith("v=0"):
+        raise OfferError("Not an SDP offer: it must start with 'v=0'.")
+    if not re.search(r"^m=audio ", sdp, re.M):
+        raise OfferError("The offer has no audio media section (m=audio); a voice call needs one.")
+    return sdp
+
+
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
+    hosts = m.server.webrtc_host_addresses
+    if hosts is None and m.server.host in ("127.0.0.1", "localhost"):
+        hosts = ["127.0.0.1"]  # a loopback server: offer loopback candidates (aioice skips them)
+    configure_ice(hosts)
+    ice_servers = m.server.webrtc_ice_servers
+    vad = vad_of(m)
+
+    async def start_call(request: web.Request, sdp: str, session_body: Any) -> tuple[Call, str]:
+        from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+
+        model = request.query.get("model") or pipeline.models[0]
+        session = await sessions.open("webrtc", pipeline.name, principal=principal_of(request).name)
+        conv = Conversation(session, sessions, pipeline, ga=True, model=model, vad=vad)
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers]))
+        output = TrackOutput(session, sessions)
+        conv.transport = WebRTCTransport(output)
+        call = Call(session, sessions, conv, output, pc)
+        session.data["call"] = call
+        session.add_finalizer(call.close)
+        try:
+            if session_body is not None:
+                try:  # the call starts with this configuration (no session.updated)
+                    conv.cfg = apply_session_update(conv.cfg, session_body, pipeline.voices)
+                except ClientError as err:
+                    raise OfferError(f"session: {err.message}") from None
+            pc.addTrack(output.track.track)
+
+            @pc.on("track")
+            def on_track(track: Any) -> None:
+                if track.kind == "audio":
+                    call.spawn(call.pump_in(track))
+
+            @pc.on("datachannel")
+            def on_datachannel(channel: Any) -> None:
+                if call.channel is not None:
+                    return
+                call.channel = channel
+
+                @channel.on("message")
+                def on_message(message: Any) -> None:
+                    call.spawn(conv.handle(message))
+
+                def start() -> None:
+                    call.spawn(call.pump_out())
+
+                if channel.readyState == "open":
+                    start()
+                else:
+                    channel.on("open", start)
+
+            @pc.on("connectionstatechange")
+            async def on_state() -> None:
+                if pc.connectionState in ("failed", "closed") and session.is_open:
+                    await sessions.end(session, "peer_" + pc.connectionState)
+
+            try:
+                await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+            except Exception as exc:  # noqa: BLE001 - aiortc raises assorted errors for bad SDP
+                raise OfferError(f"The SDP offer could not be used: {exc}") from None
+            if not any(t.kind == "audio" for t in (tr.receiver.track for tr in pc.getTransceivers()) if t is not None):
+                raise OfferError("The offer has no audio track to receive.")
+            await pc.setLocalDescription(await pc.createAnswer())
+            conv.emit("session.created", session=conv.cfg.wire(True, session.id))
+            return call, pc.localDescription.sdp
+        except BaseException:
+            await sessions.end(session, "offer_failed")
+            raise
+
+    async def create_call(request: web.Request) -> web.StreamResponse:
+        ctype = request.content_type.lower()
+        session_body = None
+        if ctype == "multipart/form-data":
+            form = await request.post()
+            sdp = _form_text(form.get("sdp"))
+            raw_session = form.get("session")
+            if raw_session is not None:
+                try:
+                    session_body = json.loads(_form_text(raw_session) or "")
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise ClientError("'session' must be JSON (a session.update body).") from None
+        elif ctype in ("application/sdp", "text/plain", "application/octet-stream", ""):
+            body = await request.read()
+            if len(body) > MAX_SDP_BYTES:
+                raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.")
+            sdp = body.decode("utf-8", "replace")
+        else:
+            raise ClientError(
+                f"Send the offer as application/sdp (or multipart/form-data), not {ctype}.", code="unsupported_media_type", http_status=415
+            )
+        call, answer = await start_call(request, check_offer(sdp), session_body)
+        location = f"/v1/realtime/calls/{call.session.id}"
+        return web.Response(text=answer, status=201, content_type="application/sdp", headers={"Location": location})
+
+    async def offer(request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ClientError("The body must be JSON: {sdp, type: 'offer'}.", code="invalid_json") from None
+        if not isinstance(body, Mapping) or body.get("type", "offer") != "offer":
+            raise ClientError("Expected {sdp, type: 'offer'}.")
+        call, answer = await start_call(request, check_offer(body.get("sdp")), body.get("session"))
+        return json_response({"sdp": answer, "type": "answer", "call_id": call.session.id}, headers={"Location": f"/v1/realtime/calls/{call.session.id}"})
+
+    async def hangup(request: web.Request) -> web.StreamResponse:
+        call_id = request.match_info["call_id"]
+        who = principal_of(request)
+        try:
+            s: Session | None = sessions.get(call_id)
+        except SessionError:
+            s = None
+        if s is None or s.kind != "webrtc" or not (who.admin or who.name == s.principal):
+            raise NotFound(f"No call '{call_id}'.", code="call_not_found")
+        await sessions.end(s, "hangup")
+        return web.Response(status=204)
+
+    async def demo(request: web.Request) -> web.StreamResponse:
+        return demo_page()
+
+    m.route("POST", "/v1/realtime/calls", create_call, "WebRTC call (SDP offer → answer)")
+    m.route("POST", "/offer", offer)
+    m.route("DELETE", "/v1/realtime/calls/{call_id}", hangup)
+    m.route("POST", "/v1/realtime/calls/{call_id}/hangup", hangup)
+    m.route("GET", "/demo", demo)
+
+
+def _form_text(value: Any) -> str | None:
+    """A multipart field as text (a plain field, or a file part's contents)."""
+    if value is None or isinstance(value, str):
+        return value
+    data = value.file.read() if hasattr(value, "file") else bytes(value)
+    return data.decode("utf-8", "replace")
