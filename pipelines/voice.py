@@ -370,15 +370,37 @@ class ThinkerProcessor(StageProcessor):
             ctx.add_usage(input_audio_tokens=int(audio.shape[0]))  # rows of the prompt that are audio
         sampling = self.sampling(ctx.params)
         ctx.add_usage(input_tokens=n_in)
+        detok = self.detokenizer()
+        async for toks in self.ar.generate(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
+            ctx.add_usage(output_tokens=len(toks))
+            delta = detok([t for t in toks if t not in self.stop_ids])
+            if delta:
+                await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=delta))
+
+    def detokenizer(self) -> Callable[[list[int]], str]:
+        """Text deltas of a growing token sequence, decoded incrementally: each token is
+        decoded once (tokenizers' DecodeStream), and text that ends inside an
+        incomplete UTF-8 sequence waits for the next token. A tokenizer without a Rust
+        backend re-decodes the whole output each time (quadratic; slow tokenizers only)."""
+        if self._fast is not None:
+            from tokenizers.decoders import DecodeStream
+
+            stream, fast = DecodeStream(skip_special_tokens=True), self._fast
+
+            def step(ids: list[int]) -> str:
+                return "".join(p for p in (stream.step(fast, t) for t in ids) if p)
+
+            return step
         out_ids: list[int] = []
         sent = ""
-        async for toks in self.ar.generate(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
-            out_ids.extend(t for t in toks if t not in self.stop_ids)
-            ctx.add_usage(output_tokens=len(toks))
+
+        def whole(ids: list[int]) -> str:
+            nonlocal sent
+            out_ids.extend(ids)
             text = self.decode(out_ids)
             if text.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 sequence: wait for the next token
-            delta = text[len(sent) :]
-            if delta:
-                sent = text
-                await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=delta))
+                return ""  # an incomplete UTF-8 sequence: wait for the next token
+            delta, sent = text[len(sent) :], text
+            return delta
+
+        return whole

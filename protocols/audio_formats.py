@@ -186,6 +186,14 @@ class Pcm16Resampler:
             self._key, self._rs = key, soxr.ResampleStream(self.src, self.dst, 1, dtype="float32")
         return pcm16_bytes(self._rs.resample_chunk(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0))
 
+    def finish(self, key: Any) -> bytes:
+        """The end of stream `key`: what the filter still holds (its last few ms)."""
+        if self._rs is None or key != self._key:
+            return b""
+        tail = pcm16_bytes(self._rs.resample_chunk(np.zeros(0, np.float32), last=True))
+        self._key, self._rs = None, None
+        return tail
+
 
 def _wav_header(sample_rate: int) -> bytes:
     return (

@@ -206,3 +206,14 @@ def speech_pcm16(text: str, rate: int = 24000) -> bytes:
 
 def silence(seconds: float, rate: int = 24000) -> bytes:
     return bytes(int(rate * seconds) * 2)
+
+
+class Merge(StageProcessor):
+    """Reads every input to its end, then emits their tokens concatenated, in the order
+    of the input names (a stage with several batch inputs)."""
+
+    async def run(self, ctx: StageContext) -> None:
+        parts = []
+        for name in sorted(ctx.inputs):
+            parts += [p.arrays["t"] for p in await ctx.input(name).read_all()]
+        await ctx.emit(Payload(PayloadKind.TOKENS, ctx.fence, arrays={"t": np.concatenate(parts)}))

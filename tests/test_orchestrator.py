@@ -328,3 +328,50 @@ async def test_client_hop_drops_chunks_that_went_stale_after_routing():
     assert stream.done.status == "completed"
     await stream.close()
     assert conn.inner.live_keys() == 0
+
+
+def diamond(mode: str) -> "object":
+    """a feeds b and c; d takes both of them through `mode` edges."""
+    return profile(
+        [("a", "EmitN"), ("b", "Double"), ("c", "Double"), ("d", "Merge")],
+        [{"src": "a", "dst": "b"}, {"src": "a", "dst": "c"}, {"src": "b", "dst": "d", "mode": mode}, {"src": "c", "dst": "d", "mode": mode}],
+        ["d"],
+    )
+
+
+async def test_a_stage_with_two_batch_inputs_starts_when_both_have_finished():
+    from tests.harness import Merge
+
+    Double.delay = 0.0
+    orch, _, conn = make_orchestrator(diamond("batch"), {"a": EmitN, "b": Double, "c": Double, "d": Merge}, step_ms=1)
+    fence = Fence("s1")
+    stream = orch.submit("p", fence=fence)
+    stream.send_input(text_input(fence, 3))
+    stream.end_input()
+    out, done = await asyncio.wait_for(collect(stream), 2)
+    await stream.close()
+    assert done.status == "completed"
+    merged = out[0][1]
+    expected = np.random.default_rng(3).choice(np.arange(1000), size=3) * 2
+    assert merged.tolist() == expected.tolist() * 2  # b's three tokens, then c's
+    assert conn.inner.live_keys() == 0
+
+
+async def test_a_failure_while_routing_a_finished_stage_fails_the_request(monkeypatch):
+    """An exception in the stage-done callback must not leave the request running."""
+    orch, _, _ = make_orchestrator(two_stage("batch"), {"a": EmitN, "b": Double})
+    fence = Fence("s1")
+    stream = orch.submit("p", fence=fence)
+
+    def broken(*args, **kw):
+        raise KeyError("no such input")
+
+    monkeypatch.setattr(orch, "_start_stage", broken)  # the batch destination cannot start
+    stream.send_input(text_input(fence, 2))
+    stream.end_input()
+    with pytest.raises(Exception) as exc:
+        await asyncio.wait_for(collect(stream), 2)
+    assert not isinstance(exc.value, asyncio.TimeoutError)
+    assert stream.done is not None and stream.done.status == "failed"
+    assert orch.running() == []
+    await stream.close()

@@ -554,3 +554,25 @@ def test_store_is_memory_by_default():
     m = SessionManager()
     assert isinstance(m.store, MemoryStore)
     assert isinstance(SessionManager(spec(store="redis")).store, RedisStore)
+
+
+async def test_an_end_scheduled_from_inside_is_held_until_it_finishes():
+    """A session ended from code that cannot wait (a client that stopped reading
+    overflows its queue inside emit) ends in a background task, which the manager
+    holds until it is done: the loop keeps only weak references to tasks."""
+    m = await manager(max_pending_events=16)
+    s = await m.open("realtime")
+    release = s._release_resources
+
+    async def slow_release(reason: str) -> None:
+        await asyncio.sleep(0.02)
+        await release(reason)
+
+    s._release_resources = slow_release  # type: ignore[method-assign]
+    for i in range(17):  # the 17th event overflows the queue of an attached client that does not read
+        s.emit("x", {"i": i})
+    assert len(m.background) == 1 and not next(iter(m.background)).done()
+    await asyncio.wait_for(s.closed.wait(), 1)
+    await asyncio.sleep(0)
+    assert s.close_reason == "slow_consumer" and m.background == set()
+    await m.stop()

@@ -129,6 +129,16 @@ class Harness:
         return ended
 
 
+class _Server(TestServer):
+    """aiohttp's test server cancels a handler when its client goes away; the server
+    `omni-rt serve` runs does not (a socket handler hears the disconnect instead).
+    The harness serves as production does."""
+
+    async def _make_runner(self, **kwargs: Any) -> Any:
+        kwargs["handler_cancellation"] = False
+        return await super()._make_runner(**kwargs)
+
+
 @contextlib.asynccontextmanager
 async def serve(
     pipelines: Iterable[str] = ("voice", "tts"),
@@ -163,7 +173,7 @@ async def serve(
         clock=clock,
         options={"vad": energy_vad, **options},
     )
-    client = TestClient(TestServer(app))
+    client = TestClient(_Server(app))
     await client.start_server()
     try:
         yield Harness(app, client, clock)

@@ -115,6 +115,7 @@ def mount(m: Mount) -> None:
 
         beat = loop.create_task(heartbeat())
         switch: tuple[Session, Duplex] | None = None
+        left = True  # however this attachment ends (the client left, a fault, a cancel)...
         try:
             while (data := await sock.receive(writer, ended)) is not None:
                 if isinstance(data, bytes) and data[:1] != b"{":
@@ -142,16 +143,17 @@ def mount(m: Mount) -> None:
                         first = True  # a refused resume may be retried
                         continue
                 await d.conv.handle(data)
+        except Exception:
+            left = False  # a fault: the caller ends the session
+            raise
         finally:
             beat.cancel()
             ended.cancel()
             writer.cancel()
             await asyncio.gather(writer, beat, return_exceptions=True)
-        if switch is not None:
-            return switch
-        if session.attached_as(gen):
-            await sessions.detach(session.id)  # resumable for disconnect_grace_s
-        return None
+            if left and switch is None and session.attached_as(gen):
+                await sessions.detach(session.id)  # ...it stays resumable for disconnect_grace_s
+        return switch
 
     async def duplex(request: web.Request) -> web.StreamResponse:
         principal = principal_of(request).name

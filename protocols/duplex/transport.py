@@ -28,6 +28,7 @@ RATES = (8000, 16000, 24000, 44100, 48000)
 CHUNK_PERIOD_MS = 20  # the input frame period the server is tuned for (any length is accepted)
 MAX_FRAME_BYTES = 1 << 20
 AUDIO_DELTA = "response.output_audio.delta"
+AUDIO_DONE = "response.output_audio.done"
 # An audio event whose PCM is already at the output rate: the unsent rest of an answer
 # a paced writer was cut off in (it is not resampled a second time on replay).
 RENDERED_RATE = "_out_rate"
@@ -175,6 +176,17 @@ class DuplexTransport:
         x = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0  # the rate changed since: one-off
         y = soxr.resample(x, rendered, self.out_rate)
         return (np.clip(y, -1, 1) * 32767).astype("<i2").tobytes()
+
+    def tail(self, ev: SessionEvent) -> SessionEvent | None:
+        """Before an answer's `response.output_audio.done`: the last few ms the output
+        resampler still holds, as one more (already converted) audio event."""
+        if ev.type != AUDIO_DONE:
+            return None
+        rest = self._out.finish(ev.data["response_id"])
+        if not rest:
+            return None
+        ids = {k: ev.data[k] for k in ("response_id", "item_id", "output_index", "content_index", "epoch") if k in ev.data}
+        return SessionEvent(AUDIO_DELTA, {**ids, "delta": rest, RENDERED_RATE: self.out_rate}, ev.fence, ev.seq)
 
     def frame(self, ev: SessionEvent) -> str | bytes:
         if ev.type == AUDIO_DELTA:

@@ -74,6 +74,10 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                 metrics.DROPPED_STALE.labels(hop="adapter").inc()
                 taken()
                 continue
+            tail = t.tail(ev)
+            if tail is not None:  # the answer's last resampled ms go out before its audio.done
+                pending.appendleft(tail)
+                continue
             if ev.type != AUDIO_DELTA or not t.paced:
                 await send(t.frame(ev))
                 taken()

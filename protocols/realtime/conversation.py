@@ -26,7 +26,7 @@ from protocols.realtime.models import Config, WireModel, apply_session_update, p
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.responses import Responses
 from protocols.realtime.vad import VadFactory, silero_vad
-from sessions import Session, SessionError, SessionManager
+from sessions import Session, SessionManager
 
 log = logging.getLogger("protocols.realtime")
 
@@ -102,6 +102,7 @@ class Conversation:
         self.items: dict[str, Item] = session.data.setdefault("items", {})
         self.input = InputAudio(self)
         self.responses = Responses(self)
+        session.data["conversation"] = self
 
     # ---- output --------------------------------------------------------------------------
     def emit(self, type: str, fence: Any = None, **data: Any) -> None:
@@ -200,8 +201,10 @@ class Conversation:
             self.session.touch()
             if not await self.transport.on_event(self, t, ev, event_id):
                 await self.dispatch(t, ev)
-        except (ClientError, SessionError) as err:
-            self.error(err, event_id)
+        except OmniError as err:
+            if not err.expose:
+                raise  # a fault of ours: the transport's fault path (error event, 1011)
+            self.error(err, event_id)  # the client's error, or one it should hear (a dead engine)
 
     def _required(self, ev: Mapping[str, Any], key: str) -> Any:
         if key not in ev:

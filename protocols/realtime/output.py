@@ -34,6 +34,10 @@ class AudioOutput(Protocol):
         """One chunk of an answer: PCM16 LE mono at the model rate, in order."""
         ...
 
+    def end(self, resp: Response, fence: Fence) -> None:
+        """The answer's audio is complete (a resampling output flushes its tail)."""
+        ...
+
     def clear(self) -> dict[str, int]:
         """Stop what is playing (barge-in, cancel). The answers that were cut, as their
         item id -> the milliseconds of it the user heard."""
@@ -70,6 +74,9 @@ class EventOutput:
                     self.answers.popitem(last=False)
             a.samples += len(pcm16) // 2
         self.emit("response.audio.delta", fence, delta=pcm16, **resp.ids)
+
+    def end(self, resp: Response, fence: Fence) -> None:
+        pass  # audio leaves at the model rate; a transport that resamples flushes at audio.done
 
     def ack(self, response_id: Any, played_ms: Any) -> None:
         """`playback.ack`: the client has played `played_ms` of that answer."""

@@ -120,6 +120,8 @@ class Responses:
                     item.audio_ms = samples * 1000 // RATE
                     output.push(resp, fence, pcm16_bytes(pcm))
                 conv.session.touch()
+            if samples:
+                output.end(resp, fence)
         except RequestAborted:
             status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason or "client_cancelled"}
         except Exception as exc:  # noqa: BLE001 - the client always hears how its response ended

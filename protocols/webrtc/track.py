@@ -160,6 +160,11 @@ class TrackOutput:
             log.warning("call %s: more than %.0f s of audio waiting to play; ending it", self.session.id, MAX_BUFFERED_S)
             self.sessions.end_soon(self.session, "slow_consumer")
 
+    def end(self, resp: Response, fence: Fence) -> None:
+        tail = self._rs.finish(resp.id)
+        if tail:
+            self.track.push(fence, resp.id, np.frombuffer(tail, "<i2"))
+
     def clear(self) -> dict[str, int]:
         track = self.track
         dropped = track.clear()

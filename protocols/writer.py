@@ -1,0 +1,112 @@
+"""The duplex writer of one attachment: events as they come, or with pacing "realtime",
+audio cut into 20 ms frames sent in real time (`pacing_lead_s` ahead) with the other
+events in order between them.
+
+Unsent events go back to the session when the attachment ends and are replayed on
+resume, including the unsent rest of an answer the writer was in the middle of (kept
+at the output rate it was already converted to). A barge-in drops the unsent old
+audio: it fails the fence check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import replace
+
+from omni_rt import metrics
+from protocols.duplex.transport import AUDIO_DELTA, RENDERED_RATE, DuplexTransport
+from protocols.ws import Socket
+from sessions import Session, SessionEvent, SessionManager
+
+log = logging.getLogger("protocols.duplex")
+
+
+async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: SessionManager) -> None:
+    pending: deque[SessionEvent] = deque()
+    wake, room = asyncio.Event(), asyncio.Event()
+    over = False
+    timing = t.timing
+
+    async def pull() -> None:
+        nonlocal over
+        async for ev in session.events():
+            pending.append(ev)
+            wake.set()
+            # Unpaced, take one event at a time: a client that does not read then
+            # backs up the session's own queue (its slow-consumer bound). Paced,
+            # events wait here for their time.
+            while pending and not t.paced:
+                room.clear()
+                await room.wait()
+        over = True
+        wake.set()
+
+    async def send(out: str | bytes) -> None:
+        if not t.paced:
+            await sock.send(out)
+            return
+        try:
+            await asyncio.wait_for(sock.send(out), timing.send_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("duplex session %s: the client has not read for %.0f s; ending it", session.id, timing.send_timeout_s)
+            sessions.end_soon(session, "slow_consumer")
+            raise
+
+    def taken() -> None:
+        pending.popleft()
+        room.set()
+
+    puller = asyncio.get_running_loop().create_task(pull())
+    clock, ahead = 0.0, 0.0  # the stream clock and the audio seconds sent on it
+    try:
+        while True:
+            if not pending:
+                if over:
+                    return
+                wake.clear()
+                await wake.wait()
+                continue
+            ev = pending[0]
+            if ev.fence is not None and ev.fence.is_stale_against(session.fence):
+                metrics.DROPPED_STALE.labels(hop="adapter").inc()
+                taken()
+                continue
+            tail = t.tail(ev)
+            if tail is not None:  # the answer's last resampled ms go out before its audio.done
+                pending.appendleft(tail)
+                continue
+            if ev.type != AUDIO_DELTA or not t.paced:
+                await send(t.frame(ev))
+                taken()
+                if ev.type in ("session.expired", "session.closed") and ev.data.get("session_id") == session.id:
+                    return  # this session's end (not a refused resume of another)
+                continue
+            pcm = t.out_audio(ev)
+            taken()
+            step = t.out_rate * 2 // 50  # 20 ms
+            i = 0
+            try:
+                while i < len(pcm):
+                    now = time.monotonic()
+                    if now > clock + ahead:  # idle or behind: the stream clock starts again
+                        clock, ahead = now, 0.0
+                    due = clock + ahead - timing.pacing_lead_s
+                    if due > now:
+                        await asyncio.sleep(due - now)
+                    if ev.fence is not None and ev.fence.is_stale_against(session.fence):
+                        break  # barge-in / cancel: the rest of this answer is dropped
+                    part = pcm[i : i + step]
+                    await send(t.render(ev.type, {**ev.data, "delta": part}))
+                    i += len(part)
+                    ahead += len(part) / 2 / t.out_rate
+            except BaseException:
+                if i < len(pcm):  # the socket went away mid-answer: keep what it did not get
+                    pending.appendleft(replace(ev, data={**ev.data, "delta": pcm[i:], RENDERED_RATE: t.out_rate}))
+                raise
+    finally:
+        puller.cancel()
+        await asyncio.gather(puller, return_exceptions=True)
+        session.requeue(pending)

@@ -1,0 +1,68 @@
+"""Helpers for the in-process protocol tests (omni_rt.testing.serve): JSON event
+sockets read with a deadline, and synthetic audio the fake voice-activity detector
+hears as speech (a loud tone) or silence."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+RATE = 24000
+
+
+def tone(seconds: float, rate: int = RATE, amp: float = 0.3, freq: float = 220.0) -> bytes:
+    t = np.arange(int(rate * seconds)) / rate
+    return (amp * np.sin(2 * np.pi * freq * t) * 32767).astype("<i2").tobytes()
+
+
+def quiet(seconds: float, rate: int = RATE) -> bytes:
+    return bytes(int(rate * seconds) * 2)
+
+
+def b64(pcm: bytes) -> str:
+    return base64.b64encode(pcm).decode()
+
+
+class Events:
+    """A JSON event socket: `send`, and `until` the next event of some types (the
+    events on the way are kept in `seen`). Binary frames arrive as `audio.binary`."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws = ws
+        self.seen: list[dict[str, Any]] = []
+        self.closed: tuple[int | None, str] | None = None
+
+    async def send(self, type: str, **fields: Any) -> None:
+        await self.ws.send_str(json.dumps({"type": type, **fields}))
+
+    async def next(self, timeout: float = 5.0) -> dict[str, Any]:
+        msg = await asyncio.wait_for(self.ws.receive(), timeout)
+        if msg.type is aiohttp.WSMsgType.TEXT:
+            ev = json.loads(msg.data)
+        elif msg.type is aiohttp.WSMsgType.BINARY:
+            ev = {"type": "audio.binary", "audio": msg.data[1:], "kind": msg.data[0]}
+        else:
+            self.closed = (self.ws.close_code, str(msg.extra or ""))
+            ev = {"type": "connection.closed", "code": self.ws.close_code, "reason": msg.extra}
+        self.seen.append(ev)
+        return ev
+
+    async def until(self, *types: str, timeout: float = 5.0) -> dict[str, Any]:
+        while True:
+            ev = await self.next(timeout)
+            if ev["type"] in types:
+                return ev
+            if ev["type"] == "connection.closed":
+                raise AssertionError(f"the socket closed ({ev}) before {types}; saw {[e['type'] for e in self.seen]}")
+
+    def types(self) -> list[str]:
+        return [e["type"] for e in self.seen]
+
+
+async def connect(h: Any, path: str, headers: dict[str, str] | None = None) -> Events:
+    return Events(await h.client.ws_connect(path, headers=headers or {}))
