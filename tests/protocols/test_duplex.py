@@ -6,8 +6,6 @@ faults."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
 import time
 
 import pytest
