@@ -126,7 +126,10 @@ class PolicyClient:
         return unpackb(msg)
 
     async def call(self, message: dict[str, Any]) -> dict[str, Any]:
-        await self.ws.send(packb(message))
+        try:
+            await self.ws.send(packb(message))
+        except websockets.ConnectionClosed:
+            pass  # the server ended the connection first: why (its text frame) is read next
         return await self._recv(self.ws)
 
     async def infer(self, obs: dict[str, Any]) -> dict[str, Any]:

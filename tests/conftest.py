@@ -61,3 +61,18 @@ def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     proc.log_file = log  # type: ignore[attr-defined]
     yield proc
     proc.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tiers are enforced: a test that starts the real server is an integration
+    test; the in-process protocol tests never start it."""
+    wrong = []
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        integration = item.get_closest_marker("integration") is not None
+        if "server" in fixtures and not integration:
+            wrong.append(f"{item.nodeid}: uses the real server but is not marked integration")
+        if "tests/protocols/" in item.nodeid.replace("\\", "/") and ("server" in fixtures or integration):
+            wrong.append(f"{item.nodeid}: the in-process tier must not use the real server")
+    if wrong:
+        raise pytest.UsageError("test markers:\n" + "\n".join(wrong))

@@ -249,6 +249,7 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.integration  # real server processes and their signal timeouts
 def test_compare_starts_each_variant_and_reports_ratios(tmp_path):
     child_pid_file = tmp_path / "child.pid"
     out = tmp_path / "cmp.json"
@@ -294,6 +295,7 @@ def test_compare_records_a_variant_that_fails_to_start(tmp_path):
     assert json.loads(out.read_text())["variants"]["fused"]["error"] == v["error"]
 
 
+@pytest.mark.integration  # real server processes and their signal timeouts
 def test_server_stop_escalates_to_sigterm(tmp_path):
     from latency_bench.server import ServerProcess
 

@@ -464,6 +464,7 @@ async def test_directory_tells_where_a_session_lives(redis_prefix):
     await b.stop()
 
 
+@pytest.mark.integration  # waits for Redis-side lease expiry (server time)
 async def test_dead_node_gives_its_slots_back_after_one_lease(redis_prefix):
     a = await manager("redis", redis_prefix, node_id="node-a", max_total=4, slot_lease_ttl_s=1.0, reaper_interval_s=0.2)
     b = await manager("redis", redis_prefix, node_id="node-b", max_total=4, slot_lease_ttl_s=1.0, reaper_interval_s=0.2)

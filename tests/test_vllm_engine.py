@@ -17,7 +17,7 @@ from omni_rt.engines.vllm import VllmEngine
 from pipelines.codec import CodecLayout
 from pipelines.tiny import build_tiny
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest.fixture(scope="module")

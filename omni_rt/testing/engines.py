@@ -94,6 +94,9 @@ class FakeStepEngine(Engine):
     def load(self) -> int:
         return self._running
 
+    def queue_depth(self) -> int:
+        return 0  # every item starts at once: nothing waits
+
     async def run(self, x: Any, priority: int = 1, op: str | None = None) -> Any:
         if self.dead is not None:
             raise self.mark_dead(self.dead)
