@@ -51,7 +51,7 @@ class DuplexClient:
         session_id: str | None = None,
         resume_token: str | None = None,
         **ws_kwargs: Any,
-    ) -> "DuplexClient":
+    ) -> DuplexClient:
         """Open a new session, or re-attach to `session_id` (query form of session.resume)."""
         import websockets
 

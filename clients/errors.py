@@ -19,7 +19,7 @@ class HttpApiError(RuntimeError):
         self.code = err.get("code")
 
     @classmethod
-    def from_response(cls, r: httpx.Response) -> "HttpApiError":
+    def from_response(cls, r: httpx.Response) -> HttpApiError:
         try:
             body: Any = r.json()
         except ValueError:

@@ -47,7 +47,7 @@ class ImageClient:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def __aenter__(self) -> "ImageClient":
+    async def __aenter__(self) -> ImageClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -98,7 +98,7 @@ class PolicyClient:
         layout: str | None = None,
         seed: int | None = None,
         open_timeout: float = 30.0,
-    ) -> "PolicyClient":
+    ) -> PolicyClient:
         query = {k: v for k, v in (("layout", layout), ("seed", seed)) if v is not None}
         if query:
             url += ("&" if "?" in url else "?") + urlencode(query)
@@ -141,7 +141,7 @@ class PolicyClient:
     async def close(self) -> None:
         await self.ws.close()
 
-    async def __aenter__(self) -> "PolicyClient":
+    async def __aenter__(self) -> PolicyClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

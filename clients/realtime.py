@@ -17,8 +17,9 @@ import json
 import sys
 import time
 import wave
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class TurnResult:
         return len(self.audio) / 2 / RATE
 
 
-async def next_event(queue: "asyncio.Queue[dict[str, Any]]", types: str | set[str], seen: list[dict[str, Any]] | None = None, timeout: float = 120) -> dict[str, Any]:
+async def next_event(queue: asyncio.Queue[dict[str, Any]], types: str | set[str], seen: list[dict[str, Any]] | None = None, timeout: float = 120) -> dict[str, Any]:
     """Events from `queue` up to (and including) the first of `types`. An `error` event
     raises RealtimeError unless asked for; `connection.closed` raises ConnectionError."""
     want = {types} if isinstance(types, str) else set(types)
@@ -95,7 +96,7 @@ class RealtimeClient:
         self._n = 0
 
     @classmethod
-    async def connect(cls, url: str, api_key: str | None = None, model: str = "gpt-realtime", beta: bool = False) -> "RealtimeClient":
+    async def connect(cls, url: str, api_key: str | None = None, model: str = "gpt-realtime", beta: bool = False) -> RealtimeClient:
         import websockets
 
         headers = {}
@@ -186,7 +187,7 @@ class RealtimeClient:
     async def close(self) -> None:
         await self.ws.close()
 
-    async def __aenter__(self) -> "RealtimeClient":
+    async def __aenter__(self) -> RealtimeClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

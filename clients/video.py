@@ -71,7 +71,7 @@ class VideoJobs:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def __aenter__(self) -> "VideoJobs":
+    async def __aenter__(self) -> VideoJobs:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -84,7 +84,7 @@ class LiveVideo:
         self.session = first.get("session", {})
 
     @classmethod
-    async def connect(cls, url: str, api_key: str | None = None) -> "LiveVideo":
+    async def connect(cls, url: str, api_key: str | None = None) -> LiveVideo:
         ws = await connect(url, additional_headers={"Authorization": f"Bearer {api_key}"} if api_key else None, max_size=None)
         return cls(ws, json.loads(await ws.recv()))
 

@@ -114,7 +114,7 @@ class CallClient:
         self._tasks: list[asyncio.Task[Any]] = []
 
     @classmethod
-    async def connect(cls, base_url: str, api_key: str | None = None, session: dict[str, Any] | None = None, timeout: float = 30) -> "CallClient":
+    async def connect(cls, base_url: str, api_key: str | None = None, session: dict[str, Any] | None = None, timeout: float = 30) -> CallClient:
         import httpx
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 

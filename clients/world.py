@@ -42,7 +42,7 @@ class WorldClient:
         self.resume_token = first.get("resume_token")
 
     @classmethod
-    async def connect(cls, url: str, api_key: str | None = None, *, session_id: str | None = None, resume_token: str | None = None) -> "WorldClient":
+    async def connect(cls, url: str, api_key: str | None = None, *, session_id: str | None = None, resume_token: str | None = None) -> WorldClient:
         if session_id:
             url += ("&" if "?" in url else "?") + urlencode({"session_id": session_id, "resume_token": resume_token or ""})
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -85,7 +85,7 @@ class WorldClient:
     async def close(self) -> None:
         await self.ws.close()
 
-    async def __aenter__(self) -> "WorldClient":
+    async def __aenter__(self) -> WorldClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         def reset(self) -> None:
             policy.reset()
 
-    broker = ActionChunkBroker(Timed(), action_horizon=horizon)  # type: ignore[arg-type]
+    broker = ActionChunkBroker(Timed(), action_horizon=horizon)
     arm = SimulatedArm()
     period = 1.0 / args.hz
     missed = 0

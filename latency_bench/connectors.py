@@ -22,7 +22,8 @@ import re
 import sys
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -78,7 +78,7 @@ async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens
                 "reply_s": chunks[0][0] - t_end if chunks else None,
                 "rtf": (done["_t"] - created) / audio_s if ok and created and audio_s else None,
                 "audio_s": audio_s, "stalls_ms": _ws_stall_ms(chunks),
-                "gaps_ms": [(b[0] - a[0]) * 1000 for a, b in zip(chunks, chunks[1:])],
+                "gaps_ms": [(b[0] - a[0]) * 1000 for a, b in zip(chunks, chunks[1:], strict=False)],
             })
     finally:
         await c.close()

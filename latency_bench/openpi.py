@@ -51,7 +51,7 @@ def serve_noop(port: int) -> None:
             except Exception:  # noqa: BLE001 - the client left
                 return
             t = time.monotonic()
-            result = {"actions": actions, "echo": len(obs)}
+            result: dict[str, Any] = {"actions": actions, "echo": len(obs)}
             infer = time.monotonic() - t
             result["policy_timing"] = {"infer_ms": infer * 1000}
             result["server_timing"] = {"infer_ms": infer * 1000}

@@ -56,12 +56,13 @@ async def _session(url: str, api_key: str | None, pcm: bytes, turns: int, max_to
         for _ in range(turns):
             t0 = time.perf_counter()
             try:
-                r = await client.turn(pcm, **({"max_output_tokens": max_tokens} if max_tokens else {}))
+                response: dict[str, Any] = {"max_output_tokens": max_tokens} if max_tokens else {}
+                r = await client.turn(pcm, **response)
             except (RealtimeError, asyncio.TimeoutError, OSError) as exc:
                 out.append({"ok": False, "error": str(exc)})
                 continue
             ok = r.status == "completed" and r.ttfp_s is not None
-            rtf = (r.e2e_s - r.ttfp_s) / r.audio_s if ok and r.audio_s > 0 else None
+            rtf = (r.e2e_s - r.ttfp_s) / r.audio_s if ok and r.ttfp_s is not None and r.audio_s > 0 else None
             out.append({"ok": ok, "status": r.status, "ttfp_s": r.ttfp_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
                         "audio_s": r.audio_s, "rtf": rtf, "start_s": t0 - t_ref, "end_s": time.perf_counter() - t_ref})
     return out

@@ -23,8 +23,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 import psutil
@@ -104,7 +105,7 @@ class ServerProcess:
         self.rss_interval_s = rss_interval_s
 
         self.proc: subprocess.Popen | None = None
-        self._log_fh = None
+        self._log_fh: Any = None
         self._ps: psutil.Process | None = None
         self._seen: dict[int, psutil.Process] = {}
         self._sampler: threading.Thread | None = None
@@ -216,7 +217,7 @@ class ServerProcess:
             self._log_fh = None
         return self.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 
@@ -264,7 +265,8 @@ class ServerProcess:
 
     # -- helpers -------------------------------------------------------------------
     @staticmethod
-    def _killpg(pgid: int, sig: signal.Signals) -> bool:
+    def _killpg(pgid: int, sig: int) -> bool:
+        """Signal a process group (0: only check it exists); False when it is gone."""
         try:
             os.killpg(pgid, sig)
             return True

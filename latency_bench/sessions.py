@@ -33,7 +33,7 @@ async def _level(store: str, redis_url: str, concurrency: int, cycles: int, warm
     prefix = f"omni-rt-bench:{uuid.uuid4().hex[:8]}"
     spec = SessionsSpec(
         max_total=concurrency,
-        store=store,  # type: ignore[arg-type]
+        store=store,
         redis_url=redis_url,
         redis_prefix=prefix,
         reaper_interval_s=60,
@@ -82,12 +82,12 @@ async def _level(store: str, redis_url: str, concurrency: int, cycles: int, warm
         "wall_s": round(wall, 4),
         "cycles_per_s": round(len(open_s) / wall, 1) if wall > 0 else None,
         "admission_ms": {
-            "p50": round(percentile(ms, 50), 4),
-            "p90": round(percentile(ms, 90), 4),
-            "p99": round(percentile(ms, 99), 4),
+            "p50": _round(percentile(ms, 50)),
+            "p90": _round(percentile(ms, 90)),
+            "p99": _round(percentile(ms, 99)),
             "max": round(max(ms), 4),
         },
-        "close_ms": {"p50": round(percentile(cms, 50), 4), "p99": round(percentile(cms, 99), 4)},
+        "close_ms": {"p50": _round(percentile(cms, 50)), "p99": _round(percentile(cms, 99))},
     }
 
 
@@ -128,3 +128,7 @@ def main_sessions(args: Any) -> int:
         print(f"{r['concurrency']:>4} {r['cycles_per_s']:>10} {a['p50']:>11} {a['p99']:>11} {a['max']:>11} {r['close_ms']['p99']:>10} {r['refused']:>8}")
     finish(args.json, result)
     return 0
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)

@@ -8,7 +8,7 @@ than a made-up number; ``None`` values in the input are ignored.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def _clean(values: Iterable[float | None]) -> list[float]:

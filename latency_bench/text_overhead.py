@@ -47,13 +47,15 @@ open-loop ratio is reported against the same goal.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 
@@ -146,6 +148,14 @@ async def open_loop(rate: float, n: int, one: Callable[[int], Awaitable[float]],
 Side = Callable[[int], Awaitable[float]]
 
 
+def _closed(c: int, n: int, skip: int, fn: Side, first: int) -> Awaitable[dict[str, Any]]:
+    return closed_loop(c, n, fn, first, skip)
+
+
+def _opened(rate: float, n: int, fn: Side, first: int) -> Awaitable[dict[str, Any]]:
+    return open_loop(rate, n, fn, first, seed=first)
+
+
 async def compare(sides: dict[str, Side], levels: list[int], warmup: int, rounds: int, per_worker: int,
                   between: Callable[[], Awaitable[None]] | None = None, open_fraction: float = 0.5) -> list[dict[str, Any]]:
     """A/B per level, in `rounds` rounds that each run every side once (the order
@@ -197,9 +207,9 @@ async def compare(sides: dict[str, Side], levels: list[int], warmup: int, rounds
 
     for c in levels:
         n, skip = loop_size(c, per_worker)
-        closed = await ab(lambda fn, first: closed_loop(c, n, fn, first, skip), n)
+        closed = await ab(functools.partial(_closed, c, n, skip), n)
         rate = round(open_fraction * min(closed[a]["requests_per_s"], closed[b]["requests_per_s"]), 2)
-        opened = await ab(lambda fn, first: open_loop(rate, n, fn, first, seed=first), n)
+        opened = await ab(functools.partial(_opened, rate, n), n)
         rows.append({"concurrency": c, "requests_per_side": n * rounds, **closed,
                      "open_loop": {"offered_per_s": rate, **opened}})
     return rows
@@ -238,13 +248,11 @@ def _voice_only_overlay() -> Any:
 
 async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds: int, per_worker: int,
                         open_fraction: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    import pipelines
-    from omni_rt.server import create_app
-    from protocols.chat import ChatService
-
     from aiohttp import web
 
-    from omni_rt.server import RUNTIME, SESSIONS
+    import pipelines
+    from omni_rt.server import RUNTIME, SESSIONS, create_app
+    from protocols.chat import ChatService
     from protocols.http import Streamed
 
     app = create_app(_voice_only_overlay(), "text-overhead bench")
@@ -252,8 +260,12 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
     await runner.setup()  # starts the runtime and the session manager; nothing listens
     try:
         chat = ChatService(app[SESSIONS], pipelines.load_all()["voice"])
+        from omni_rt.engines.vllm import VllmEngine
+        from pipelines.voice import ThinkerProcessor
+
         replica = app[RUNTIME].pools["thinker"].replicas[0]
         proc, engine = replica.processor, replica.engine
+        assert isinstance(proc, ThinkerProcessor) and isinstance(engine, VllmEngine)
         llm = engine.llm
 
         def prompt_of(i: int) -> Any:

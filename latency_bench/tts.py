@@ -26,9 +26,10 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import httpx
 
@@ -331,15 +332,15 @@ def format_report(result: dict[str, Any]) -> str:
             lines.append(f"   FAILED: {v['error'].splitlines()[0]}")
             continue
         lines.append(hdr + "   (ms)")
-        for c, l in (v.get("levels") or {}).items():
+        for c, lv in (v.get("levels") or {}).items():
             lines.append(
-                f"{c:>4} {l['completed']:>5} {l['errors']:>4} {_fmt(l['ttfp_ms']['p50']):>8} "
-                f"{_fmt(l['ttfp_ms']['p90']):>8} {_fmt(l['ttfp_ms']['mean']):>8} {_fmt(l['e2el_ms']['p50']):>8} "
-                f"{_fmt(l['e2el_ms']['p90']):>8} {_fmt(l['rtf']['mean'], '.3f'):>6} {_fmt(l['rtf']['p90'], '.3f'):>6} "
-                f"{_fmt(l['audio_s_per_s'], '.2f'):>7}"
+                f"{c:>4} {lv['completed']:>5} {lv['errors']:>4} {_fmt(lv['ttfp_ms']['p50']):>8} "
+                f"{_fmt(lv['ttfp_ms']['p90']):>8} {_fmt(lv['ttfp_ms']['mean']):>8} {_fmt(lv['e2el_ms']['p50']):>8} "
+                f"{_fmt(lv['e2el_ms']['p90']):>8} {_fmt(lv['rtf']['mean'], '.3f'):>6} {_fmt(lv['rtf']['p90'], '.3f'):>6} "
+                f"{_fmt(lv['audio_s_per_s'], '.2f'):>7}"
             )
-        for c, l in (v.get("levels") or {}).items():
-            for m in l.get("error_messages") or []:
+        for c, lv in (v.get("levels") or {}).items():
+            for m in lv.get("error_messages") or []:
                 lines.append(f"   C={c}: {m['count']} x error: {m['message'][:160]}")
     r = result.get("ratios") or {}
     names = [n for n in result["variants"] if not result["variants"][n].get("error")]

@@ -7,7 +7,7 @@ import json
 import logging
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from omni_rt.specs import DeployOverlay, SpecError, load_overlay, parse_overlay
 

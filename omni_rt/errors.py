@@ -26,7 +26,8 @@ At the engine edge the errors follow vLLM's split:
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 # RFC 6455 close codes used by the adapters.
 WS_NORMAL = 1000

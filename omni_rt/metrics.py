@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -83,7 +84,7 @@ class _StageCollector:
     """Per-stage in-flight requests and engine queue depth of every live runtime."""
 
     def __init__(self) -> None:
-        self.runtimes: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self.runtimes: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         inflight = GaugeMetricFamily("omni_rt_stage_inflight_requests", "Requests placed on a stage's replicas", labels=["stage"])
@@ -105,7 +106,7 @@ class _StageCollector:
 
 
 STAGES = _StageCollector()
-REGISTRY.register(STAGES)  # type: ignore[arg-type]
+REGISTRY.register(STAGES)
 
 WEBRTC_FRAME_GAP_SECONDS = Histogram(
     "omni_rt_webrtc_frame_gap_seconds",

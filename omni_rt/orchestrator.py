@@ -16,12 +16,14 @@ chunk from reviving a cancelled request).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.connectors.base import Connector
@@ -29,8 +31,8 @@ from omni_rt.errors import InternalError, OmniError, OrchestratorError
 from omni_rt.payloads import Fence, Handle, Payload
 from omni_rt.specs import ChunkingSpec, EdgeSpec, ProfileSpec
 from omni_rt.stage import StageContext, StageInput
-from omni_rt.status import RequestStatus
 from omni_rt.stage_pool import Replica, StagePool
+from omni_rt.status import RequestStatus
 
 if TYPE_CHECKING:
     from omni_rt.request import RequestStream
@@ -81,9 +83,9 @@ class _RequestState:
     active: set[str]
     finals: set[str]
     fence_source: Callable[[], Fence] | None
-    events: "asyncio.Queue[Event]" = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     inputs: dict[str, dict[str, StageInput]] = field(default_factory=dict)
-    tasks: dict[str, "asyncio.Task[None]"] = field(default_factory=dict)
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     replicas: dict[str, Replica] = field(default_factory=dict)
     groups: dict[str, list[_Group]] = field(default_factory=dict)
     batch_buffers: dict[str, list[Handle]] = field(default_factory=dict)
@@ -130,7 +132,7 @@ class Orchestrator:
         affinity: str | None = None,
         fence_source: Callable[[], Fence] | None = None,
         entry: str | None = None,
-    ) -> "RequestStream":
+    ) -> RequestStream:
         """Admit a request. Inputs for the entry stage follow through the stream.
 
         `entry` starts the request at a later stage than the profile's entry (a
@@ -225,7 +227,7 @@ class Orchestrator:
         state.stage_started[name] = time.monotonic()
         task = asyncio.get_running_loop().create_task(replica.processor.run(ctx), name=f"{state.request_id}:{name}")
         state.tasks[name] = task
-        task.add_done_callback(lambda t, s=state, n=name: self._on_stage_done(s, n, t))
+        task.add_done_callback(functools.partial(self._on_stage_done, state, name))
 
     # ---- routing (handles only) ------------------------------------------------------
 
@@ -253,7 +255,7 @@ class Orchestrator:
 
         return route
 
-    def _on_stage_done(self, state: _RequestState, name: str, task: "asyncio.Task[None]") -> None:
+    def _on_stage_done(self, state: _RequestState, name: str, task: asyncio.Task[None]) -> None:
         # A done-callback's exception would be swallowed by the loop and leave the
         # request running forever: any failure here ends the request as failed.
         try:
@@ -262,7 +264,7 @@ class Orchestrator:
             log.error("request %s: finishing stage %s failed", state.request_id, name, exc_info=exc)
             self._finish(state, RequestStatus.FAILED, error=_client_error(exc, state.request_id, name))
 
-    def _stage_done(self, state: _RequestState, name: str, task: "asyncio.Task[None]") -> None:
+    def _stage_done(self, state: _RequestState, name: str, task: asyncio.Task[None]) -> None:
         replica = state.replicas.get(name)
         if replica is not None:
             replica.active -= 1
@@ -343,7 +345,7 @@ class Orchestrator:
         state.status = status
         self.stats[status.value] += 1
         metrics.REQUESTS.labels(pipeline=state.pipeline, status=status.value).inc()
-        for name, task in state.tasks.items():
+        for task in state.tasks.values():
             if not task.done():
                 task.cancel()
         for stage_inputs in state.inputs.values():

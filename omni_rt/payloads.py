@@ -8,8 +8,9 @@ the `Fence` of the turn that produced it so stale work can be dropped at every h
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Fence:
     epoch: int = 0
     turn: int = 0
 
-    def is_stale_against(self, current: "Fence") -> bool:
+    def is_stale_against(self, current: Fence) -> bool:
         return self.session_id == current.session_id and self.epoch < current.epoch
 
 

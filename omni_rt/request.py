@@ -7,7 +7,8 @@ side, so the orchestrator itself never carries bytes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from omni_rt import metrics
 from omni_rt.errors import InternalError, RequestAborted
@@ -22,7 +23,7 @@ __all__ = ["RequestAborted", "RequestStream"]
 
 
 class RequestStream:
-    def __init__(self, orch: "Orchestrator", state: "_RequestState") -> None:
+    def __init__(self, orch: Orchestrator, state: _RequestState) -> None:
         self._orch = orch
         self._state = state
         self._inputs = 0
@@ -93,7 +94,7 @@ class RequestStream:
         self._orch.release(self.request_id)
         self.closed = True
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from omni_rt.connectors import Connector, make_connector
 from omni_rt.engines.base import Engine

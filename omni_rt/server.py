@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -82,7 +82,7 @@ class ProfileSpec(_Strict):
     final_outputs: list[str] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _check_graph(self) -> "ProfileSpec":
+    def _check_graph(self) -> ProfileSpec:
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate stage names in {names}")
@@ -158,7 +158,7 @@ class PipelineSpec(_Strict):
     profiles: dict[str, ProfileSpec]
 
     @model_validator(mode="after")
-    def _check_profile(self) -> "PipelineSpec":
+    def _check_profile(self) -> PipelineSpec:
         if self.default_profile not in self.profiles:
             raise ValueError(f"default_profile {self.default_profile!r} is not one of {sorted(self.profiles)}")
         return self
@@ -261,7 +261,7 @@ class SessionsSpec(_Strict):
     advertise_url: str | None = Field(default=None, description="URL other nodes give clients whose session lives here")
 
     @model_validator(mode="after")
-    def _check(self) -> "SessionsSpec":
+    def _check(self) -> SessionsSpec:
         for kind, cap in self.max_per_kind.items():
             if kind not in SESSION_KINDS:
                 raise ValueError(f"max_per_kind.{kind}: unknown session kind; known: {', '.join(SESSION_KINDS)}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, TypeVar
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omni_rt import metrics
 from omni_rt.connectors.base import Connector
@@ -90,12 +91,12 @@ class StageContext:
 
     def __init__(
         self,
-        state: "_RequestState",
+        state: _RequestState,
         stage: StageSpec,
         inputs: dict[str, StageInput],
         connectors: Mapping[str, Connector],
-        groups: "list[_Group]",
-        route: Callable[["_Group", Handle, bool], None],
+        groups: list[_Group],
+        route: Callable[[_Group, Handle, bool], None],
     ) -> None:
         self._state = state
         self.stage = stage

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from omni_rt.engines.base import Engine
 from omni_rt.errors import EngineDead
@@ -47,7 +47,7 @@ class StagePool:
     replicas: list[Replica]
     max_affinities: int = 100_000
     _rr: itertools.count = field(default_factory=itertools.count)
-    _affinity: "OrderedDict[str, int]" = field(default_factory=OrderedDict)
+    _affinity: OrderedDict[str, int] = field(default_factory=OrderedDict)
 
     def pick(self, affinity: str | None = None) -> Replica:
         """The replica for a request: the session's pinned one while it lives, else by

@@ -88,7 +88,7 @@ class CodecLayout:
         return path
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "CodecLayout":
+    def load(cls, model_dir: str | Path) -> CodecLayout:
         """Read `codec_layout.json` from the talker dir; Orpheus defaults when absent."""
         path = Path(model_dir) / cls.FILENAME
         if not path.is_file():

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from omni_rt.engines.base import DiffusionEngine, Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob

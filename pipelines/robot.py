@@ -26,9 +26,10 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -123,7 +124,7 @@ class Layout:
     default_prompt: str = ""
 
     @classmethod
-    def parse(cls, name: str, raw: Mapping[str, Any], config: Mapping[str, Any]) -> "Layout":
+    def parse(cls, name: str, raw: Mapping[str, Any], config: Mapping[str, Any]) -> Layout:
         known = {"images", "state", "state_dims", "action_dim", "action_horizon", "prompt", "default_prompt"}
         if not isinstance(raw, Mapping):
             raise ValueError(f"layouts.{name}: a layout is a mapping of {sorted(known)}")
@@ -178,7 +179,7 @@ def _image(name: str, arr: np.ndarray, size: int) -> np.ndarray:
 
     scale = size / max(h, w)
     nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
-    small = np.asarray(Image.fromarray(np.ascontiguousarray(arr)).resize((nw, nh), Image.BILINEAR))
+    small = np.asarray(Image.fromarray(np.ascontiguousarray(arr)).resize((nw, nh), Image.Resampling.BILINEAR))
     out = np.zeros((size, size, 3), np.uint8)
     top, left = (size - nh) // 2, (size - nw) // 2
     out[top : top + nh, left : left + nw] = small
@@ -266,7 +267,7 @@ class PolicyProcessor(StageProcessor):
             image_mask[i] = True
         state = np.zeros(self.max_state, np.float32)
         at = 0
-        for key, dim in zip(lay.state, lay.state_dims):
+        for key, dim in zip(lay.state, lay.state_dims, strict=True):
             v = arrays[key]  # numeric: payloads carry no other dtypes
             v = v.reshape(-1) if v.ndim <= 1 else v
             if v.shape != (dim,):

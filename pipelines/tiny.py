@@ -332,7 +332,7 @@ THINKER_CONFIG = {
 # Audio encoder: 16 kHz log-mel (Whisper's front end: 400-point FFT, hop 160, 80 mels)
 # over fixed 480 ms blocks, each encoded on its own (so streaming == batch exactly),
 # two convolutions (stride 2 each) -> 25 embeddings per second of thinker width.
-AUDIO_ENCODER_CONFIG = {
+AUDIO_ENCODER_CONFIG: dict[str, Any] = {
     "sample_rate": 16000,
     "n_fft": 400,
     "hop_length": 160,

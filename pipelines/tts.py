@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +33,6 @@ from pipelines.codec import (
     load_snac,
     orpheus_prompt_ids,
 )
-
 
 # ---- talker ---------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ _PHRASE_END = re.compile(r"[.!?;:,]\s")
 
 
 async def phrases(
-    inp: AsyncIterator[Payload], min_chars: int = 24, max_chars: int = 120, first_chars: int = 32
+    inp: AsyncIterable[Payload], min_chars: int = 24, max_chars: int = 120, first_chars: int = 32
 ) -> AsyncIterator[str]:
     """Text deltas -> phrases: cut after punctuation once `min_chars` are buffered, or
     at a word boundary past `max_chars`; the rest when the input ends. The first phrase

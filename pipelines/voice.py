@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -204,7 +205,7 @@ class SegmentEncoder:
         self.chars = 0
 
     @classmethod
-    def for_tokenizer(cls, fast: Any) -> "SegmentEncoder | None":
+    def for_tokenizer(cls, fast: Any) -> SegmentEncoder | None:
         """`fast` must encode with no truncation and no padding."""
         try:
             tokens = fast.get_added_tokens_decoder()

@@ -44,7 +44,7 @@ try:  # PyAV is optional for wav/pcm.
 
     _AV_IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - depends on the environment
-    av = None  # type: ignore[assignment]
+    av = None
     _AV_IMPORT_ERROR = f"PyAV is not importable ({exc})"
 
 __all__ = [
@@ -118,7 +118,7 @@ def content_type(fmt: str) -> str:
     return _CONTENT_TYPES[_normalize(fmt)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe(fmt: str) -> tuple[str | None, str | None]:
     """(encoder name, None) if ``fmt`` can be produced here, else (None, reason)."""
     if fmt in ("wav", "pcm"):
@@ -246,8 +246,8 @@ class StreamingEncoder:
         self._finished = False
         self._header_sent = False
         self._samples_in = 0
-        self._container = None
-        self._stream = None
+        self._container: Any = None
+        self._stream: Any = None
 
         encoder, reason = _probe(self.format)
         if encoder is None:
@@ -359,7 +359,7 @@ class StreamingEncoder:
             except Exception:
                 pass
 
-    def __enter__(self) -> "StreamingEncoder":
+    def __enter__(self) -> StreamingEncoder:
         return self
 
     def __exit__(self, *exc: Any) -> None:

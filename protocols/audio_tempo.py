@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,12 @@ class TempoFilter:
     length is ``len(input) / speed`` within about 2 %. ``speed == 1.0`` is a pass-through:
     ``process`` returns its input unchanged.
     """
+
+    speed: float
+    sample_rate: int
+    _graph: Any  # av.filter.Graph while the stream runs
+    _flushed: bool
+    _pts: int
 
     def __init__(self, speed: float, sample_rate: int = 24000) -> None:
         if isinstance(speed, bool) or not isinstance(speed, numbers.Real):

@@ -11,8 +11,8 @@ the OpenAI error shape; a WebSocket handshake gets that 401 before any upgrade.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable
 
 from aiohttp import web
 

@@ -15,7 +15,8 @@ import base64
 import json
 import secrets
 import time
-from typing import Any, AsyncIterator, Callable, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
 
 import numpy as np
 from aiohttp import web

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -64,8 +65,10 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         if exc.status < 400:
             raise  # redirects and the like
         return error_response(_http_error(request, exc))
-    except (asyncio.CancelledError, *DISCONNECTED):
+    except asyncio.CancelledError:
         raise
+    except DISCONNECTED:
+        raise  # the client left: nothing to answer
     except Exception as exc:  # noqa: BLE001 - the one catch-all of the HTTP side
         return error_response(to_omni(exc, f"{request.method} {request.path}"))
 

@@ -17,7 +17,8 @@ import base64
 import io
 import re
 import time
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 from aiohttp import web

@@ -10,8 +10,9 @@ processors, its protocol module and the table below.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 

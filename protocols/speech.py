@@ -10,7 +10,8 @@ import asyncio
 import base64
 import json
 import time
-from typing import Any, AsyncIterator, Literal, Mapping
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field

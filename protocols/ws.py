@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import WSMsgType, web
 
@@ -60,7 +61,7 @@ class Socket:
     async def send_json(self, obj: Mapping[str, Any]) -> None:
         await self.ws.send_str(json.dumps(obj))
 
-    async def receive(self, *others: "asyncio.Future[Any]") -> str | bytes | None:
+    async def receive(self, *others: asyncio.Future[Any]) -> str | bytes | None:
         """The next text or binary message; None when the client left or one of
         `others` (e.g. the event writer) finished first."""
         if not others:

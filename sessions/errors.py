@@ -3,7 +3,7 @@ report it (HTTP status, WebSocket close code); adapters map them in one place.""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from omni_rt.errors import CLIENT, SERVER, WS_POLICY_VIOLATION, WS_TRY_AGAIN_LATER, OmniError
 

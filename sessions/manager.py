@@ -26,7 +26,8 @@ import secrets
 import socket
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.specs import SESSION_KINDS, SessionsSpec
@@ -71,7 +72,7 @@ class SessionManager:
     def __init__(
         self,
         spec: SessionsSpec | None = None,
-        orchestrator: "Orchestrator | None" = None,
+        orchestrator: Orchestrator | None = None,
         store: SessionStore | None = None,
         *,
         node_id: str | None = None,
@@ -243,7 +244,7 @@ class SessionManager:
         s._events.clear()  # what it did not read is gone; the final event goes out first
         self.end_soon(s, "slow_consumer")
 
-    def end_soon(self, s: Session, reason: str) -> "asyncio.Task[None]":
+    def end_soon(self, s: Session, reason: str) -> asyncio.Task[None]:
         """End `s` in the background (for callers that cannot wait, e.g. inside emit)."""
         task = asyncio.get_running_loop().create_task(self.end(s, reason), name=f"end-{s.id}")
         self.background.add(task)
@@ -367,7 +368,7 @@ class SessionManager:
         }
 
     # ---- used by Session -------------------------------------------------------------
-    def orchestrator_submit(self, pipeline: str, **kw: Any) -> "RequestStream":
+    def orchestrator_submit(self, pipeline: str, **kw: Any) -> RequestStream:
         if self.orchestrator is None:
             raise RuntimeError("this session manager has no orchestrator")
         return self.orchestrator.submit(pipeline, **kw)

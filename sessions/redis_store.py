@@ -15,8 +15,9 @@ session lives.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
-from typing import Any, Mapping
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -147,7 +148,7 @@ class RedisStore(SessionStore):
         total, per_kind, per_principal = limits.caps_for(slot)
         caps = [total, per_kind, per_principal]
         doc = json.dumps(dict(record)) if record is not None else ""
-        args = [slot.session_id, self.lease_ms, *(-1 if c is None else c for c in caps), doc]
+        args: list[Any] = [slot.session_id, self.lease_ms, *(-1 if c is None else c for c in caps), doc]
         keys = [*self._keys(slot), self._dir_key(slot.session_id)]
         try:
             res = int(await self._acquire(keys=keys, args=args))
@@ -191,7 +192,7 @@ class RedisStore(SessionStore):
             res = await self._counts(keys=keys, args=[])
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
-        return {"total": int(res[0]), "kinds": {k: int(n) for k, n in zip(self.kinds, res[1:]) if int(n)}}
+        return {"total": int(res[0]), "kinds": {k: int(n) for k, n in zip(self.kinds, res[1:], strict=True) if int(n)}}
 
     # ---- directory -----------------------------------------------------------------
     async def publish(self, record: Mapping[str, Any]) -> None:

@@ -18,8 +18,9 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.payloads import Fence, Payload
@@ -72,7 +73,7 @@ Finalizer = Callable[[], Awaitable[None] | None]
 class Session:
     def __init__(
         self,
-        manager: "SessionManager",
+        manager: SessionManager,
         session_id: str,
         kind: str,
         pipeline: str | None,
@@ -98,7 +99,7 @@ class Session:
         # State that outlives a request: history, KV-prefix handles, latents, episode.
         self.data: dict[str, Any] = {}
         self._finalizers: list[Finalizer] = []
-        self._requests: dict[str, "RequestStream"] = {}
+        self._requests: dict[str, RequestStream] = {}
         self._token_hash: str | None = None
         self._events: deque[SessionEvent] = deque()
         self._wakeup = asyncio.Event()
@@ -175,7 +176,7 @@ class Session:
         outputs: set[str] | None = None,
         entry: str | None = None,
         fenced: bool = True,
-    ) -> "RequestStream":
+    ) -> RequestStream:
         """Start the next turn: an orchestrator request fenced by this session
         (`entry`: start at a later stage than the pipeline's entry).
 
@@ -203,14 +204,14 @@ class Session:
         self._requests[stream.request_id] = stream
         return stream
 
-    def send_input(self, stream: "RequestStream", payload: Payload) -> bool:
+    def send_input(self, stream: RequestStream, payload: Payload) -> bool:
         """Feed a request of this session. Inputs with an old fence are refused."""
         self._require_open("take input")
         self.check_fence(payload.fence)
         self.touch()
         return stream.send_input(payload)
 
-    def running_requests(self) -> list["RequestStream"]:
+    def running_requests(self) -> list[RequestStream]:
         return [s for s in self._requests.values() if s.running]
 
     def _prune(self) -> None:

@@ -9,8 +9,9 @@ a session live (the directory). `memory` serves one process; `redis` (in
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from sessions.errors import SessionLimit
 
@@ -23,7 +24,7 @@ class Limits:
     retry_after_s: int = 1
     principal_caps: Mapping[str, int] = field(default_factory=dict)
 
-    def caps_for(self, slot: "Slot") -> tuple[int, int | None, int | None]:
+    def caps_for(self, slot: Slot) -> tuple[int, int | None, int | None]:
         """(total, kind, principal) caps that apply to `slot`; None = no cap."""
         principal = self.principal_caps.get(slot.principal, self.max_per_principal)
         return self.max_total, self.max_per_kind.get(slot.kind), principal

@@ -152,7 +152,7 @@ class ThreadServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "ThreadServer":
+    def __enter__(self) -> ThreadServer:
         self.thread.start()
         if not self.started.wait(10):
             raise RuntimeError("fake server did not start")

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
 from omni_rt.connectors.base import Connector
 from omni_rt.connectors.inproc import InprocConnector
-from omni_rt.testing.engines import FakeArEngine
 from omni_rt.orchestrator import Orchestrator
 from omni_rt.payloads import Handle, Payload, PayloadKind
 from omni_rt.specs import ProfileSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
 from omni_rt.stage_pool import Replica, StagePool
-
+from omni_rt.testing.engines import FakeArEngine
 
 # API keys of the shared test server (tests/conftest.py writes its deploy overlay).
 ADMIN_KEY = "test-admin-key-0001"
@@ -58,7 +58,7 @@ def http_client(base_url: str, headers: dict[str, str], timeout: float = 120) ->
 class CountingConnector(Connector):
     """Wraps a connector and records which module called put/get (invariant 1)."""
 
-    def __init__(self, inner: Connector) -> None:
+    def __init__(self, inner: InprocConnector) -> None:
         self.inner = inner
         self.name = inner.name
         self.callers: list[tuple[str, str]] = []

@@ -2,6 +2,7 @@ import io
 import struct
 import wave
 
+import av  # noqa: E402 - a required dependency: missing means failure, not a skip
 import numpy as np
 import pytest
 
@@ -14,8 +15,6 @@ from protocols.audio_formats import (
     content_type,
 )
 from protocols.audio_tempo import TempoFilter
-
-import av  # noqa: E402 - a required dependency: missing means failure, not a skip
 
 SR = 24000
 AVAILABLE = available_formats()
@@ -41,7 +40,7 @@ def rms(y):
 
 def encode_chunks(fmt, x, bounds, sr=SR):
     enc = StreamingEncoder(fmt, sample_rate=sr)
-    parts = [enc.encode(x[a:b]) for a, b in zip(bounds, bounds[1:])]
+    parts = [enc.encode(x[a:b]) for a, b in zip(bounds, bounds[1:], strict=True)]
     parts.append(enc.finish())
     return parts
 
@@ -151,7 +150,7 @@ def test_pcm_exact_length_and_signal():
     parts = encode_chunks("pcm", x, BOUNDS)
     data = b"".join(parts)
     assert len(data) == 2 * len(x)
-    assert all(len(p) == 2 * (b - a) for p, a, b in zip(parts, BOUNDS, BOUNDS[1:]))
+    assert all(len(p) == 2 * (b - a) for p, a, b in zip(parts, BOUNDS, BOUNDS[1:], strict=True))
     assert parts[-1] == b""
     y = np.frombuffer(data, dtype="<i2")
     assert abs(dominant_freq(y, SR) - 440) < 2
@@ -268,7 +267,7 @@ def test_codec_other_sample_rate(fmt):
 
 def run_tempo(speed, x, bounds):
     tf = TempoFilter(speed, SR)
-    outs = [tf.process(x[a:b]) for a, b in zip(bounds, bounds[1:])]
+    outs = [tf.process(x[a:b]) for a, b in zip(bounds, bounds[1:], strict=True)]
     outs.append(tf.flush())
     for o in outs:
         assert o.dtype == np.float32 and o.ndim == 1
@@ -314,7 +313,7 @@ def test_tempo_then_encode():
     x = sine(1.0)
     tf = TempoFilter(2.0, SR)
     enc = StreamingEncoder("wav")
-    data = b"".join(enc.encode(tf.process(x[a:b])) for a, b in zip(BOUNDS, BOUNDS[1:]))
+    data = b"".join(enc.encode(tf.process(x[a:b])) for a, b in zip(BOUNDS, BOUNDS[1:], strict=True))
     data += enc.encode(tf.flush()) + enc.finish()
     y = np.frombuffer(data[44:], dtype="<i2")
     assert abs(len(y) - SR / 2) <= 0.05 * SR / 2

@@ -54,7 +54,10 @@ def test_audio_out_streaming_pcm16_with_audio_in(sdk):
     speech = speech_pcm16("What time is it?")
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
-        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(speech)
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(speech)
     messages = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}]}]
     stream = sdk.chat.completions.create(
         model="gpt-4o-audio-preview", messages=messages, modalities=["text", "audio"], audio={"voice": "tara", "format": "pcm16"},

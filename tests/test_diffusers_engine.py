@@ -55,7 +55,7 @@ async def test_batched_equals_unbatched_for_the_same_seeds(engine):
     steps0, rows0 = engine.steps, engine.rows
     together = await asyncio.gather(*(image_of(engine, DiffusionJob(p, 128, 128, 6, seed=s)) for p, s in jobs))
     assert engine.rows - rows0 > engine.steps - steps0, "no step carried more than one request"
-    for a, (b, _) in zip(alone, together):
+    for a, (b, _) in zip(alone, together, strict=True):
         assert np.abs(a.astype(int) - b.astype(int)).max() <= 1
     assert np.abs(alone[0].astype(int) - alone[3].astype(int)).max() > 10  # seeds matter
 

@@ -4,7 +4,6 @@ consumers. Answers run to their token limit (tests.harness.SERVER_OVERLAY)."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

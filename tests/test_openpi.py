@@ -8,6 +8,7 @@ import asyncio
 import re
 import subprocess
 import sys
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -44,7 +45,7 @@ def test_codec_reads_what_openpi_client_writes_and_back():
     for cam, img in obs["images"].items():
         assert got["images"][cam].dtype == np.uint8 and np.array_equal(got["images"][cam], img)
         assert not got["images"][cam].flags.writeable  # read-only views of the frame, as openpi's
-    reply = {"actions": np.arange(12, dtype=np.float32).reshape(3, 4), "server_timing": {"infer_ms": 1.0}}
+    reply: dict[str, Any] = {"actions": np.arange(12, dtype=np.float32).reshape(3, 4), "server_timing": {"infer_ms": 1.0}}
     back = openpi_msgpack.unpackb(packb(reply))
     assert np.array_equal(back["actions"], reply["actions"]) and back["actions"].dtype == np.float32
     assert back["server_timing"] == {"infer_ms": 1.0}
@@ -84,7 +85,8 @@ def test_flatten_joins_nested_keys_and_refuses_odd_values():
     assert sorted(arrays) == ["images/cam_high", "images/cam_left_wrist", "images/cam_right_wrist", "state"]
     assert texts == {"prompt": "fold the towel"}
     assert flatten({"s": [1.0, 2.0]})[0]["s"].dtype == np.float64
-    for bad, msg in [({"s": ["a", 1]}, "numeric"), ({"s": b"raw"}, "unsupported"), ({b"k": 1}, "keys are strings")]:
+    cases: list[tuple[dict[Any, Any], str]] = [({"s": ["a", 1]}, "numeric"), ({"s": b"raw"}, "unsupported"), ({b"k": 1}, "keys are strings")]
+    for bad, msg in cases:
         with pytest.raises(ProtocolError, match=msg):
             flatten(bad)
 
@@ -149,7 +151,7 @@ def test_reset_extension_starts_the_episode_over(server):
         reply = policy.infer({"endpoint": "reset"})
         assert reply["reset"] is True and reply["seed"] == 0
         again = [policy.infer(obs)["actions"] for _ in range(3)]
-        for a, b in zip(first, again):
+        for a, b in zip(first, again, strict=True):
             assert np.array_equal(a, b)
         # a new seed starts a different episode
         policy.infer({"endpoint": "reset", "seed": 7})
@@ -214,10 +216,10 @@ async def test_episodes_are_isolated_between_interleaved_robots(server):
     b = await PolicyClient.connect(ws_url(server), ALICE_KEY, seed=2)
     async with a, b:
         got_a, got_b = [], []
-        for sa, sb in zip(obs_a, obs_b):
+        for sa, sb in zip(obs_a, obs_b, strict=True):
             got_a.append((await a.infer(droid_observation(sa)))["actions"])
             got_b.append((await b.infer(droid_observation(sb)))["actions"])
-    for x, y in zip(alone_a + alone_b, got_a + got_b):
+    for x, y in zip(alone_a + alone_b, got_a + got_b, strict=True):
         assert np.array_equal(x, y)
     # the state matters (chunks are smoothed toward the previous one), so the test can fail:
     fresh_second = await _episode(server, 1, [obs_a[1]])
@@ -242,8 +244,8 @@ async def test_concurrent_robots_are_batched_and_get_what_they_get_one_by_one(se
     together = await asyncio.gather(*(_episode(server, seed, obs, layout) for seed, obs, layout in specs))
     count1, ones1 = _batch_histogram(server)
     assert (count1 - count0) - (ones1 - ones0) > 0, "no engine step ran more than one robot"
-    for alone, batched in zip(one_by_one, together):
-        for x, y in zip(alone, batched):
+    for alone, batched in zip(one_by_one, together, strict=True):
+        for x, y in zip(alone, batched, strict=True):
             np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
 
 

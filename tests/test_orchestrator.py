@@ -10,9 +10,9 @@ import pytest
 from omni_rt.orchestrator import DoneEvent, OrchestratorError, OutputEvent
 from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.request import RequestAborted
+from omni_rt.specs import ProfileSpec
 from omni_rt.stage import StageError
 from tests.harness import Double, EmitN, Fail, make_orchestrator, profile
-
 
 
 def two_stage(mode: str = "chunk", finals: list[str] | None = None):
@@ -164,7 +164,7 @@ async def test_streaming_input_updates_resumable_entry_request():
     got = []
 
     async def reader():
-        async for stage, p, _ in stream.payloads():
+        async for _stage, p, _ in stream.payloads():
             got.append(len(p.arrays["t"]))
 
     task = asyncio.create_task(reader())
@@ -299,8 +299,8 @@ async def test_orchestrator_never_touches_payload_bytes():
 
 
 async def test_replica_affinity_is_sticky_and_least_queue_spreads():
-    from omni_rt.testing.engines import FakeArEngine
     from omni_rt.stage_pool import Replica, StagePool
+    from omni_rt.testing.engines import FakeArEngine
 
     spec = two_stage().stage("a")
     engines = [FakeArEngine(name=f"r{i}") for i in range(3)]
@@ -330,7 +330,7 @@ async def test_client_hop_drops_chunks_that_went_stale_after_routing():
     assert conn.inner.live_keys() == 0
 
 
-def diamond(mode: str) -> "object":
+def diamond(mode: str) -> ProfileSpec:
     """a feeds b and c; d takes both of them through `mode` edges."""
     return profile(
         [("a", "EmitN"), ("b", "Double"), ("c", "Double"), ("d", "Merge")],

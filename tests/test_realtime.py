@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import time
+from typing import Any
 
 import httpx
 import numpy as np
@@ -54,7 +55,7 @@ async def manual_mode(conn, dialect: str) -> None:
     assert ev.type == "session.updated"
 
 
-async def until(conn, stop: str | set[str], seen: list) -> object:
+async def until(conn, stop: str | set[str], seen: list) -> Any:
     stops = {stop} if isinstance(stop, str) else stop
     async for ev in conn:
         seen.append(ev)
@@ -158,9 +159,10 @@ async def test_disconnect_mid_response_frees_all_engine_work(server):
     await recv_json(ws)
     await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
     # answers run to their token limit (tests.harness.SERVER_OVERLAY)
-    await ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]}}))
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
     await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 120}}))
-    seen = []
+    seen: list[str] = []
     t0 = time.monotonic()
     while not seen or seen[-1] not in ("response.output_audio.delta", "response.done"):
         seen.append((await recv_json(ws))["type"])

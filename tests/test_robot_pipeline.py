@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from omni_rt.engines.base import Engine
 from omni_rt.engines.torch_engine import TorchEngine
 from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.stage import StageError
@@ -48,7 +49,7 @@ async def test_torch_engine_batches_named_inputs_per_op_and_signature():
         )
         # one batch of the five same-shaped items, one for the odd shape, one for the other op
         assert sorted(module.calls) == [("both", 1), ("encode", 1), ("encode", 5)]
-        for x, y in zip(alone, together[:5]):
+        for x, y in zip(alone, together[:5], strict=True):
             np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
         both = together[-1]
         assert set(both) == {"sum", "twice"} and np.allclose(both["twice"], items[0]["a"] * 2)
@@ -66,10 +67,13 @@ def _processor(models_dir, **args):
     return PolicyProcessor(spec, _Steps(), {})
 
 
-class _Steps:
+class _Steps(Engine):
     """A StepEngine that is never called (these tests exercise input preparation)."""
 
     name = "unused"
+
+    def load(self) -> int:
+        return 0
 
     async def run(self, x, priority=1, op=None):
         raise AssertionError("not used")
@@ -110,7 +114,7 @@ def test_prepare_maps_a_layout_onto_the_padded_model_inputs(models_dir):
 )
 def test_prepare_refuses_bad_observations(models_dir, change, message):
     proc = _processor(models_dir)
-    arrays = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
+    arrays: dict[str, np.ndarray] = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
     arrays["state"] = np.zeros(14)
     arrays.update(change)
     with pytest.raises(StageError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -11,6 +11,7 @@ no slot, no running request, no connector key.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -24,7 +25,7 @@ from tests.harness import LateEmitter, make_orchestrator, profile
 
 KINDS = ["oneshot", "realtime", "duplex"]
 PRINCIPALS = ["alice", "bob", "carol"]
-CAPS = {"total": 6, "kind": {"realtime": 3, "duplex": 2}, "principal": 3}
+CAPS: dict[str, Any] = {"total": 6, "kind": {"realtime": 3, "duplex": 2}, "principal": 3}
 
 
 class Clock:

@@ -139,7 +139,7 @@ def test_tokens_to_frames_and_assembler() -> None:
     asm = FrameAssembler(layout)
     parts = []
     cuts = [0, 1, 4, 11, 12, 13, 20, 27, len(stream)]
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in zip(cuts, cuts[1:], strict=True):
         parts.append(asm.push(stream[a:b]))
         assert parts[-1].shape[1:] == (7,)
     np.testing.assert_array_equal(np.concatenate(parts), whole)
@@ -190,7 +190,7 @@ def test_thinker_segment_encoder_equals_whole_prompt_encoding(tiny: dict[str, Pa
     rng = random.Random(3)
     alphabet = "ab cdé✓\n\t  .,!?<|>imstartendaudio漢字😀"
     history: list[dict[str, str]] = []
-    for turn in range(60):
+    for _turn in range(60):
         content = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
         if rng.random() < 0.3:
             content += "<|audio|>" + content

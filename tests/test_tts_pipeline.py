@@ -15,7 +15,6 @@ from omni_rt.runtime import Runtime
 from omni_rt.specs import ChunkingSpec, DeployOverlay, apply_overlay, parse_overlay
 from pipelines.tts import SAMPLES_PER_FRAME, StreamingDecoder, split_text
 
-
 # Float tolerance of chunked vs one-shot decoding: the same convolution over a
 # different window length may use a different summation order in oneDNN (observed
 # differences are ~3e-7; with too little context they reach 1e-4 and more).

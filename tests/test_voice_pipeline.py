@@ -22,7 +22,7 @@ class Recording(FakeArEngine):
         super().__init__(name="thinker", vocab_size=900)
         self.produced: list[int] = []
 
-    async def generate(self, request_id, **kw):  # type: ignore[override]
+    async def generate(self, request_id, **kw):
         async for toks in super().generate(request_id, **kw):
             self.produced.extend(toks)
             yield toks

@@ -49,11 +49,11 @@ async def test_sessions_never_see_each_others_state(server):
     a, b = await world(server, 1), await world(server, 1)
     async with a, b:
         got_a, got_b = [], []
-        for x, y in zip(ACTIONS_A, ACTIONS_B):
+        for x, y in zip(ACTIONS_A, ACTIONS_B, strict=True):
             fa, fb = await asyncio.gather(a.step(x), b.step(y))
             got_a.append(fa)
             got_b.append(fb)
-    assert all(close(x, y) for x, y in zip(alone_a + alone_b, got_a + got_b))
+    assert all(close(x, y) for x, y in zip(alone_a + alone_b, got_a + got_b, strict=True))
     # the history conditions the next frame: after different actions the frames differ
     assert not close(alone_a[2], alone_b[2])
 
@@ -68,6 +68,6 @@ async def test_a_resumed_session_continues_from_its_buffer(server):
     async with w2:
         assert w2.first["type"] == "session.resumed" and w2.session["frame_index"] == 2
         third = await w2.step(ACTIONS_A[2])
-    assert all(close(x, y) for x, y in zip(straight, first + [third]))
+    assert all(close(x, y) for x, y in zip(straight, first + [third], strict=True))
 
 

@@ -37,5 +37,5 @@ class Connector(abc.ABC):
     @abc.abstractmethod
     def health(self) -> dict[str, Any]: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most backends hold nothing to free
         """Free everything (server shutdown)."""

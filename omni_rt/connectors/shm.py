@@ -114,7 +114,7 @@ def _ofd_lock(fd: int, ltype: int) -> None:
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
     flat = arr.reshape(-1) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1)
-    return memoryview(flat.view(np.uint8))
+    return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs say otherwise
 
 
 def _pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
@@ -302,7 +302,7 @@ class ShmConnector(Connector):
             header = _HEADER.pack(_MAGIC, _F_RECYCLE if recycle else 0, 1, readers)
             bufs = [memoryview(header), _ZEROS[: HEADER_SIZE - len(header)]]
             end = HEADER_SIZE
-            for arr, (_, _, _, off) in zip(arrays, layout):
+            for arr, (_, _, _, off) in zip(arrays, layout, strict=True):
                 if arr.nbytes:
                     if off > end:
                         bufs.append(_ZEROS[: off - end])
@@ -363,7 +363,7 @@ class ShmConnector(Connector):
                 # This mapping shares seg.fd's open file description (CPython's mmap
                 # keeps a dup of the fd), so LOCK_UN below still releases the claim.
                 seg.mm = mmap.mmap(seg.fd, seg.cap)
-            for arr, (_, _, _, off) in zip(arrays, layout):
+            for arr, (_, _, _, off) in zip(arrays, layout, strict=True):
                 if arr.nbytes:
                     dst = np.frombuffer(seg.mm, np.uint8, arr.nbytes, off).view(arr.dtype).reshape(arr.shape)
                     np.copyto(dst, arr, casting="no")
@@ -597,7 +597,7 @@ def _bench() -> None:
                     del got
                     laps.append(time.perf_counter() - t0)
                 if i >= 3:  # warm-up rounds fault in dst and fill the pool
-                    for lap, t in zip(times, laps):
+                    for lap, t in zip(times, laps, strict=True):
                         lap.append(t)
             memcpy, pooled, unpooled = (median(t) for t in times)
             print(

@@ -15,7 +15,8 @@ checked against the same contract as the real one:
 from __future__ import annotations
 
 import abc
-from typing import Any, AsyncIterator, Protocol, runtime_checkable
+from collections.abc import AsyncIterator
+from typing import Any, Protocol, runtime_checkable
 
 from omni_rt.errors import EngineDead, EngineError, EngineRequestError
 

@@ -27,8 +27,9 @@ import concurrent.futures
 import itertools
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ class DiffusionJob:
     arrived: float = 0.0
     step: int = 0
     cancelled: bool = False
-    events: "asyncio.Queue[dict[str, Any]]" = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     latents: torch.Tensor | None = None  # packed [tokens, channels]
     sigmas: list[float] = field(default_factory=list)
     cond: tuple[torch.Tensor, torch.Tensor] | None = None  # (text embeds [L, D], pooled [P])
@@ -245,7 +246,7 @@ class DiffusersEngine(Engine):
                     log.exception("engine %s: decoding failed", self.name)
                     self._fail(done, exc)
                     continue
-                for j, img in zip(done, images):
+                for j, img in zip(done, images, strict=True):
                     assert j.latents is not None
                     j.events.put_nowait({"type": "image", "image": img, "latents": j.latents.detach().cpu().numpy().copy()})
                     j.latents = None
@@ -264,7 +265,8 @@ class DiffusersEngine(Engine):
         if not ready:
             return []
         key = self._shape(ready[0])
-        batch, rows = [], 0
+        batch: list[DiffusionJob] = []
+        rows = 0
         for j in ready:
             if self._shape(j) == key and (rows + j.rows <= self.max_batch or not batch):
                 batch.append(j)
@@ -290,10 +292,10 @@ class DiffusersEngine(Engine):
         pipe = self.pipe
         conds = self._encode([j.prompt for j in jobs])
         cfg_jobs = [j for j in jobs if j.guidance_scale > 1.0]
-        unconds = dict(zip((j.id for j in cfg_jobs), self._encode([j.negative_prompt or "" for j in cfg_jobs]))) if cfg_jobs else {}
+        unconds = dict(zip((j.id for j in cfg_jobs), self._encode([j.negative_prompt or "" for j in cfg_jobs]), strict=True)) if cfg_jobs else {}
         channels = pipe.transformer.config.in_channels // 4
         cfg = pipe.scheduler.config
-        for j, cond in zip(jobs, conds):
+        for j, cond in zip(jobs, conds, strict=True):
             j.cond = self._condition(j, cond)
             j.uncond = self._condition(j, unconds[j.id]) if j.id in unconds else None
             h = 2 * (j.height // self.size_multiple)
@@ -324,7 +326,7 @@ class DiffusersEngine(Engine):
         h = 2 * (first.height // self.size_multiple)
         w = 2 * (first.width // self.size_multiple)
         rows: list[tuple[DiffusionJob, bool]] = [(j, False) for j in batch] + [(j, True) for j in batch if j.cfg]
-        latents = torch.stack([j.latents for j, _ in rows])  # type: ignore[misc]
+        latents = torch.stack([j.latents for j, _ in rows])
         sigma = torch.tensor([j.sigmas[j.step] for j, _ in rows], dtype=torch.float32)
         embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows])  # type: ignore[index]
         pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows])  # type: ignore[index]
@@ -351,7 +353,7 @@ class DiffusersEngine(Engine):
                 k = n + [b for b in batch if b.cfg].index(j)
                 vi = v[k] + j.guidance_scale * (vi - v[k])
             # flow-matching Euler step, as FlowMatchEulerDiscreteScheduler.step
-            j.latents = j.latents + (j.sigmas[j.step + 1] - j.sigmas[j.step]) * vi  # type: ignore[operator]
+            j.latents = j.latents + (j.sigmas[j.step + 1] - j.sigmas[j.step]) * vi
             j.step += 1
 
     def _decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
@@ -362,13 +364,13 @@ class DiffusersEngine(Engine):
             by_size.setdefault((j.height, j.width), []).append(i)
         images: dict[int, np.ndarray] = {}
         for (height, width), idx in by_size.items():
-            lat = torch.stack([jobs[i].latents for i in idx])  # type: ignore[misc]
+            lat = torch.stack([jobs[i].latents for i in idx])
             lat = pipe._unpack_latents(lat, height, width, self.vae_scale_factor)
             lat = lat / pipe.vae.config.scaling_factor + (pipe.vae.config.shift_factor or 0.0)
             with torch.inference_mode():
                 pixels = pipe.vae.decode(lat, return_dict=False)[0]
             arr = pipe.image_processor.postprocess(pixels, output_type="np")
-            for i, a in zip(idx, arr):
+            for i, a in zip(idx, arr, strict=True):
                 images[i] = (a * 255).round().astype(np.uint8)
         out = [images[i] for i in range(len(jobs))]
         return out

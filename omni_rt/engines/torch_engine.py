@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import time
-import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ class _Item:
     priority: int
     seq: int
     x: Any = field(compare=False)  # an array, or named arrays for a module method (`op`)
-    future: "asyncio.Future[Any]" = field(compare=False)
+    future: asyncio.Future[Any] = field(compare=False)
     op: str | None = field(default=None, compare=False)
 
     def signature(self) -> tuple[Any, ...]:
@@ -89,7 +90,7 @@ class TorchEngine(Engine):
         self._loop_task = loop.create_task(self._step_loop(), name=f"torch-engine-{self.name}")
         self._loop_task.add_done_callback(self._loop_ended)
 
-    def _loop_ended(self, task: "asyncio.Task[None]") -> None:
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
         """The step loop never returns: if it ended by itself, the engine is dead."""
         if not task.cancelled() and task.exception() is not None:
             log.error("engine %s: the step loop died", self.name, exc_info=task.exception())
@@ -180,7 +181,7 @@ class TorchEngine(Engine):
                 self.steps += 1
                 self.items += len(items)
                 metrics.ENGINE_BATCH.labels(engine=self.name).observe(len(items))
-                for it, y in zip(items, out):
+                for it, y in zip(items, out, strict=False):
                     if not it.future.done():
                         it.future.set_result(y)
                 for it in items[len(out) :]:  # the module returned fewer rows than it got

@@ -225,7 +225,7 @@ class VllmEngine(Engine):
         env.update(self.env)
         return env
 
-    def _build(self, box: list["AsyncLLM"]) -> None:
+    def _build(self, box: list[AsyncLLM]) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -296,7 +296,7 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ state
 
     @property
-    def llm(self) -> "AsyncLLM":
+    def llm(self) -> AsyncLLM:
         if self._llm is None:
             raise EngineError(f"{self.name}: engine not started")
         return self._llm
@@ -326,7 +326,7 @@ class VllmEngine(Engine):
 
     # ------------------------------------------------------------------ requests
 
-    def _sampling_params(self, sampling: Mapping[str, Any]) -> "SamplingParams":
+    def _sampling_params(self, sampling: Mapping[str, Any]) -> SamplingParams:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         unknown = set(sampling) - SAMPLING_KEYS
@@ -411,7 +411,7 @@ class VllmEngine(Engine):
 
         self._inflight.add(request_id)
         self._aborted.discard(request_id)
-        stream = llm.generate(prompt, params, request_id)  # type: ignore[arg-type]
+        stream = llm.generate(prompt, params, request_id)
         finished = False
         try:
             async for out in stream:

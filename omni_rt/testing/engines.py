@@ -6,7 +6,8 @@ these, deterministically and fast (`step_s` of wall time per step: the speed fac
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import numpy as np
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -152,7 +153,6 @@ async def serve(
     (e.g. `vad`, `duplex_timing`). The reaper does not run on its own: tests expire
     sessions with `Harness.expire`."""
     import pipelines as builtin
-
     from omni_rt.server import create_app
 
     wanted = set(pipelines)

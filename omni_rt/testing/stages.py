@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from types import SimpleNamespace
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -161,7 +162,7 @@ class FakeFusedTalker(FakeTalker):
             start += len(pcm)
 
 
-LAYOUTS = {
+LAYOUTS: dict[str, dict[str, Any]] = {
     "droid": {"images": ["observation/exterior_image_1_left", "observation/wrist_image_left"],
               "state": ["observation/joint_position", "observation/gripper_position"], "action_dim": 8, "action_horizon": 10},
     "aloha": {"images": ["images/cam_high"], "state": ["state"], "action_dim": 14, "action_horizon": 16},

@@ -65,7 +65,7 @@ class Duplex:
         self.transport = transport
 
     @classmethod
-    def create(cls, session: Session, m: Mount, model: str) -> "Duplex":
+    def create(cls, session: Session, m: Mount, model: str) -> Duplex:
         timing: DuplexTiming = m.options.get("duplex_timing", DuplexTiming())
         conv = Conversation(session, m.sessions, m.pipeline, ga=True, model=model, vad=vad_of(m))
         transport = DuplexTransport(conv.emit, m.sessions, timing)

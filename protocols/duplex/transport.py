@@ -6,8 +6,9 @@ ways, binary audio frames, optional real-time pacing, playback acks, the monoton
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 import soxr
@@ -102,7 +103,7 @@ class DuplexTransport:
             "disconnect_grace_s": self.sessions.spec.disconnect_grace_s,
         }
 
-    def session_wire(self, conv: "Conversation") -> dict[str, Any]:
+    def session_wire(self, conv: Conversation) -> dict[str, Any]:
         s = conv.cfg.wire(True, conv.session.id)
         s["audio"]["input"]["format"] = {"type": "audio/pcm", "rate": self.in_rate}
         s["audio"]["output"]["format"] = {"type": "audio/pcm", "rate": self.out_rate}
@@ -111,7 +112,7 @@ class DuplexTransport:
         s["capabilities"] = self.capabilities()
         return s
 
-    def update_session(self, conv: "Conversation", body: Any) -> Config:
+    def update_session(self, conv: Conversation, body: Any) -> Config:
         """The GA shape only (the beta format keys are refused), with the duplex keys."""
         if isinstance(body, Mapping):
             for key in ("input_audio_format", "output_audio_format"):
@@ -133,7 +134,7 @@ class DuplexTransport:
                 self.paced = out.pacing == "realtime"
         return cfg
 
-    async def on_event(self, conv: "Conversation", type: str, ev: dict[str, Any], event_id: str | None) -> bool:
+    async def on_event(self, conv: Conversation, type: str, ev: dict[str, Any], event_id: str | None) -> bool:
         if type == "playback.ack":
             self.output.ack(ev.get("response_id"), ev.get("played_ms"))
         elif type == "heartbeat":
@@ -147,7 +148,7 @@ class DuplexTransport:
         return True
 
     # ---- audio in ------------------------------------------------------------------------
-    async def audio_frame(self, conv: "Conversation", frame: bytes) -> None:
+    async def audio_frame(self, conv: Conversation, frame: bytes) -> None:
         """A binary frame `[0x01][PCM16 LE mono]` at the declared input rate."""
         if len(frame) < 2 or frame[0] != AUDIO_FRAME:
             kind = f"0x{frame[0]:02x}" if frame else "empty"

@@ -9,7 +9,8 @@ maps of arrays, never millions of items), and every malformed frame is a
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgpack
 import numpy as np

@@ -160,7 +160,7 @@ class PolicyConnection:
         finally:
             await stream.close()
 
-    def _ended(self) -> "_Refusal":
+    def _ended(self) -> _Refusal:
         return _Refusal(f"session ended by the server ({self.session.close_reason or 'aborted'})", WS_GOING_AWAY)
 
     async def _watch(self) -> None:
@@ -206,9 +206,9 @@ async def serve(request: web.Request, sessions: SessionManager, pipeline: str, p
         meta = pol.metadata(layout)
         seed = _seed(request.query.get("seed"))
     except (KeyError, ProtocolError) as exc:
-        sock = await accept(request)
-        await _refuse(sock, _Refusal(str(exc.args[0] if isinstance(exc, KeyError) else exc)))
-        return sock.ws
+        refused = await accept(request)
+        await _refuse(refused, _Refusal(str(exc.args[0] if isinstance(exc, KeyError) else exc)))
+        return refused.ws
     try:
         session = await sessions.open("robot", pipeline, params={}, principal=principal_of(request).name)
     except SessionError as exc:

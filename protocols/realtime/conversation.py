@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Literal, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import Field
@@ -34,16 +35,18 @@ log = logging.getLogger("protocols.realtime")
 class Transport(Protocol):
     """What a wire plugs into a conversation."""
 
-    output: AudioOutput
     tag_epochs: bool  # response.* events carry the epoch their response ran under
 
-    def update_session(self, conv: "Conversation", body: Any) -> Config:
+    @property
+    def output(self) -> AudioOutput: ...
+
+    def update_session(self, conv: Conversation, body: Any) -> Config:
         """A session.update body applied to `conv.cfg` (the wire's own keys included)."""
         ...
 
-    def session_wire(self, conv: "Conversation") -> dict[str, Any]: ...
+    def session_wire(self, conv: Conversation) -> dict[str, Any]: ...
 
-    async def on_event(self, conv: "Conversation", type: str, ev: dict[str, Any], event_id: str | None) -> bool:
+    async def on_event(self, conv: Conversation, type: str, ev: dict[str, Any], event_id: str | None) -> bool:
         """The wire's own client events; True when `type` was one of them."""
         ...
 
@@ -56,13 +59,13 @@ class WebSocketTransport:
     def __init__(self, conv_emit: Any) -> None:
         self.output: AudioOutput = EventOutput(conv_emit)
 
-    def update_session(self, conv: "Conversation", body: Any) -> Config:
+    def update_session(self, conv: Conversation, body: Any) -> Config:
         return apply_session_update(conv.cfg, body, conv.pipeline.voices)
 
-    def session_wire(self, conv: "Conversation") -> dict[str, Any]:
+    def session_wire(self, conv: Conversation) -> dict[str, Any]:
         return conv.cfg.wire(conv.ga, conv.session.id)
 
-    async def on_event(self, conv: "Conversation", type: str, ev: dict[str, Any], event_id: str | None) -> bool:
+    async def on_event(self, conv: Conversation, type: str, ev: dict[str, Any], event_id: str | None) -> bool:
         return False
 
 
@@ -148,7 +151,7 @@ class Conversation:
         for it in reversed(self.items.values()):
             if it.embeds is not None:
                 try:
-                    return await it.embeds  # type: ignore[no-any-return]
+                    return await it.embeds
                 except Exception:  # noqa: BLE001 - answer without the audio rather than not at all
                     return None
         return None

@@ -48,7 +48,7 @@ def decode_pcm16(b64: Any, param: str, limit: int = MAX_APPEND_BYTES) -> np.ndar
 
 
 class InputAudio:
-    def __init__(self, conv: "Conversation") -> None:
+    def __init__(self, conv: Conversation) -> None:
         self.conv = conv
         self.stream: RequestStream | None = None  # the utterance being encoded
         self.item_id: str | None = None
@@ -70,7 +70,7 @@ class InputAudio:
         s.send_input(self.stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
         self.ms += len(pcm) * 1000 // RATE
 
-    async def _collect(self, stream: RequestStream, fut: "asyncio.Future[np.ndarray | None]") -> None:
+    async def _collect(self, stream: RequestStream, fut: asyncio.Future[np.ndarray | None]) -> None:
         chunks = []
         try:
             async for _, p, _ in stream.payloads():
@@ -84,7 +84,7 @@ class InputAudio:
                 fut.cancel()
             await asyncio.shield(stream.close())
 
-    def collect(self, stream: RequestStream) -> "asyncio.Future[np.ndarray | None]":
+    def collect(self, stream: RequestStream) -> asyncio.Future[np.ndarray | None]:
         """The embeddings of a closed utterance, once its encoder request finishes."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[np.ndarray | None] = loop.create_future()
@@ -93,7 +93,7 @@ class InputAudio:
         task.add_done_callback(self.collecting.discard)
         return fut
 
-    async def encode(self, pcm: np.ndarray) -> "asyncio.Future[np.ndarray | None]":
+    async def encode(self, pcm: np.ndarray) -> asyncio.Future[np.ndarray | None]:
         """Encode a whole utterance (an input_audio item) and wait for it."""
         s = self.conv.session
         stream = s.submit(outputs={"audio_encoder"}, fenced=False)

@@ -7,8 +7,9 @@ import asyncio
 import base64
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class Item:
     role: str
     content: list[dict[str, Any]]
     status: str = "completed"
-    embeds: "asyncio.Future[np.ndarray | None] | None" = None  # user audio, encoded (the latest utterance only)
+    embeds: asyncio.Future[np.ndarray | None] | None = None  # user audio, encoded (the latest utterance only)
     audio_ms: int = 0  # assistant audio produced
     transcript: str = ""  # assistant text / transcript
 
@@ -78,7 +79,7 @@ class Response:
     item: Item
     audio_out: bool
     stream: RequestStream | None = None
-    task: "asyncio.Task[None] | None" = None
+    task: asyncio.Task[None] | None = None
     cancel_reason: str | None = None
     started: float = field(default_factory=time.monotonic)
     epoch: int = 0

@@ -18,8 +18,9 @@ definition of "heard" is the output's:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from omni_rt.errors import ClientError
 from omni_rt.payloads import Fence

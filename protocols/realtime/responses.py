@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.errors import ClientError, RequestAborted
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class Responses:
-    def __init__(self, conv: "Conversation") -> None:
+    def __init__(self, conv: Conversation) -> None:
         self.conv = conv
         self.active: Response | None = None
 
@@ -101,7 +102,8 @@ class Responses:
         stream, item, ids = resp.stream, resp.item, resp.ids
         fence = conv.session.fence
         output = conv.transport.output
-        status, details = "completed", None
+        status: str = "completed"
+        details: dict[str, Any] | None = None
         conv.emit("response.output_item.added", response_id=resp.id, output_index=0, item=item.wire(conv.ga))
         conv.add_item(item, done=False)
         conv.emit("response.content_part.added", part=self._part(resp, item.content[0]), **ids)

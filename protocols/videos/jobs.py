@@ -10,8 +10,9 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,7 @@ class VideoJob:
     error: dict[str, str] | None = None
     mp4: bytes | None = None
     session: Session | None = None
-    task: "asyncio.Task[None] | None" = None
+    task: asyncio.Task[None] | None = None
 
     def wire(self) -> dict[str, Any]:
         return {

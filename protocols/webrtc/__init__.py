@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from aiohttp import web
 

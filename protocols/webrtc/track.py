@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import fractions
+import logging
 import time
 from collections import deque
-import logging
 from typing import Any
 
 import numpy as np
@@ -175,4 +175,6 @@ class TrackOutput:
         track.cut_at = time.monotonic()
         self.session.emit("output_audio_buffer.cleared", {"response_id": rid})
         item = self.items.get(rid) if rid is not None else None
-        return {item: track.played.get(rid, 0) * 1000 // RTP_RATE} if item is not None else {}
+        if rid is None or item is None:
+            return {}
+        return {item: track.played.get(rid, 0) * 1000 // RTP_RATE}
