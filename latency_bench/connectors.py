@@ -66,8 +66,9 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
-def make_connector(backend: str):
-    """Imports the backend lazily; raises ImportError if it is not available."""
+def make_connector(backend: str, shm_pool_bytes: int | None = None) -> Any:
+    """Imports the backend lazily; raises ImportError if it is not available.
+    `shm_pool_bytes`: the shm connector's recycling pool (0: a fresh segment per put)."""
     if backend == "inproc":
         from omni_rt.connectors.inproc import InprocConnector
 
@@ -75,7 +76,7 @@ def make_connector(backend: str):
     if backend == "shm":
         from omni_rt.connectors.shm import ShmConnector
 
-        return ShmConnector()
+        return ShmConnector() if shm_pool_bytes is None else ShmConnector(pool_bytes=shm_pool_bytes)
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
@@ -160,17 +161,19 @@ def run(
     warmup: int = 2,
     backend: str = "shm",
     log: Callable[[str], None] = print,
+    shm_pool_bytes: int | None = None,
 ) -> dict[str, Any]:
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
-    conns = {backend: make_connector(backend)}
+    conns = {backend: make_connector(backend, shm_pool_bytes)}
     if backend != "inproc":
         conns["inproc"] = make_connector("inproc")
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "created": utc_now(),
         "machine": {**machine_info(), "numpy": np.__version__},
-        "config": {"backend": backend, "sizes": [int(s) for s in sizes], "repeat": repeat, "warmup": warmup},
+        "config": {"backend": backend, "sizes": [int(s) for s in sizes], "repeat": repeat, "warmup": warmup,
+                   "shm_pool_bytes": shm_pool_bytes},
         "backend": backend,
         "sizes": [],
     }
@@ -227,7 +230,7 @@ def main_connectors(args) -> int:
               file=sys.stderr)
         return 2
     print(header(args.backend))
-    result = run(sizes, repeat=args.repeat, warmup=args.warmup, backend=args.backend)
+    result = run(sizes, repeat=args.repeat, warmup=args.warmup, backend=args.backend, shm_pool_bytes=args.shm_pool_bytes)
     write_json(args.json, result)
     bad = [e["label"] for e in result["sizes"]
            if not e["memcpy"]["data_ok"] or not all(b.get("data_ok") for b in e["backends"].values())]
