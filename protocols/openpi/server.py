@@ -4,7 +4,7 @@ Served at `/v1/openpi` and at the server root `/` (the client connects with no p
 a plain `GET /` still gets the index page). Each connection is a session of kind
 `robot` whose episode state lives in the session.
 
-Wire (docs/api/openpi.md):
+Wire (described for users in docs/api/openpi.md):
 - The server speaks first: one binary frame, the policy's metadata (msgpack).
 - Then lockstep: a binary msgpack observation in, a binary msgpack reply out with
   `actions` [horizon, dim] float32, `policy_timing.infer_ms` (the policy stage's own
@@ -19,7 +19,8 @@ Wire (docs/api/openpi.md):
 - Query parameters: `layout` (which embodiment's keys and action dims; the metadata
   lists them) and `seed` (the episode's noise seed).
 - Errors as openpi does them: a text frame with the message, then close 1011, for
-  that connection only. Over the session cap: the text frame, then close 1013. A
+  that connection only. Over the session cap, or when the policy engine is dead: the
+  text frame, then close 1013. A
   session that ends on the server's side (idle lease, operator) sends the reason as
   text and closes 1001.
 """
@@ -35,7 +36,7 @@ import numpy as np
 from aiohttp import web
 
 from omni_rt import metrics
-from omni_rt.errors import WS_GOING_AWAY, WS_INTERNAL_ERROR, WS_NORMAL, ClientError, RequestAborted, StageError
+from omni_rt.errors import WS_GOING_AWAY, WS_INTERNAL_ERROR, WS_NORMAL, WS_TRY_AGAIN_LATER, ClientError, RequestAborted, StageError
 from omni_rt.payloads import Payload, PayloadError, PayloadKind
 from omni_rt.request import RequestStream
 from protocols.auth import principal_of
@@ -232,8 +233,11 @@ async def serve(request: web.Request, sessions: SessionManager, pipeline: str, p
         # the client's own bad input (a bad frame, an observation the policy cannot
         # use) is reported as is; a fault of ours as a generic message
         reason = "bad_input" if isinstance(err, (ClientError, StageError)) else "error"
+        # a dead policy engine is "try again later" (1013); anything else ends the
+        # connection as openpi's server does (1011)
+        code = WS_TRY_AGAIN_LATER if err.ws_close == WS_TRY_AGAIN_LATER else WS_INTERNAL_ERROR
         if sock is not None:
-            await _refuse(sock, _Refusal(err.message if err.expose else "internal error in the policy server"))
+            await _refuse(sock, _Refusal(err.message if err.expose else "internal error in the policy server", code))
     finally:
         await sessions.end(session, reason)
         if sock is not None:

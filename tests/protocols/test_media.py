@@ -268,6 +268,17 @@ async def test_bad_robot_input_is_a_text_error_and_1011_for_that_robot_only(h):
         assert msg.type.name == "TEXT"
 
 
+async def test_a_dead_policy_engine_is_try_again_later_for_the_robot(h):
+    async with await PolicyClient.connect(h.url("/", ws=True)) as robot:
+        h.engine("policy").mark_dead("test: the engine process died")
+        with pytest.raises(OpenPIError) as refused:
+            await robot.infer(droid_observation(0))
+        assert refused.value.code == 1013 and "engine" in str(refused.value)
+    h.engine("policy").dead = None  # the replica is back
+    async with await PolicyClient.connect(h.url("/", ws=True)) as robot:
+        assert (await robot.infer(droid_observation(0)))["actions"].shape == (10, 8)
+
+
 # ---- WebRTC signalling -------------------------------------------------------------------------
 
 
