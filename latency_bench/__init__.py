@@ -25,8 +25,22 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def _load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+# the machine's load when the bench started (before its own work), beside the load
+# when the result is written: a bench run beside other work is not a measurement
+_LOAD_AT_START = _load_avg()
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
+        "load_avg_1_5_15_at_start": _LOAD_AT_START,
+        "load_avg_1_5_15_at_end": _load_avg(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "implementation": sys.implementation.name,
@@ -58,8 +72,15 @@ def write_json(path: str | os.PathLike | None, result: dict[str, Any]) -> None:
 
 
 def finish(path: str | os.PathLike | None, result: dict[str, Any]) -> None:
-    """A bench's closing lines: one line per target in `result["targets"]` (if any),
-    then the JSON written to `path` (if given)."""
+    """A bench's closing lines: the settings and the machine's load, one line per
+    target in `result["targets"]` (if any), then the JSON written to `path` (if given)."""
+    settings = result.get("config") or {
+        k: v for k, v in result.items() if k not in ("schema", "created") and isinstance(v, (str, int, float, bool, list)) and len(str(v)) < 200
+    }
+    print(f"settings: {json.dumps(settings, default=str)}")
+    m = result.get("machine") or machine_info()
+    print(f"machine: {m.get('cpu_count')} CPUs ({m.get('cpu_affinity')} usable), load average (1/5/15 min) "
+          f"{m.get('load_avg_1_5_15_at_start')} at start, {m.get('load_avg_1_5_15_at_end')} at the end")
     for name, t in (result.get("targets") or {}).items():
         verdict = "n/a" if t.get("met") is None else "met" if t["met"] else "NOT met"
         print(f"target {name}: {t.get('value', t.get('value_le', ''))} {t.get('goal', '')} -> {verdict}")

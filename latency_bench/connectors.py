@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now
 from latency_bench.stats import median, ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.connectors/1"
@@ -231,11 +231,9 @@ def main_connectors(args) -> int:
         return 2
     print(header(args.backend))
     result = run(sizes, repeat=args.repeat, warmup=args.warmup, backend=args.backend, shm_pool_bytes=args.shm_pool_bytes)
-    write_json(args.json, result)
     bad = [e["label"] for e in result["sizes"]
            if not e["memcpy"]["data_ok"] or not all(b.get("data_ok") for b in e["backends"].values())]
     if bad:
         print(f"error: data mismatch after put/get for sizes {bad}", file=sys.stderr)
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if bad else 0

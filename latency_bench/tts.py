@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from clients.tts import SpeechError, speak
-from latency_bench import machine_info, utc_now, write_json
+from latency_bench import finish, machine_info, utc_now, write_json
 from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.tts/1"
@@ -528,6 +528,5 @@ def main_tts(args) -> int:
         result = run_url(args.url, levels, opts, args.requests, args.json)
     print()
     print(format_report(result))
-    if args.json:
-        print(f"\nwrote {args.json}")
+    finish(args.json, result)
     return 1 if has_failures(result) else 0

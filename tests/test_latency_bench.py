@@ -452,7 +452,7 @@ def test_connectors_bench_copying_backend_drops_views_before_cleanup(monkeypatch
     import latency_bench.connectors as lc
 
     real = lc.make_connector
-    monkeypatch.setattr(lc, "make_connector", lambda b: _StdlibShmStandIn() if b == "shm" else real(b))
+    monkeypatch.setattr(lc, "make_connector", lambda b, pool=None: _StdlibShmStandIn() if b == "shm" else real(b))
     res = lc.run([1000, 1 << 20], repeat=2, warmup=1, backend="shm", log=lambda *_: None)
     _check_connectors_result(res, "shm", [1000, 1 << 20])
     for e in res["sizes"]:
