@@ -31,7 +31,7 @@ class ChunkingSpec(_Strict):
     Frames are the source's natural unit (a codec frame = 7 codes = 2048 samples for
     SNAC 24 kHz). `left_context_frames` and `lookahead_frames` are decoded again around
     each chunk and trimmed, so a non-causal decoder gives the same samples as a
-    one-shot decode of the whole sequence (invariant 6).
+    one-shot decode of the whole sequence (docs/design.md, invariant 6).
     """
 
     first_chunk_frames: int = Field(default=1, ge=1, le=4096, description="frames in the first chunk (time to first audio)")

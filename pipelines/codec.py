@@ -209,7 +209,7 @@ def _disable_noise(model: torch.nn.Module) -> int:
 
     SNAC's decoder adds ``randn * linear(x)`` after each upsampling (the 24 kHz release
     ships with noise=True). That makes decoding non-deterministic, which would break
-    "chunked output == batch output" (DESIGN invariant 6), so by default we drop it
+    "chunked output == batch output" (docs/design.md, invariant 6), so by default we drop it
     after loading the weights (the noise weights still load; they just go unused).
     """
     from snac.layers import NoiseBlock  # local: snac is only needed by code2wav

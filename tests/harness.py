@@ -56,7 +56,7 @@ def http_client(base_url: str, headers: dict[str, str], timeout: float = 120) ->
 
 
 class CountingConnector(Connector):
-    """Wraps a connector and records which module called put/get (invariant 1)."""
+    """Wraps a connector and records which module called put/get (docs/design.md, invariant 1)."""
 
     def __init__(self, inner: InprocConnector) -> None:
         self.inner = inner
