@@ -1,6 +1,7 @@
 import io
 import struct
 import wave
+from itertools import pairwise
 
 import av  # noqa: E402 - a required dependency: missing means failure, not a skip
 import numpy as np
@@ -40,7 +41,7 @@ def rms(y):
 
 def encode_chunks(fmt, x, bounds, sr=SR):
     enc = StreamingEncoder(fmt, sample_rate=sr)
-    parts = [enc.encode(x[a:b]) for a, b in zip(bounds, bounds[1:], strict=True)]
+    parts = [enc.encode(x[a:b]) for a, b in pairwise(bounds)]
     parts.append(enc.finish())
     return parts
 
@@ -150,7 +151,7 @@ def test_pcm_exact_length_and_signal():
     parts = encode_chunks("pcm", x, BOUNDS)
     data = b"".join(parts)
     assert len(data) == 2 * len(x)
-    assert all(len(p) == 2 * (b - a) for p, a, b in zip(parts, BOUNDS, BOUNDS[1:], strict=True))
+    assert all(len(p) == 2 * (b - a) for p, (a, b) in zip(parts[:-1], pairwise(BOUNDS), strict=True))
     assert parts[-1] == b""
     y = np.frombuffer(data, dtype="<i2")
     assert abs(dominant_freq(y, SR) - 440) < 2
@@ -267,7 +268,7 @@ def test_codec_other_sample_rate(fmt):
 
 def run_tempo(speed, x, bounds):
     tf = TempoFilter(speed, SR)
-    outs = [tf.process(x[a:b]) for a, b in zip(bounds, bounds[1:], strict=True)]
+    outs = [tf.process(x[a:b]) for a, b in pairwise(bounds)]
     outs.append(tf.flush())
     for o in outs:
         assert o.dtype == np.float32 and o.ndim == 1
@@ -313,7 +314,7 @@ def test_tempo_then_encode():
     x = sine(1.0)
     tf = TempoFilter(2.0, SR)
     enc = StreamingEncoder("wav")
-    data = b"".join(enc.encode(tf.process(x[a:b])) for a, b in zip(BOUNDS, BOUNDS[1:], strict=True))
+    data = b"".join(enc.encode(tf.process(x[a:b])) for a, b in pairwise(BOUNDS))
     data += enc.encode(tf.flush()) + enc.finish()
     y = np.frombuffer(data[44:], dtype="<i2")
     assert abs(len(y) - SR / 2) <= 0.05 * SR / 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +140,7 @@ def test_tokens_to_frames_and_assembler() -> None:
     asm = FrameAssembler(layout)
     parts = []
     cuts = [0, 1, 4, 11, 12, 13, 20, 27, len(stream)]
-    for a, b in zip(cuts, cuts[1:], strict=True):
+    for a, b in pairwise(cuts):
         parts.append(asm.push(stream[a:b]))
         assert parts[-1].shape[1:] == (7,)
     np.testing.assert_array_equal(np.concatenate(parts), whole)
