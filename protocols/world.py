@@ -37,14 +37,14 @@ import numpy as np
 from aiohttp import web
 
 from omni_rt import metrics
-from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, RequestAborted
+from omni_rt.errors import RequestAborted
 from omni_rt.payloads import Fence
 from protocols.auth import principal_of
 from protocols.errors import to_omni
 from protocols.events import EventError as WorldError
 from protocols.events import JsonEvents
 from protocols.registry import Mount
-from protocols.ws import accept, numbered_json, reject, serve_events
+from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.world")
@@ -290,7 +290,7 @@ def mount(m: Mount) -> None:
                 log.info("world session %s: %s", session.id, exc)
 
         why = await serve_events(sock, session, numbered_json(), conn.handle, on_exit)
-        await sock.close(WS_INTERNAL_ERROR if why == "server_error" else WS_NORMAL)
+        await close_attachment(sock, session, why)
         return sock.ws
 
     m.websocket("/v1/world", world, "world-model rollouts (action in, frames out)")

@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from omni_rt import metrics
-from omni_rt.errors import WS_NORMAL, OmniError
+from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, WS_POLICY_VIOLATION, OmniError
 from protocols.errors import close_reason, error_event, to_omni
 from sessions import Session, SessionEvent
 
@@ -191,3 +191,15 @@ async def serve_events(
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
     return why
+
+
+async def close_attachment(sock: Socket, session: Session, why: str) -> None:
+    """Close a JSON event socket after `serve_events`: 1011 after a fault of ours,
+    1008 when the session was ended for not reading its events (`slow_consumer`),
+    else 1000 with the session's close reason."""
+    if why == "server_error":
+        await sock.close(WS_INTERNAL_ERROR, "internal error")
+    elif session.close_reason == "slow_consumer":
+        await sock.close(WS_POLICY_VIOLATION, "slow_consumer")
+    else:
+        await sock.close(WS_NORMAL, session.close_reason or "")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, WS_POLICY_VIOLATION
 from protocols.auth import principal_of
 from protocols.realtime.conversation import Conversation, Transport, WebSocketTransport
 from protocols.realtime.items import AUDIO_PLACEHOLDER, GA_NAMES, Item, Response, wire_data
@@ -24,7 +23,7 @@ from protocols.realtime.models import RATE, Config, SessionUpdate, TurnDetection
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.vad import VadFactory, silero_vad
 from protocols.registry import Mount
-from protocols.ws import accept, numbered_json, reject, serve_events
+from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import SessionError
 
 __all__ = [
@@ -81,10 +80,7 @@ def mount(m: Mount) -> None:
             await sessions.end(session, {"client_left": "client_disconnected", "session_ended": "ended"}.get(why, why))
 
         why = await serve_events(sock, session, numbered_json(wire_data), on_message, on_exit)
-        if why == "server_error":
-            await sock.close(WS_INTERNAL_ERROR, "internal error")
-        else:
-            await sock.close(WS_POLICY_VIOLATION if session.close_reason == "slow_consumer" else WS_NORMAL, session.close_reason or "")
+        await close_attachment(sock, session, why)
         return sock.ws
 
     m.websocket("/v1/realtime", realtime, "OpenAI Realtime (GA and beta)")

@@ -32,14 +32,14 @@ from typing import Any
 
 from aiohttp import web
 
-from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, ClientError
+from omni_rt.errors import ClientError
 from protocols.auth import principal_of
 from protocols.http import json_response
 from protocols.registry import Mount
 from protocols.videos.jobs import VideoJobs
 from protocols.videos.live import VideoConnection
 from protocols.world import WorldModel
-from protocols.ws import accept, numbered_json, reject, serve_events
+from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import SessionError
 
 
@@ -112,7 +112,7 @@ def mount(m: Mount) -> None:
             await sessions.end(session, "server_error" if why == "server_error" else "client_disconnected")
 
         why = await serve_events(sock, session, numbered_json(), on_message, on_exit)
-        await sock.close(WS_INTERNAL_ERROR if why == "server_error" else WS_NORMAL)
+        await close_attachment(sock, session, why)
         return sock.ws
 
     m.route("POST", "/v1/videos", create, "video jobs (OpenAI); GET/DELETE /v1/videos/{id}, …/content")

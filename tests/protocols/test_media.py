@@ -279,6 +279,19 @@ async def test_a_dead_policy_engine_is_try_again_later_for_the_robot(h):
         assert (await robot.infer(droid_observation(0)))["actions"].shape == (10, 8)
 
 
+@pytest.mark.parametrize("path", ["/v1/realtime", "/v1/world", "/v1/realtime/video"])
+async def test_a_session_ended_as_a_slow_consumer_closes_1008_on_every_json_socket(h, path):
+    sock = await connect(h, path)
+    first = await sock.ws.receive_json()
+    assert first["type"] == "session.created"
+    (session,) = h.sessions.sessions()
+    await h.sessions.end(session, "slow_consumer")
+    while not sock.ws.closed:
+        if (await sock.ws.receive()).type.name in ("CLOSE", "CLOSED", "CLOSING"):
+            break
+    assert sock.ws.close_code == 1008
+
+
 # ---- WebRTC signalling -------------------------------------------------------------------------
 
 
