@@ -55,6 +55,11 @@ class Engine(abc.ABC):
             self.dead = reason
         return EngineDead(f"engine {self.name} is not available ({self.dead}); retry later")
 
+    def require_alive(self) -> None:
+        """Refuse new work on a dead engine (EngineDead: 503, retry later)."""
+        if self.dead is not None:
+            raise self.mark_dead(self.dead)
+
     def health(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": self.alive, "load": self.load()}
         if self.dead is not None:

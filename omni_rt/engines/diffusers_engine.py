@@ -164,8 +164,7 @@ class DiffusersEngine(Engine):
         {step, latents}` every `preview_every` steps, then `image {image: uint8 HWC,
         latents: the final packed latents}`.
         Leaving the iteration early cancels the job at the next step boundary."""
-        if self.dead is not None:
-            raise self.mark_dead(self.dead)
+        self.require_alive()
         if self._new is None or self._task is None or self._task.done():
             raise EngineError(f"engine {self.name} is not running")
         m = self.size_multiple

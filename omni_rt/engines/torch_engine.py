@@ -127,8 +127,7 @@ class TorchEngine(Engine):
         arrival order. Cancelling the awaiting task drops the item if it has not
         started yet.
         """
-        if self.dead is not None:
-            raise self.mark_dead(self.dead)
+        self.require_alive()
         if self._queue is None or self._loop_task is None or self._loop_task.done():
             raise EngineError(f"engine {self.name} is not running")
         if not isinstance(x, (np.ndarray, dict)):

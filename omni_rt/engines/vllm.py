@@ -401,8 +401,7 @@ class VllmEngine(Engine):
         consumer stops iterating (break, aclose, GeneratorExit, task cancel) the
         request is aborted inside vLLM before this generator finishes closing.
         """
-        if self.dead is not None:
-            raise self.mark_dead(self.dead)
+        self.require_alive()
         llm = self.llm
         if request_id in self._inflight:
             raise EngineRequestError(f"{self.name}: request {request_id!r} already running")

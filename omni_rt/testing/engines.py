@@ -45,8 +45,7 @@ class FakeArEngine(Engine):
         prompt_embeds: Any = None,
         sampling: dict[str, Any],
     ) -> AsyncIterator[list[int]]:
-        if self.dead is not None:
-            raise self.mark_dead(self.dead)
+        self.require_alive()
         if (prompt_token_ids is None) == (prompt_embeds is None):
             raise EngineRequestError(f"{self.name}: pass exactly one of prompt_token_ids / prompt_embeds")
         if request_id in self.running:
@@ -99,8 +98,7 @@ class FakeStepEngine(Engine):
         return 0  # every item starts at once: nothing waits
 
     async def run(self, x: Any, priority: int = 1, op: str | None = None) -> Any:
-        if self.dead is not None:
-            raise self.mark_dead(self.dead)
+        self.require_alive()
         self._running += 1
         try:
             await asyncio.sleep(self.step_s)
@@ -127,8 +125,7 @@ class FakeDiffusionEngine(Engine):
         return self.active
 
     async def generate(self, job: Any) -> AsyncIterator[dict[str, Any]]:
-        if self.dead is not None:
-            raise self.mark_dead(self.dead)
+        self.require_alive()
         m = self.size_multiple
         if job.height % m or job.width % m or job.height < m or job.width < m:
             raise EngineRequestError(f"height and width must be positive multiples of {m}, got {job.width}x{job.height}")
