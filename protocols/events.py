@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from omni_rt.errors import ClientError
+from omni_rt.errors import ClientError, OmniError
+from protocols.errors import error_event
 
 
 class EventError(ClientError):
@@ -24,17 +25,17 @@ class JsonEvents:
     def emit(self, type: str, **data: Any) -> None:
         raise NotImplementedError
 
-    def error(self, message: str, code: str = "invalid_value", param: str | None = None, event_id: Any = None) -> None:
-        self.emit("error", error={"type": "invalid_request_error", "code": code, "message": message, "param": param, "event_id": event_id})
+    def error(self, err: OmniError, event_id: Any = None) -> None:
+        self.emit("error", error=error_event(err, event_id)["error"])
 
     def read_event(self, raw: str | bytes) -> dict[str, Any] | None:
         """The event, or None once the client has been told why it is not one."""
         try:
             ev = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            self.error(f"The event is not valid JSON: {exc}", "invalid_json")
+            self.error(EventError(f"The event is not valid JSON: {exc}", "invalid_json"))
             return None
         if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
-            self.error("An event is a JSON object with a string 'type'.", "invalid_event", "type")
+            self.error(EventError("An event is a JSON object with a string 'type'.", "invalid_event", "type"))
             return None
         return ev

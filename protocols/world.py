@@ -129,7 +129,7 @@ class WorldConnection(JsonEvents):
             else:
                 raise WorldError(f"Unknown event type {kind!r}; known: session.update, world.step, world.cancel, world.reset, session.close.", "invalid_event", "type")
         except WorldError as exc:
-            self.error(exc.message, exc.code, exc.param, eid)
+            self.error(exc, eid)
         except SessionError as exc:  # the session is ending (operator, lease): it says so itself
             log.info("world session %s: %s", self.session.id, exc)
         return True

@@ -68,7 +68,7 @@ class VideoConnection(JsonEvents):
                 raise WorldError(f"Unknown event type {kind!r}; known: session.update, generation.start, prompt_update, generation.cancel.",
                                  "invalid_event", "type")
         except WorldError as exc:
-            self.error(exc.message, exc.code, exc.param, ev.get("event_id"))
+            self.error(exc, ev.get("event_id"))
         except SessionError as exc:  # the session is ending; it says so itself
             log.info("video session %s: %s", self.session.id, exc)
 
