@@ -43,14 +43,14 @@ from typing import Any
 
 from aiohttp import web
 
-from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, WS_POLICY_VIOLATION, ClientError, OmniError
+from omni_rt.errors import WS_INTERNAL_ERROR, WS_POLICY_VIOLATION, ClientError, OmniError
 from protocols.auth import principal_of
 from protocols.duplex.transport import DuplexTiming, DuplexTransport
 from protocols.duplex.writer import write
 from protocols.errors import error_event, to_omni
 from protocols.realtime import Conversation, vad_of
 from protocols.registry import Mount
-from protocols.ws import DISCONNECTED, Socket, accept, reject
+from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, reject
 from sessions import Session, SessionError, SessionGone, SessionState
 
 log = logging.getLogger("protocols.duplex")
@@ -218,12 +218,8 @@ def mount(m: Mount) -> None:
                 raise
             await sock.close(WS_INTERNAL_ERROR, "internal error")
             return sock.ws
-        assert sock is not None
-        if session is not None and session.state == SessionState.CLOSED:
-            reason = session.close_reason or ""
-            await sock.close(WS_POLICY_VIOLATION if reason == "slow_consumer" else WS_NORMAL, reason)
-        else:
-            await sock.close()
+        assert sock is not None and session is not None
+        await close_attachment(sock, session, "ended")  # a detached session has no close reason: 1000
         return sock.ws
 
     m.websocket("/v1/duplex", duplex, "full-duplex voice with resume")
