@@ -27,14 +27,13 @@ open. Each connection is a `video` session.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
 
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
-from protocols.http import json_response
+from protocols.http import json_response, read_json
 from protocols.registry import Mount
 from protocols.videos.jobs import VideoJobs
 from protocols.videos.live import VideoConnection
@@ -57,10 +56,7 @@ def mount(m: Mount) -> None:
                 raise ClientError(f"File fields are not supported ({', '.join(files)}).", param=files[0])
             raw = dict(form.items())
         else:
-            try:
-                raw = json.loads(await request.read() or b"null")
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise ClientError(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+            raw = await read_json(request)
             if not isinstance(raw, dict):
                 raise ClientError("The request body must be a JSON object.", code="invalid_json")
         job = await jobs.create(raw, principal_of(request).name)

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from omni_rt.errors import ClientError, NotFound
 from protocols.auth import principal_of
-from protocols.http import json_response
+from protocols.http import json_response, read_json
 from protocols.pages import demo_page
 from protocols.realtime import Conversation, apply_session_update, vad_of
 from protocols.registry import Mount
@@ -174,10 +174,7 @@ def mount(m: Mount) -> None:
         return web.Response(text=answer, status=201, content_type="application/sdp", headers={"Location": location})
 
     async def offer(request: web.Request) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ClientError("The body must be JSON: {sdp, type: 'offer'}.", code="invalid_json") from None
+        body = await read_json(request)
         if not isinstance(body, Mapping) or body.get("type", "offer") != "offer":
             raise ClientError("Expected {sdp, type: 'offer'}.")
         call, answer = await start_call(request, check_offer(body.get("sdp")), body.get("session"))
