@@ -160,12 +160,6 @@ class RequestAborted(OmniError):
         self.reason = reason
 
 
-def as_omni_error(exc: BaseException) -> OmniError:
-    """`exc` itself when it is one of ours, else a generic internal error (the caller
-    logs the original with its traceback)."""
-    return exc if isinstance(exc, OmniError) else InternalError(f"{type(exc).__name__}: {exc}")
-
-
 __all__ = [
     "ClientError",
     "ConnectorError",
@@ -183,5 +177,4 @@ __all__ = [
     "WS_NORMAL",
     "WS_POLICY_VIOLATION",
     "WS_TRY_AGAIN_LATER",
-    "as_omni_error",
 ]
