@@ -87,6 +87,19 @@ class ClientError(OmniError):
     type = CLIENT
 
 
+class ContextLengthExceeded(ClientError):
+    """The prompt does not fit the model's context (OpenAI's code and param)."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {limit} tokens. However, your messages resulted in {tokens} tokens. "
+            "Please reduce the length of the messages.",
+            param="messages",
+        )
+
+
 class NotFound(ClientError):
     code = "not_found"
     http_status = 404
@@ -163,6 +176,7 @@ class RequestAborted(OmniError):
 __all__ = [
     "ClientError",
     "ConnectorError",
+    "ContextLengthExceeded",
     "EngineDead",
     "EngineError",
     "EngineRequestError",

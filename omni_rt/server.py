@@ -19,7 +19,7 @@ from omni_rt.runtime import Runtime
 from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileSpec, SessionsSpec, SpecError, apply_overlay
 from protocols import models as models_api
 from protocols import pages, sessions_api
-from protocols.auth import KeyRing, auth_middleware
+from protocols.auth import CLIENT_SECRETS, ClientSecrets, KeyRing, auth_middleware
 from protocols.http import error_middleware, json_response
 from protocols.registry import Mount, Routes, mount
 from sessions import SessionManager
@@ -184,7 +184,9 @@ def create_app(
             await runtime.stop()
             metrics.STAGES.runtimes.discard(runtime)
 
-    app = web.Application(middlewares=[error_middleware, auth_middleware(keys)], client_max_size=MAX_BODY_BYTES)
+    client_secrets = ClientSecrets()
+    app = web.Application(middlewares=[error_middleware, auth_middleware(keys, client_secrets)], client_max_size=MAX_BODY_BYTES)
+    app[CLIENT_SECRETS] = client_secrets
     app[RUNTIME] = runtime
     app[SESSIONS] = sessions
     app.cleanup_ctx.append(lifespan)

@@ -6,13 +6,21 @@ count; `principal_of(request)` reads it. With no keys configured every caller is
 admin principal `anonymous`. Without a valid key every route except the open ones
 (`/health`, `/healthz`, and a plain GET of the pages `/` and `/demo`) answers 401 in
 the OpenAI error shape; a WebSocket handshake gets that 401 before any upgrade.
+
+Client secrets (`POST /v1/realtime/client_secrets`, OpenAI's browser flow) are
+short-lived keys `ek_…` that stand for the principal that asked for them, for one
+Realtime call (`/v1/realtime`, `/v1/realtime/calls`, `/offer`) until they expire; the
+call starts with the session configuration the secret was made with.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable, Iterable
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -25,7 +33,6 @@ OPEN_PATHS = frozenset({"/health", "/healthz"})
 OPEN_PAGES = frozenset({"/", "/demo"})
 
 
-
 @dataclass(frozen=True)
 class Principal:
     name: str
@@ -33,6 +40,60 @@ class Principal:
 
 
 PRINCIPAL = web.RequestKey("principal", Principal)
+
+
+@dataclass
+class ClientSecret:
+    principal: Principal
+    expires_at: float  # unix time
+    session: Mapping[str, Any] | None  # the session.update body the call starts with
+    model: str | None = None
+    used: bool = False
+
+
+class ClientSecrets:
+    """The live client secrets (kept as digests, like API keys)."""
+
+    PREFIX = "ek_"
+    SCOPE = frozenset({"/v1/realtime", "/v1/realtime/calls", "/offer"})
+    MAX_LIVE = 10_000
+
+    def __init__(self, now: Callable[[], float] = time.time) -> None:
+        self.now = now
+        self._live: dict[bytes, ClientSecret] = {}
+
+    def issue(self, principal: Principal, ttl_s: float, session: Mapping[str, Any] | None, model: str | None = None) -> tuple[str, int]:
+        """A new secret for `principal`: (its value, when it expires, unix seconds)."""
+        now = self.now()
+        self._live = {d: s for d, s in self._live.items() if s.expires_at > now and not s.used}
+        if len(self._live) >= self.MAX_LIVE:
+            raise ClientError("Too many client secrets are live; use or let some expire first.", code="rate_limit_exceeded", http_status=429)
+        value = self.PREFIX + secrets.token_urlsafe(24)
+        expires_at = int(now + ttl_s)
+        self._live[_digest(value)] = ClientSecret(principal, expires_at, session, model)
+        return value, expires_at
+
+    def redeem(self, value: str, path: str) -> ClientSecret:
+        """The secret `value` spent on one call to `path` (a ClientError when it cannot be)."""
+        secret = self._live.get(_digest(value))
+        if secret is None or secret.used:
+            raise _unauthorized("This client secret is unknown or was used already; ask for a new one.")
+        if secret.expires_at <= self.now():
+            del self._live[_digest(value)]
+            raise _unauthorized("This client secret has expired; ask for a new one.")
+        if path not in self.SCOPE:
+            raise _unauthorized("A client secret is only good for one Realtime call (/v1/realtime or /v1/realtime/calls).")
+        secret.used = True
+        return secret
+
+
+CLIENT_SECRET = web.RequestKey("client_secret", ClientSecret)
+CLIENT_SECRETS = web.AppKey("client_secrets", ClientSecrets)
+
+
+def client_secret_of(request: web.Request) -> ClientSecret | None:
+    """The client secret this request was authorised with, if any."""
+    return request.get(CLIENT_SECRET)
 
 
 def principal_of(request: web.Request) -> Principal:
@@ -71,25 +132,43 @@ class KeyRing:
         return self._keys.get(_digest(key.strip()))
 
 
-_UNAUTHORIZED = ClientError(
-    "Incorrect or missing API key. Send 'Authorization: Bearer <key>' or 'Authorization: Api-Key <key>'.",
-    code="invalid_api_key",
-    http_status=401,
-    headers={"www-authenticate": "Bearer"},
-)
+def _unauthorized(message: str) -> ClientError:
+    return ClientError(message, code="invalid_api_key", http_status=401, headers={"www-authenticate": "Bearer"})
+
+
+_UNAUTHORIZED = _unauthorized("Incorrect or missing API key. Send 'Authorization: Bearer <key>' or 'Authorization: Api-Key <key>'.")
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
 
 
 def _is_upgrade(request: web.Request) -> bool:
     return request.headers.get("upgrade", "").lower() == "websocket"
 
 
-def auth_middleware(keys: KeyRing, open_paths: frozenset[str] = OPEN_PATHS) -> Callable[..., Awaitable[web.StreamResponse]]:
+def auth_middleware(
+    keys: KeyRing, client_secrets: ClientSecrets | None = None, open_paths: frozenset[str] = OPEN_PATHS
+) -> Callable[..., Awaitable[web.StreamResponse]]:
     """Every request (WebSocket handshakes included: they are answered with a plain
     HTTP 401 before any upgrade) gets its principal or a 401 in the OpenAI shape."""
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        principal = keys.principal_for(request.headers.get("authorization"))
+        authorization = request.headers.get("authorization")
+        bearer = _bearer(authorization)
+        if client_secrets is not None and bearer is not None and bearer.startswith(ClientSecrets.PREFIX):
+            try:
+                secret = client_secrets.redeem(bearer, request.path)
+            except ClientError as err:
+                if keys.enabled:
+                    return error_response(err)
+            else:
+                request[PRINCIPAL] = secret.principal
+                request[CLIENT_SECRET] = secret
+                return await handler(request)
+        principal = keys.principal_for(authorization)
         page = request.method in ("GET", "HEAD") and request.path in OPEN_PAGES and not _is_upgrade(request)
         if principal is None and request.path not in open_paths and not page:
             return error_response(_UNAUTHORIZED)

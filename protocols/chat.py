@@ -28,6 +28,7 @@ from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
 from protocols.auth import principal_of
+from protocols.errors import error_body
 from protocols.http import Streamed, json_response, read_json, send_streamed, validate_body
 from protocols.registry import Mount
 from sessions import SessionManager
@@ -194,8 +195,18 @@ class ChatService:
                     "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}], "usage": usage}
             return body, {"x-session-id": session.id}
         include_usage = bool((req.stream_options or {}).get("include_usage"))
+        # The first output comes before the response starts: a request the model refuses
+        # (a prompt longer than its context) is still a plain HTTP error.
+        outputs = stream.payloads().__aiter__()
+        try:
+            first = await outputs.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await self.sessions.end(session, "failed")
+            raise
         return Streamed(
-            self._sse(session, stream, cid, created, req.model, voice is not None, include_usage, t0),
+            self._sse(session, stream, _prepend(first, outputs), cid, created, req.model, voice is not None, include_usage, t0),
             "text/event-stream",
             lambda: self.sessions.end(session, "client_disconnected"),
             headers={"x-session-id": session.id},
@@ -208,7 +219,9 @@ class ChatService:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"audio_tokens": int(u.get("input_audio_tokens", 0)), "cached_tokens": 0}}
 
-    async def _sse(self, session: Any, stream: Any, cid: str, created: int, model: str, audio: bool, include_usage: bool, t0: float) -> AsyncIterator[bytes]:
+    async def _sse(
+        self, session: Any, stream: Any, outputs: AsyncIterator[Any], cid: str, created: int, model: str, audio: bool, include_usage: bool, t0: float
+    ) -> AsyncIterator[bytes]:
         def chunk(delta: dict[str, Any], finish: str | None = None, usage: Any = None) -> bytes:
             body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
                                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
@@ -229,7 +242,7 @@ class ChatService:
         first_text = first_audio = True
         try:
             yield chunk({"role": "assistant", "content": "" if not audio else None})
-            async for stage, p, _ in stream.payloads():
+            async for stage, p, _ in outputs:
                 session.touch()
                 if stage == "thinker":
                     if first_text:
@@ -250,10 +263,21 @@ class ChatService:
             metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
         except OmniError as exc:
             outcome = "failed"
-            err = {"message": f"generation stopped: {exc.public_message()}", "type": "server_error", "param": None, "code": "generation_failed"}
+            if isinstance(exc, ClientError):
+                err = error_body(exc)["error"]
+            else:
+                err = {"message": f"generation stopped: {exc.public_message()}", "type": "server_error", "param": None, "code": "generation_failed"}
             yield f"data: {json.dumps({'error': err})}\n\n".encode()
         finally:
             await asyncio.shield(self.sessions.end(session, outcome))
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is None:
+        return
+    yield first
+    async for x in rest:
+        yield x
 
 
 def mount(m: Mount) -> None:

@@ -18,7 +18,7 @@ import abc
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from omni_rt.errors import EngineDead, EngineError, EngineRequestError
+from omni_rt.errors import ContextLengthExceeded, EngineDead, EngineError, EngineRequestError
 
 __all__ = ["ArEngine", "DiffusionEngine", "Engine", "EngineDead", "EngineError", "EngineRequestError", "StepEngine"]
 
@@ -30,6 +30,8 @@ class Engine(abc.ABC):
     # Why the engine is gone (None while it is usable). Set by `mark_dead`; a dead
     # engine's replica takes no new work and `/health` reports it.
     dead: str | None = None
+    # The longest prompt + output the engine takes (AR engines; None: no limit).
+    max_model_len: int | None = None
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Load weights / spawn processes. Called once before use."""
@@ -59,6 +61,12 @@ class Engine(abc.ABC):
         """Refuse new work on a dead engine (EngineDead: 503, retry later)."""
         if self.dead is not None:
             raise self.mark_dead(self.dead)
+
+    def check_prompt_length(self, tokens: int) -> None:
+        """Refuse a prompt that leaves no room for one output token: the caller's
+        error (400 context_length_exceeded), not the engine's."""
+        if self.max_model_len is not None and tokens >= self.max_model_len:
+            raise ContextLengthExceeded(tokens, self.max_model_len)
 
     def health(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": self.alive, "load": self.load()}

@@ -260,6 +260,7 @@ class VllmEngine(Engine):
         self._llm = llm
         self.isolated_cores = _keep_frontend_off_worker_cores()
         self._hidden_size = llm.model_config.get_hidden_size()
+        self.max_model_len = int(llm.model_config.max_model_len)
         self._vocab_size = llm.model_config.get_vocab_size()
         self.start_seconds = time.perf_counter() - t0
         log.info("%s: vLLM engine up in %.1f s (%s)", self.name, self.start_seconds, self.model)
@@ -366,6 +367,7 @@ class VllmEngine(Engine):
             bad = [t for t in ids if t < 0 or t >= vocab]
             if bad:
                 raise EngineRequestError(f"{self.name}: prompt token ids out of vocabulary (size {vocab}): {bad[:8]}")
+            self.check_prompt_length(len(ids))
             return dict(tokens_input(ids))
 
         import torch
@@ -382,6 +384,7 @@ class VllmEngine(Engine):
             )
         if not emb.is_floating_point():
             raise EngineRequestError(f"{self.name}: prompt_embeds must be floating point, got {emb.dtype}")
+        self.check_prompt_length(int(emb.shape[0]))
         # Tensors cross to the engine process by msgpack: must be dense, on CPU. Cast
         # to the model dtype here so the worker does not copy it again.
         emb = emb.detach().to(device="cpu", dtype=llm.model_config.dtype).contiguous()

@@ -21,8 +21,11 @@ class FakeArEngine(Engine):
     aborts it). Tokens come from a seeded generator (the seed, else the prompt), drawn
     from `allowed_token_ranges` / `allowed_token_ids` minus the stop tokens."""
 
-    def __init__(self, name: str = "fake", vocab_size: int = 1000, step_ms: float = 0.0, tokens_per_step: int = 1) -> None:
+    def __init__(
+        self, name: str = "fake", vocab_size: int = 1000, step_ms: float = 0.0, tokens_per_step: int = 1, max_model_len: int | None = None
+    ) -> None:
         self.name = name
+        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.step = step_ms / 1000.0
         self.tokens_per_step = tokens_per_step
@@ -50,6 +53,7 @@ class FakeArEngine(Engine):
             raise EngineRequestError(f"{self.name}: pass exactly one of prompt_token_ids / prompt_embeds")
         if request_id in self.running:
             raise EngineRequestError(f"{self.name}: request {request_id!r} already running")
+        self.check_prompt_length(len(prompt_token_ids) if prompt_token_ids is not None else len(prompt_embeds))
         self.prompts[request_id] = {"prompt_token_ids": prompt_token_ids, "prompt_embeds": prompt_embeds, "sampling": dict(sampling)}
         seed = sampling.get("seed")
         prompt = list(prompt_token_ids or [])

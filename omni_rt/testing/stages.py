@@ -90,13 +90,12 @@ class FakeThinker(StageProcessor):
             for p in await ctx.input().read_all():
                 if p.kind == PayloadKind.HIDDEN:
                     rows += len(p.arrays["embeds"])
-        messages = list(ctx.params.get("messages") or [])
-        if not messages:
-            raise StageError("thinker: no messages to respond to")
+        messages = list(ctx.params.get("messages") or [])  # empty: answered too, like the real thinker
         self.seen.append({"request_id": ctx.request_id, "messages": messages, "audio_rows": rows, "params": dict(ctx.params)})
         words = sum(len(str(m.get("content", "")).split()) for m in messages)
         ctx.add_usage(input_tokens=words + rows, **({"input_audio_tokens": rows} if rows else {}))
-        prompt = [len(str(m.get("content", ""))) % 1000 for m in messages]
+        # one token per word (and the generation prompt's), so context limits count like a tokenizer's
+        prompt = [len(w) % 1000 for m in messages for w in str(m.get("content", "")).split()] + [0]
         sampling: dict[str, Any] = {"max_tokens": int(ctx.params.get("max_output_tokens") or self.max_tokens)}
         if ctx.params.get("seed") is not None:
             sampling["seed"] = int(ctx.params["seed"])

@@ -14,12 +14,19 @@ WebRTC calls plug their own transports into the same conversation.
 
 from __future__ import annotations
 
-from aiohttp import web
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from protocols.auth import principal_of
+from aiohttp import web
+from pydantic import Field
+
+from omni_rt.errors import ClientError
+from omni_rt.specs import PipelineSpec
+from protocols.auth import CLIENT_SECRETS, ClientSecret, client_secret_of, principal_of
+from protocols.http import json_response, read_json, validate_body
 from protocols.realtime.conversation import Conversation, Transport, WebSocketTransport
-from protocols.realtime.items import AUDIO_PLACEHOLDER, GA_NAMES, Item, Response, wire_data
-from protocols.realtime.models import RATE, Config, SessionUpdate, TurnDetection, apply_session_update
+from protocols.realtime.items import AUDIO_PLACEHOLDER, GA_NAMES, Item, Response, new_id, wire_data
+from protocols.realtime.models import RATE, Config, SessionUpdate, TurnDetection, WireModel, apply_session_update
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.vad import VadFactory, silero_vad
 from protocols.registry import Mount
@@ -42,6 +49,7 @@ __all__ = [
     "WebSocketTransport",
     "apply_session_update",
     "mount",
+    "start_config",
     "vad_of",
     "wire_data",
 ]
@@ -53,17 +61,58 @@ def vad_of(m: Mount) -> VadFactory:
     return vad
 
 
+class ExpiresAfter(WireModel):
+    anchor: Literal["created_at"] = "created_at"
+    seconds: int = Field(default=600, ge=10, le=7200)
+
+
+class ClientSecretRequest(WireModel):
+    expires_after: ExpiresAfter = Field(default_factory=ExpiresAfter)
+    session: dict[str, Any] | None = None
+
+
+def session_model(pipeline: PipelineSpec, raw: Mapping[str, Any]) -> str | None:
+    """A client secret's `session.model` (one this pipeline serves), if given."""
+    model = raw.get("model")
+    if model is None:
+        return None
+    if model not in pipeline.models:
+        raise ClientError(f"The model {model!r} does not exist; available: {', '.join(pipeline.models)}.", code="model_not_found", param="session.model")
+    return str(model)
+
+
+def start_config(pipeline: PipelineSpec, model: str | None, secret: ClientSecret | None) -> Config:
+    """What a call starts with: the client secret's session configuration, if it was
+    authorised with one (its model unless the URL names one)."""
+    cfg = Config(model=model or (secret.model if secret is not None else None) or pipeline.models[0])
+    if secret is not None and secret.session:
+        cfg = apply_session_update(cfg, secret.session, pipeline.voices)
+    return cfg
+
+
 def mount(m: Mount) -> None:
     sessions, pipeline, vad = m.sessions, m.pipeline, vad_of(m)
 
+    async def client_secrets(request: web.Request) -> web.StreamResponse:
+        """OpenAI's first step of the browser flow: a short-lived key for one call."""
+        body = validate_body(ClientSecretRequest, await read_json(request))
+        session = dict(body.session or {})
+        if session.get("type", "realtime") != "realtime":
+            raise ClientError("Only realtime sessions are served ('session.type': 'realtime').", param="session.type")
+        model = session_model(pipeline, session)
+        cfg = apply_session_update(Config(model=model or pipeline.models[0]), session, pipeline.voices)  # validated now, not at the call
+        value, expires_at = request.app[CLIENT_SECRETS].issue(principal_of(request), body.expires_after.seconds, session, model)
+        return json_response({"value": value, "expires_at": expires_at, "session": cfg.wire(True, new_id("sess"))})
+
     async def realtime(request: web.Request) -> web.StreamResponse:
-        model = request.query.get("model") or pipeline.models[0]
         ga = "realtime=v1" not in (request.headers.get("openai-beta") or "")
         try:
+            cfg = start_config(pipeline, request.query.get("model"), client_secret_of(request))
             session = await sessions.open("realtime", pipeline.name, principal=principal_of(request).name)
-        except SessionError as exc:
+        except (SessionError, ClientError) as exc:
             return await reject(request, exc)
-        conv = Conversation(session, sessions, pipeline, ga=ga, model=model, vad=vad)
+        conv = Conversation(session, sessions, pipeline, ga=ga, model=cfg.model, vad=vad)
+        conv.cfg = cfg
         try:
             sock = await accept(request)
         except BaseException:
@@ -84,3 +133,4 @@ def mount(m: Mount) -> None:
         return sock.ws
 
     m.websocket("/v1/realtime", realtime, "OpenAI Realtime (GA and beta)")
+    m.route("POST", "/v1/realtime/client_secrets", client_secrets, "a short-lived key for one Realtime call (browsers)")

@@ -230,6 +230,8 @@ class Conversation:
             self.item_delete(ev)
         elif t == "conversation.item.truncate":
             self.item_truncate(ev)
+        elif t == "conversation.item.retrieve":
+            self.item_retrieve(ev)
         elif t == "response.create":
             await self.responses.create(ev.get("response"))
         elif t == "response.cancel":
@@ -270,6 +272,15 @@ class Conversation:
             raise ClientError("The item of the active response cannot be deleted; cancel it first.", param="item_id")
         del self.items[item_id]
         self.emit("conversation.item.deleted", item_id=item_id)
+
+    def item_retrieve(self, ev: Mapping[str, Any]) -> None:
+        """The server's copy of an item (what history keeps: a truncated answer's
+        transcript is what the user heard)."""
+        item_id = ev.get("item_id")
+        item = self.items.get(item_id) if isinstance(item_id, str) else None
+        if item is None:
+            raise ClientError(f"Item with item_id '{item_id}' not found.", code="item_retrieve_invalid_item_id", param="item_id")
+        self.emit("conversation.item.retrieved", item=item.wire(self.ga))
 
     def item_truncate(self, ev: Mapping[str, Any]) -> None:
         item_id = ev.get("item_id")

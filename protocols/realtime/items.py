@@ -83,6 +83,7 @@ class Response:
     cancel_reason: str | None = None
     started: float = field(default_factory=time.monotonic)
     epoch: int = 0
+    metadata: dict[str, str] | None = None  # response.create's, echoed on response.created / .done
 
     @property
     def ids(self) -> dict[str, Any]:

@@ -28,18 +28,35 @@ RATE = 24000
 # ---- what a session runs with --------------------------------------------------------------
 
 
+# semantic_vad's eagerness -> the silence that ends a turn (this server's end-of-turn
+# detector is voice activity: a more eager setting ends the turn after less silence)
+EAGERNESS_SILENCE_MS = {"high": 300, "medium": 700, "auto": 700, "low": 1500}
+
+
 @dataclass(frozen=True)
 class TurnDetection:
-    """OpenAI's server_vad settings."""
+    """OpenAI's turn detection: server_vad settings, or semantic_vad's eagerness mapped
+    onto them (EAGERNESS_SILENCE_MS)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    type: str = "server_vad"
+    eagerness: str = "auto"  # semantic_vad only
 
     def wire(self) -> dict[str, Any]:
-        return {"type": "server_vad", **self.__dict__}
+        common = {"create_response": self.create_response, "interrupt_response": self.interrupt_response}
+        if self.type == "semantic_vad":
+            return {"type": "semantic_vad", "eagerness": self.eagerness, **common}
+        return {
+            "type": "server_vad",
+            "threshold": self.threshold,
+            "prefix_padding_ms": self.prefix_padding_ms,
+            "silence_duration_ms": self.silence_duration_ms,
+            **common,
+        }
 
 
 @dataclass(frozen=True)
@@ -138,7 +155,28 @@ def _number(v: Any) -> float:
     return float(v)
 
 
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _metadata(v: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: at most 16 string pairs (keys up to 64 characters, values up
+    to 512)."""
+    if v is None:
+        return None
+    if not isinstance(v, Mapping):
+        raise PydanticCustomError("invalid_type", "Must be an object of string pairs.")
+    if len(v) > METADATA_PAIRS:
+        raise _invalid(f"At most {METADATA_PAIRS} pairs; got {len(v)}.")
+    for k, val in v.items():
+        if not isinstance(val, str):
+            raise PydanticCustomError("invalid_type", f"The value of {k!r} must be a string.")
+        if len(k) > METADATA_KEY_CHARS or len(val) > METADATA_VALUE_CHARS:
+            raise _invalid(f"Keys are at most {METADATA_KEY_CHARS} characters and values at most {METADATA_VALUE_CHARS}.")
+    return dict(v)
+
+
 PcmFormat = Annotated[Any, AfterValidator(_pcm24)]
+Metadata = Annotated[Any, BeforeValidator(_metadata)]
 AudioOut = Annotated[Any, BeforeValidator(_modalities)]  # modalities -> "audio is among them"
 Temperature = Annotated[Any, BeforeValidator(_temperature)]
 MaxTokens = Annotated[Any, BeforeValidator(_max_tokens)]
@@ -151,14 +189,23 @@ class WireModel(BaseModel):
 
 
 class TurnDetectionIn(WireModel):
-    type: Literal["server_vad"] = "server_vad"
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
     threshold: Number = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    eagerness: Literal["low", "medium", "high", "auto"] = "auto"  # semantic_vad
 
     def settings(self) -> TurnDetection:
+        if self.type == "semantic_vad":
+            return TurnDetection(
+                silence_duration_ms=EAGERNESS_SILENCE_MS[self.eagerness],
+                create_response=self.create_response,
+                interrupt_response=self.interrupt_response,
+                type="semantic_vad",
+                eagerness=self.eagerness,
+            )
         if not 0.0 < self.threshold < 1.0:
             raise _FieldError("threshold", "Must be between 0 and 1.")
         if not 0 <= self.prefix_padding_ms <= 5000:
@@ -212,6 +259,7 @@ class ResponseOverrides(WireModel):
     max_output_tokens: MaxTokens | None = None
     max_response_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
+    metadata: Metadata | None = None
 
 
 class _FieldError(Exception):
@@ -247,7 +295,13 @@ def turn_detection(raw: dict[str, Any] | None, current: TurnDetection | None, pa
     """A partial turn_detection object over the current settings (None: manual mode)."""
     if raw is None:
         return None
-    merged = {**(current.__dict__ if current is not None else {}), **raw}
+    if not isinstance(raw, Mapping):
+        raise ClientError(f"'{param}' must be an object or null.", code="invalid_type", param=param)
+    kept: dict[str, Any] = {}
+    if current is not None and raw.get("type", current.type) == current.type:
+        # a partial update of the same kind keeps the other settings; a change of kind starts from its defaults
+        kept = current.wire()
+    merged = {**kept, **raw}
     td = parse(TurnDetectionIn, merged, param)
     try:
         return td.settings()

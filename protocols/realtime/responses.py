@@ -50,7 +50,7 @@ class Responses:
                 max_tokens = getattr(o, key)
         part0: dict[str, Any] = {"type": "output_audio", "transcript": ""} if audio_out else {"type": "output_text", "text": ""}
         item = Item(new_id("item"), "assistant", [part0], status="in_progress")
-        resp = Response(new_id("resp"), item, audio_out, epoch=conv.session.epoch)
+        resp = Response(new_id("resp"), item, audio_out, epoch=conv.session.epoch, metadata=o.metadata)
         embeds = await conv.latest_embeds()
         params = {
             "messages": conv.messages(o.instructions if o.instructions is not None else cfg.instructions),
@@ -84,16 +84,18 @@ class Responses:
             "output": [resp.item.wire(ga)] if status != "in_progress" else [],
             "usage": usage,
             "conversation_id": self.conv.session.id,
-            "metadata": None,
+            "metadata": resp.metadata,
         }
         key = "output_modalities" if ga else "modalities"
         out[key] = (["audio"] if ga else ["text", "audio"]) if resp.audio_out else ["text"]
         return out
 
     def _part(self, resp: Response, part: Mapping[str, Any]) -> dict[str, Any]:
+        """A content part as `response.content_part.added/.done` carry it: type `audio`
+        or `text` in both dialects (the GA items say `output_audio`/`output_text`, but
+        these two events keep the short names: the SDKs' own types allow only those)."""
         out = dict(part)
-        if not self.conv.ga:
-            out["type"] = "audio" if resp.audio_out else "text"
+        out["type"] = "audio" if resp.audio_out else "text"
         return out
 
     async def _run(self, resp: Response) -> None:
@@ -132,7 +134,11 @@ class Responses:
             else:
                 err = to_omni(exc, f"response {resp.id}")
                 status = "failed"
-                details = {"type": "failed", "error": {"type": "server_error", "code": "generation_failed", "message": err.public_message()}}
+                if isinstance(err, ClientError):  # the request's own fault (e.g. context_length_exceeded)
+                    error = {"type": err.type, "code": err.code, "message": err.message}
+                else:
+                    error = {"type": "server_error", "code": "generation_failed", "message": err.public_message()}
+                details = {"type": "failed", "error": error}
         finally:
             await asyncio.shield(stream.close())
         if status == "completed" and resp.cancel_reason is not None:

@@ -34,10 +34,10 @@ from typing import Any
 from aiohttp import web
 
 from omni_rt.errors import ClientError, NotFound
-from protocols.auth import principal_of
+from protocols.auth import client_secret_of, principal_of
 from protocols.http import json_response, read_json
 from protocols.pages import demo_page
-from protocols.realtime import Conversation, apply_session_update, vad_of
+from protocols.realtime import Conversation, apply_session_update, start_config, vad_of
 from protocols.registry import Mount
 from protocols.webrtc.call import Call, WebRTCTransport
 from protocols.webrtc.track import TrackOutput
@@ -90,9 +90,12 @@ def mount(m: Mount) -> None:
     async def start_call(request: web.Request, sdp: str, session_body: Any) -> tuple[Call, str]:
         from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
-        model = request.query.get("model") or pipeline.models[0]
+        cfg = start_config(pipeline, request.query.get("model"), client_secret_of(request))
+        if session_body is not None:  # the call starts with this configuration (no session.updated)
+            cfg = apply_session_update(cfg, session_body, pipeline.voices)  # a bad field: 400 naming it
         session = await sessions.open("webrtc", pipeline.name, principal=principal_of(request).name)
-        conv = Conversation(session, sessions, pipeline, ga=True, model=model, vad=vad)
+        conv = Conversation(session, sessions, pipeline, ga=True, model=cfg.model, vad=vad)
+        conv.cfg = cfg
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers]))
         output = TrackOutput(session, sessions)
         conv.transport = WebRTCTransport(output)
@@ -100,11 +103,6 @@ def mount(m: Mount) -> None:
         session.data["call"] = call
         session.add_finalizer(call.close)
         try:
-            if session_body is not None:
-                try:  # the call starts with this configuration (no session.updated)
-                    conv.cfg = apply_session_update(conv.cfg, session_body, pipeline.voices)
-                except ClientError as err:
-                    raise OfferError(f"session: {err.message}") from None
             pc.addTrack(output.track.track)
 
             @pc.on("track")
@@ -141,7 +139,10 @@ def mount(m: Mount) -> None:
                 raise OfferError(f"The SDP offer could not be used: {exc}") from None
             if not any(t.kind == "audio" for t in (tr.receiver.track for tr in pc.getTransceivers()) if t is not None):
                 raise OfferError("The offer has no audio track to receive.")
-            await pc.setLocalDescription(await pc.createAnswer())
+            try:
+                await pc.setLocalDescription(await pc.createAnswer())
+            except Exception as exc:  # noqa: BLE001 - an offer aiortc parsed but cannot answer (e.g. BUNDLE without a mid)
+                raise OfferError(f"The SDP offer could not be answered: {exc}") from None
             conv.emit("session.created", session=conv.cfg.wire(True, session.id))
             return call, pc.localDescription.sdp
         except BaseException:
