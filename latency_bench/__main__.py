@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image,world,video-edit} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image,world,video-edit,fuzz} ...``."""
 
 from __future__ import annotations
 
@@ -183,12 +183,33 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8800, help="port of the server the bench starts (default 8800)")
     v.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     v.add_argument("--json", help="write results here (JSON)")
+    z = sub.add_parser(
+        "fuzz",
+        help="seeded mutation fuzzer over every mounted wire: 0 5xx, 0 closes instead of error events, 0 leaked sessions",
+        description="Mutated messages (wrong types, huge ints, NaN, lone surrogates, deep nesting, invalid JSON/UTF-8, "
+        "byte flips, ...) per protocol against a running server (--url) or the in-process harness (no --url).",
+    )
+    z.add_argument("--url", help="http://host:port of a running server (default: the in-process harness over fake engines)")
+    z.add_argument("--per-protocol", "-n", type=int, default=1000, help="mutated messages per protocol (default 1000)")
+    z.add_argument("--seed", type=int, default=0, help="the fuzzer's RNG seed (default 0)")
+    z.add_argument("--protocols", help="comma-separated subset (speech,chat,images,videos,webrtc,realtime,realtime-beta,"
+                   "duplex,world,video-live,openpi; default: every one the server mounts)")
+    z.add_argument("--api-key", help="an admin key (needed to list every session for the leak check when the server has keys)")
+    z.add_argument("--timeout", type=float, default=10.0, help="per-message answer timeout, seconds (default 10)")
+    z.add_argument("--sequential", action="store_true", help="one protocol after another (default: all at once)")
+    z.add_argument("--robot-hz", type=float, default=0.0,
+                   help="a control robot (OpenPI) at this rate; its p99 during the run vs before it (default 0: off)")
+    z.add_argument("--robot-before", type=float, default=5.0, help="seconds of robot calls before the fuzzing starts (default 5)")
+    z.add_argument("--leak-wait", type=float, default=40.0,
+                   help="--url: seconds to wait for sessions to end after the run (the disconnect grace; default 40)")
+    z.add_argument("--json", help="write results here (JSON)")
     return ap
 
 
 # subcommand -> module latency_bench.<module>, whose main_<module>(args) runs it
 COMMANDS = {"tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
-            "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions"}
+            "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
+            "fuzz": "fuzz"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileS
 from protocols import models as models_api
 from protocols import pages, sessions_api
 from protocols.auth import CLIENT_SECRETS, ClientSecrets, KeyRing, auth_middleware
-from protocols.http import error_middleware, json_response
+from protocols.http import LIMITS, Limits, error_middleware, json_response
 from protocols.registry import Mount, Routes, mount
 from sessions import SessionManager
 
@@ -28,10 +28,6 @@ log = logging.getLogger("omni_rt.server")
 
 DEFAULT_MODELS_DIR = "~/.cache/omni-rt/models"
 TINY_PREFIX = "tiny:"
-# Largest HTTP request body (a chat request with input audio, a WebRTC offer, a
-# video job); bigger ones get 413 in the OpenAI error shape.
-MAX_BODY_BYTES = 64 * 1024 * 1024
-
 RUNTIME = web.AppKey("runtime", Runtime)
 SESSIONS = web.AppKey("sessions", SessionManager)
 
@@ -110,6 +106,13 @@ def share_stage_overrides(overlay: DeployOverlay, specs: Mapping[str, PipelineSp
     return overlay.model_copy(update={"pipelines": pipelines})
 
 
+def runner_options(overlay: DeployOverlay) -> dict[str, Any]:
+    """aiohttp server settings: a connection that has not sent a whole request within
+    `header_timeout_s` (of opening, or of its last reply) is closed; handlers are never
+    cancelled when their client goes away (each hears the disconnect itself)."""
+    return {"keepalive_timeout": overlay.server.header_timeout_s, "handler_cancellation": False}
+
+
 def key_ring(overlay: DeployOverlay, source: str) -> KeyRing:
     entries = [(k.key, k.principal, k.admin) for k in overlay.server.api_keys]
     if overlay.server.api_key:
@@ -185,7 +188,11 @@ def create_app(
             metrics.STAGES.runtimes.discard(runtime)
 
     client_secrets = ClientSecrets()
-    app = web.Application(middlewares=[error_middleware, auth_middleware(keys, client_secrets)], client_max_size=MAX_BODY_BYTES)
+    srv = overlay.server
+    # bodies are read with their route's limit (protocols.http.read_json); aiohttp's own
+    # limit (multipart forms) is the largest of them
+    app = web.Application(middlewares=[error_middleware, auth_middleware(keys, client_secrets)], client_max_size=srv.max_upload_bytes)
+    app[LIMITS] = Limits(srv.max_body_bytes, srv.max_upload_bytes, srv.send_timeout_s)
     app[CLIENT_SECRETS] = client_secrets
     app[RUNTIME] = runtime
     app[SESSIONS] = sessions

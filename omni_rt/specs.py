@@ -227,6 +227,18 @@ class ServerSpec(_Strict):
         None, description="addresses WebRTC calls offer as host candidates (default: 127.0.0.1 when host is loopback, else every non-loopback address)"
     )
     webrtc_ice_servers: list[str] = Field(default=[], description="STUN/TURN URLs for WebRTC calls, e.g. stun:stun.example.org:3478")
+    max_body_bytes: int = Field(default=
+        4 << 20, ge=1024, description="largest HTTP request body (JSON, SDP); a bigger one is refused with 413 before it is read"
+    )
+    max_upload_bytes: int = Field(default=
+        64 << 20, ge=1024, description="largest body of a request that carries media (chat completions with input audio)"
+    )
+    header_timeout_s: float = Field(default=
+        15.0, gt=0, description="a connection that has not sent a whole request (its headers) this long after it opened or after its last reply is closed"
+    )
+    send_timeout_s: float = Field(default=
+        30.0, gt=0, description="a streamed reply (speech audio, SSE) the client stops reading for this long is ended and its session freed"
+    )
 
 
 SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "video")

@@ -354,8 +354,9 @@ class ThinkerProcessor(StageProcessor):
                 if p.kind == PayloadKind.HIDDEN:
                     audio_chunks.append(p.arrays["embeds"])
         audio = np.concatenate(audio_chunks) if audio_chunks else None
-        # an empty conversation is answered too (the chat template's generation prompt alone)
-        messages = list(ctx.params.get("messages") or [])
+        # An empty conversation is answered too (OpenAI greets): chat templates refuse an
+        # empty list, so the prompt is one empty user turn.
+        messages = list(ctx.params.get("messages") or []) or [{"role": "user", "content": ""}]
         if audio is not None and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
         # Text only: token ids, the engine's fast path (no embedding rows to ship to the

@@ -284,7 +284,7 @@ def mount(m: Mount) -> None:
     chat = ChatService(m.sessions, m.pipeline)
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
-        reply = await chat.complete(await read_json(request), principal_of(request).name)
+        reply = await chat.complete(await read_json(request, upload=True), principal_of(request).name)
         if isinstance(reply, Streamed):
             return await send_streamed(request, reply)
         body, headers = reply

@@ -4,11 +4,11 @@ socket): client events are JSON objects with a string `type`; errors go back as
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from omni_rt.errors import ClientError, OmniError
 from protocols.errors import error_event
+from protocols.wire_json import load_json
 
 
 class EventError(ClientError):
@@ -31,9 +31,9 @@ class JsonEvents:
     def read_event(self, raw: str | bytes) -> dict[str, Any] | None:
         """The event, or None once the client has been told why it is not one."""
         try:
-            ev = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self.error(EventError(f"The event is not valid JSON: {exc}", "invalid_json"))
+            ev = load_json(raw)
+        except ClientError as err:
+            self.error(err)
             return None
         if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
             self.error(EventError("An event is a JSON object with a string 'type'.", "invalid_event", "type"))

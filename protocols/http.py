@@ -5,9 +5,13 @@
   for a body over `client_max_size`) in the same shape, and anything unexpected with a
   logged traceback and a generic 500.
 - Bodies: `read_json` (the body as JSON, or a clear 400) and `validate_body` (a pydantic
-  model; the first bad field becomes the error's `param`).
+  model; the first bad field becomes the error's `param`). Bodies have a size limit
+  (`Limits`: a few MB, more for requests that carry media): a body over it is refused
+  with 413 by its `Content-Length` before it is read, or as soon as a chunked body
+  passes it. Large bodies are parsed off the event loop.
 - Replies: `json_response`, and `Streamed` + `send_streamed` for bodies that stream as
-  the pipeline produces them (speech audio, SSE).
+  the pipeline produces them (speech audio, SSE); a client that stops reading one for
+  `Limits.send_timeout_s` is cut off, which frees what the reply held.
 """
 
 from __future__ import annotations
@@ -24,11 +28,55 @@ from pydantic import BaseModel, ValidationError
 
 from omni_rt.errors import ClientError, NotFound, OmniError
 from protocols.errors import error_body, to_omni
+from protocols.wire_json import load_json
 from protocols.ws import DISCONNECTED
 
 log = logging.getLogger("protocols.http")
 
 M = TypeVar("M", bound=BaseModel)
+
+# bodies larger than this are parsed in a worker thread (the loop keeps serving)
+PARSE_OFF_LOOP_BYTES = 256 << 10
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The HTTP limits of a server (deploy `server.max_body_bytes`, …)."""
+
+    max_body_bytes: int = 4 << 20
+    max_upload_bytes: int = 64 << 20
+    send_timeout_s: float = 30.0
+
+
+LIMITS = web.AppKey("http_limits", Limits)
+
+
+def limits_of(request: web.Request) -> Limits:
+    return request.app.get(LIMITS) or Limits()
+
+
+def _too_large(limit: int) -> ClientError:
+    return ClientError(f"The request body is larger than this server takes ({limit} bytes).", code="request_too_large", http_status=413)
+
+
+def check_length(request: web.Request, limit: int) -> None:
+    """Refuse a body whose declared length is over `limit` before reading any of it."""
+    n = request.content_length
+    if n is not None and n > limit:
+        raise _too_large(limit)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body, read up to `limit` bytes (413 past it, by Content-Length or as it streams)."""
+    check_length(request, limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _dumps(obj: Any) -> str:
@@ -73,15 +121,16 @@ async def error_middleware(request: web.Request, handler: Callable[[web.Request]
         return error_response(to_omni(exc, f"{request.method} {request.path}"))
 
 
-async def read_json(request: web.Request) -> Any:
-    """The body as JSON (a 413 past the server's body limit)."""
-    body = await request.read()
+async def read_json(request: web.Request, upload: bool = False) -> Any:
+    """The body as JSON (413 past the body limit: `upload`, the larger one for
+    requests that carry media)."""
+    lim = limits_of(request)
+    body = await read_body(request, lim.max_upload_bytes if upload else lim.max_body_bytes)
     if not body:
         raise ClientError("The request body is empty; expected a JSON object.", code="invalid_json")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: also numbers too long to convert
-        raise ClientError(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if len(body) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(load_json, body, "The request body")
+    return load_json(body, "The request body")
 
 
 # error types a validator may raise itself (PydanticCustomError): they are the wire code
@@ -133,10 +182,18 @@ class Streamed:
 async def send_streamed(request: web.Request, reply: Streamed) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=reply.headers)
     resp.content_type = reply.content_type
+    timeout = limits_of(request).send_timeout_s
     try:
         await resp.prepare(request)
         async for chunk in reply.body:
-            await resp.write(chunk)
+            try:
+                await asyncio.wait_for(resp.write(chunk), timeout)
+            except TimeoutError:
+                # the client stopped reading: as good as gone (its session is freed below)
+                log.info("%s %s: the client read nothing for %.0f s; the reply is cut off", request.method, request.path, timeout)
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
         await resp.write_eof()
     except DISCONNECTED:
         pass  # the client left; `close` frees what the request held

@@ -166,7 +166,7 @@ class WorldConnection(JsonEvents):
                 raise WorldError("'session.seed' must be an integer in 0..2^31-1.", param="session.seed")
             st["seed"] = v
         if "image_format" in body:
-            if body["image_format"] not in FORMATS:
+            if not isinstance(body["image_format"], str) or body["image_format"] not in FORMATS:
                 raise WorldError(f"'session.image_format' must be one of {', '.join(FORMATS)}.", param="session.image_format")
             st["image_format"] = body["image_format"]
         if (st["width"], st["height"]) != (self.state["width"], self.state["height"]):
@@ -279,7 +279,9 @@ def mount(m: Mount) -> None:
                 return  # taken over by a resume elsewhere: the new attachment owns it
             try:
                 await conn.cancel("client_disconnected")
-                if why == "client_closed":
+                if why == "client_closed" or (why == "client_left" and sock.closed_normally):
+                    # session.close, or a normal close frame: the slot is free at once
+                    # (only a dropped connection leaves the session resumable)
                     conn.emit("session.closed")
                     await sessions.end(session, "closed")
                 elif why == "server_error":

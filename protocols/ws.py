@@ -47,6 +47,13 @@ class Socket:
     def __init__(self, ws: web.WebSocketResponse, request: web.Request) -> None:
         self.ws = ws
         self.request = request
+        self.client_close_code: int | None = None  # the code of the client's close frame, if it sent one
+
+    @property
+    def closed_normally(self) -> bool:
+        """The client ended the connection on purpose (a close frame with 1000), as
+        opposed to dropping it (no close frame, 1001 going away, an error code)."""
+        return self.client_close_code == WS_NORMAL
 
     @property
     def closed(self) -> bool:
@@ -65,14 +72,19 @@ class Socket:
         """The next text or binary message; None when the client left or one of
         `others` (e.g. the event writer) finished first."""
         if not others:
-            return _data(await self.ws.receive())
+            return self._data(await self.ws.receive())
         receive = asyncio.ensure_future(self.ws.receive())
         done, _ = await asyncio.wait({receive, *others}, return_when=asyncio.FIRST_COMPLETED)
         if receive not in done:
             receive.cancel()
             await asyncio.gather(receive, return_exceptions=True)
             return None
-        return _data(receive.result())
+        return self._data(receive.result())
+
+    def _data(self, msg: Any) -> str | bytes | None:
+        if msg.type is WSMsgType.CLOSE:
+            self.client_close_code = self.ws.close_code
+        return _data(msg)
 
     async def close(self, code: int = WS_NORMAL, reason: str = "") -> None:
         """Close with `code` unless the socket is already closed (the client left)."""

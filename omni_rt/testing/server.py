@@ -131,13 +131,16 @@ class Harness:
 
 
 class _Server(TestServer):
-    """aiohttp's test server cancels a handler when its client goes away; the server
-    `omni-rt serve` runs does not (a socket handler hears the disconnect instead).
-    The harness serves as production does."""
+    """The server as `omni-rt serve` runs it (`omni_rt.server.runner_options`): aiohttp's
+    test server would cancel a handler when its client goes away; production does not
+    (a socket handler hears the disconnect instead)."""
+
+    def __init__(self, app: Any, options: Mapping[str, Any]) -> None:
+        super().__init__(app)
+        self.options = dict(options)
 
     async def _make_runner(self, **kwargs: Any) -> Any:
-        kwargs["handler_cancellation"] = False
-        return await super()._make_runner(**kwargs)
+        return await super()._make_runner(**{**kwargs, **self.options})
 
 
 @contextlib.asynccontextmanager
@@ -153,7 +156,7 @@ async def serve(
     (e.g. `vad`, `duplex_timing`). The reaper does not run on its own: tests expire
     sessions with `Harness.expire`."""
     import pipelines as builtin
-    from omni_rt.server import create_app
+    from omni_rt.server import create_app, runner_options
 
     wanted = set(pipelines)
     data: dict[str, Any] = {"pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()}, "sessions": {"reaper_interval_s": 60}}
@@ -166,14 +169,15 @@ async def serve(
         else:
             data[key] = value
     clock = FakeClock()
+    parsed = parse_overlay(data, "test harness")
     app = create_app(
-        parse_overlay(data, "test harness"),
+        parsed,
         "test harness",
         runtime_factory=functools.partial(FakeRuntime, speeds=speeds),
         clock=clock,
         options={"vad": energy_vad, **options},
     )
-    client = TestClient(_Server(app))
+    client = TestClient(_Server(app, runner_options(parsed)))
     await client.start_server()
     try:
         yield Harness(app, client, clock)

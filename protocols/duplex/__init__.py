@@ -37,7 +37,6 @@ events, the same conversation, with this wire's transport plugged in:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any
 
@@ -50,6 +49,7 @@ from protocols.duplex.writer import write
 from protocols.errors import error_event, to_omni
 from protocols.realtime import Conversation, vad_of
 from protocols.registry import Mount
+from protocols.wire_json import load_json
 from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, reject
 from sessions import Session, SessionError, SessionGone, SessionState
 
@@ -128,9 +128,9 @@ def mount(m: Mount) -> None:
                 if first:
                     first = False
                     try:
-                        ev = json.loads(data)
-                    except (json.JSONDecodeError, UnicodeDecodeError):
-                        ev = None
+                        ev = load_json(data)
+                    except ClientError:
+                        ev = None  # the conversation reads it again and says why it is not an event
                     if isinstance(ev, dict) and ev.get("type") == "session.resume":
                         try:
                             switch = await resume(ev.get("session_id"), ev.get("resume_token"), principal)

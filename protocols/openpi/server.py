@@ -51,6 +51,7 @@ log = logging.getLogger("protocols.openpi")
 # Observations bigger than this are refused with a clear error (the transport itself
 # takes frames up to its limit and closes bigger ones with 1009).
 MAX_OBSERVATION_BYTES = 64 * 1024 * 1024
+DECODE_OFF_LOOP_BYTES = 1 << 20  # frames over 1 MiB are decoded off the event loop
 
 
 @runtime_checkable
@@ -107,14 +108,18 @@ class PolicyConnection:
         finished after the reply went out, off the robot's critical path."""
         if len(data) > MAX_OBSERVATION_BYTES:
             raise ProtocolError(f"observation frame of {len(data)} bytes exceeds the {MAX_OBSERVATION_BYTES}-byte limit")
-        obj = unpackb(data)
+        if len(data) > DECODE_OFF_LOOP_BYTES:
+            # a large frame is decoded in a worker thread: other robots' replies do not wait on it
+            obj = await asyncio.to_thread(unpackb, data)
+        else:
+            obj = unpackb(data)
         if not isinstance(obj, dict):
             raise ProtocolError(f"an observation is a msgpack map, got {type(obj).__name__}")
         if "endpoint" in obj:
             if obj["endpoint"] != "reset":
                 raise ProtocolError(f"unknown endpoint {obj['endpoint']!r}; this server knows 'reset'")
             return packb(self.reset(_seed(obj.get("seed")))), None
-        arrays, texts = flatten(obj)
+        arrays, texts = await asyncio.to_thread(flatten, obj) if len(data) > DECODE_OFF_LOOP_BYTES else flatten(obj)
         reply, stream = await self.infer(arrays, texts)
         return packb(reply), stream
 

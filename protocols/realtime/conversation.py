@@ -10,7 +10,6 @@ own client events and session keys; it never subclasses the conversation.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol
@@ -27,6 +26,7 @@ from protocols.realtime.models import Config, WireModel, apply_session_update, p
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.responses import Responses
 from protocols.realtime.vad import VadFactory, silero_vad
+from protocols.wire_json import load_json
 from sessions import Session, SessionManager
 
 log = logging.getLogger("protocols.realtime")
@@ -191,10 +191,7 @@ class Conversation:
     async def handle(self, raw: str | bytes) -> None:
         event_id = None
         try:
-            try:
-                ev = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ClientError("The event is not valid JSON.", code="invalid_json") from None
+            ev = load_json(raw)
             if not isinstance(ev, dict):
                 raise ClientError("An event must be a JSON object.", code="invalid_json")
             event_id = ev.get("event_id") if isinstance(ev.get("event_id"), str) else None

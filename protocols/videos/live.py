@@ -91,7 +91,7 @@ class VideoConnection(JsonEvents):
                 if not isinstance(v, str) or len(v) > 4000:
                     raise WorldError("'session.prompt' must be a string of at most 4000 characters.", param="session.prompt")
             elif k == "image_format":
-                if v not in FORMATS:
+                if not isinstance(v, str) or v not in FORMATS:
                     raise WorldError(f"'session.image_format' must be one of {', '.join(FORMATS)}.", param="session.image_format")
             else:
                 lo, hi = limits[k]

@@ -25,7 +25,6 @@ when the peer connection fails or closes, or when the session expires.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Mapping
@@ -35,12 +34,13 @@ from aiohttp import web
 
 from omni_rt.errors import ClientError, NotFound
 from protocols.auth import client_secret_of, principal_of
-from protocols.http import json_response, read_json
+from protocols.http import check_length, json_response, limits_of, read_body, read_json
 from protocols.pages import demo_page
 from protocols.realtime import Conversation, apply_session_update, start_config, vad_of
 from protocols.registry import Mount
 from protocols.webrtc.call import Call, WebRTCTransport
 from protocols.webrtc.track import TrackOutput
+from protocols.wire_json import load_json
 from sessions import Session, SessionError
 
 log = logging.getLogger("protocols.webrtc")
@@ -152,19 +152,18 @@ def mount(m: Mount) -> None:
     async def create_call(request: web.Request) -> web.StreamResponse:
         ctype = request.content_type.lower()
         session_body = None
+        check_length(request, limits_of(request).max_body_bytes)  # before anything is read
         if ctype == "multipart/form-data":
             form = await request.post()
             sdp = _form_text(form.get("sdp"))
             raw_session = form.get("session")
             if raw_session is not None:
-                try:
-                    session_body = json.loads(_form_text(raw_session) or "")
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise ClientError("'session' must be JSON (a session.update body).") from None
+                session_body = load_json(_form_text(raw_session) or "", "'session' (a session.update body)")
         elif ctype in ("application/sdp", "text/plain", "application/octet-stream", ""):
-            body = await request.read()
-            if len(body) > MAX_SDP_BYTES:
-                raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.")
+            try:
+                body = await read_body(request, MAX_SDP_BYTES)
+            except ClientError:
+                raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.", http_status=413) from None
             sdp = body.decode("utf-8", "replace")
         else:
             raise ClientError(

@@ -64,5 +64,14 @@ class Events:
         return [e["type"] for e in self.seen]
 
 
+def drop(ws: Any) -> None:
+    """End the connection the way a lost network does: no close frame (an aiohttp or a
+    `websockets` client socket)."""
+    conn = getattr(ws, "_conn", None)  # aiohttp keeps the connection only here
+    transport = conn.transport if conn is not None else ws.transport
+    assert transport is not None
+    transport.abort()
+
+
 async def connect(h: Any, path: str, headers: dict[str, str] | None = None) -> Events:
     return Events(await h.client.ws_connect(path, headers=headers or {}))

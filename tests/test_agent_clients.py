@@ -1,0 +1,377 @@
+"""The voice-agent frameworks people build on, driven against the real server as their
+docs show: openai-agents (RealtimeAgent / RealtimeRunner), pipecat (OpenAITTSService,
+OpenAIRealtimeLLMService), LiveKit's OpenAI plugin (TTS, realtime.RealtimeModel, without
+a room) and litellm (speech, chat completions).
+
+Each client runs with its own defaults (model names aside, which name what this server
+serves): default voices, turn detection and audio formats. The tiny voice model says
+random words, so the tests check the protocol (events and audio arrive, the reply
+resolves, the client raises or logs no error), never the content."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+from typing import Any
+
+import pytest
+
+from tests.harness import ALICE_KEY
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+REALTIME_MODEL = "gpt-realtime"
+TTS_MODEL = "gpt-4o-mini-tts"
+CHAT_MODEL = "gpt-4o-audio-preview"
+TURN_TIMEOUT_S = 60.0
+TEXT = "Hello from an agent framework."
+
+
+def ws_url(server) -> str:
+    return f"ws://127.0.0.1:{server.port}/v1/realtime"
+
+
+def server_log_tail(server, n: int = 4000) -> str:
+    try:
+        return server.log_file.read_text()[-n:]
+    except Exception:  # pragma: no cover - diagnostics only
+        return ""
+
+
+def client_errors(caplog: pytest.LogCaptureFixture, *loggers: str) -> list[str]:
+    """ERROR records of the client under test (its loggers; not asyncio's reports of
+    clients other tests left to the garbage collector)."""
+    return [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith(loggers)]
+
+
+# ----------------------------------------------------------------------------- openai-agents
+
+
+def _agents():
+    return importlib.import_module("agents.realtime")  # installed by `make install` (a missing one fails, not skips)
+
+
+async def _agent_turn(session, *, interrupt: bool = False, linger_s: float = 0.0) -> dict[str, Any]:
+    """Session events until the agent's turn ends (agent_end), then `linger_s` more
+    seconds (replies to what the SDK sent after the turn, e.g. conversation.item.retrieve)."""
+    seen: dict[str, Any] = {"events": [], "server": [], "errors": [], "audio": 0, "interrupted": False}
+
+    async def loop() -> None:
+        async for ev in session:
+            seen["events"].append(ev.type)
+            if ev.type == "raw_model_event":
+                data = ev.data
+                if data.type == "raw_server_event":
+                    seen["server"].append(data.data.get("type"))
+                    if data.data.get("type") == "error":
+                        seen["errors"].append(("server error event", data.data.get("error")))
+                elif data.type in ("error", "exception"):
+                    seen["errors"].append((data.type, getattr(data, "error", None) or getattr(data, "exception", None)))
+            elif ev.type == "error":
+                seen["errors"].append(("RealtimeError", ev.error))
+            elif ev.type == "audio":
+                seen["audio"] += len(ev.audio.data)
+                if interrupt and not seen["interrupted"]:
+                    seen["interrupted"] = True
+                    await session.interrupt()
+            elif ev.type == "agent_end":
+                return
+
+    await asyncio.wait_for(loop(), TURN_TIMEOUT_S)
+    if linger_s:
+        try:
+            await asyncio.wait_for(loop(), linger_s)
+        except asyncio.TimeoutError:
+            pass
+    return seen
+
+
+async def _agent_session(server):
+    rt = _agents()
+    agent = rt.RealtimeAgent(name="Assistant", instructions="You are a helpful voice assistant. Answer briefly.")
+    runner = rt.RealtimeRunner(agent)
+    # the documented way to point the OpenAI transport elsewhere: model_config url/api_key
+    return await runner.run(model_config={"url": f"{ws_url(server)}?model={REALTIME_MODEL}", "api_key": ALICE_KEY})
+
+
+async def test_openai_agents_text_message_turn(server, caplog):
+    caplog.set_level(logging.WARNING)
+    session = await _agent_session(server)
+    async with session:
+        await session.send_message("Hello! What can you do?")
+        seen = await _agent_turn(session)
+    assert not seen["errors"], (seen["errors"], seen["server"], server_log_tail(server))
+    assert "agent_start" in seen["events"] and "audio" in seen["events"] and "audio_end" in seen["events"], seen["events"]
+    assert seen["audio"] > 0 and seen["audio"] % 2 == 0
+    assert "response.done" in seen["server"]
+    assert not client_errors(caplog, "openai.agents"), client_errors(caplog, "openai.agents")
+
+
+async def test_openai_agents_interrupt_truncates_and_retrieves(server, caplog):
+    caplog.set_level(logging.WARNING)
+    session = await _agent_session(server)
+    async with session:
+        await session.send_message("Tell me a long story about the sea.")
+        # interrupt() once audio plays: conversation.item.truncate, then (on
+        # conversation.item.truncated) conversation.item.retrieve
+        seen = await _agent_turn(session, interrupt=True, linger_s=3.0)
+    assert seen["interrupted"], seen["events"]
+    assert not seen["errors"], (seen["errors"], seen["server"], server_log_tail(server))
+    assert "audio_interrupted" in seen["events"], seen["events"]
+    assert "conversation.item.truncated" in seen["server"], seen["server"]
+    assert "conversation.item.retrieved" in seen["server"], seen["server"]
+    assert not client_errors(caplog, "openai.agents"), client_errors(caplog, "openai.agents")
+
+
+# ----------------------------------------------------------------------------- pipecat
+
+
+def _pipecat():
+    return importlib.import_module("pipecat")  # installed by `make install` (a missing one fails, not skips)
+
+
+class _LoguruErrors:
+    """pipecat logs through loguru: its ERROR records during the test."""
+
+    def __init__(self) -> None:
+        from loguru import logger
+
+        self.records: list[str] = []
+        self._logger = logger
+        self._id = logger.add(lambda m: self.records.append(str(m).strip()), level="ERROR")
+
+    def close(self) -> None:
+        self._logger.remove(self._id)
+
+
+async def _run_pipeline(processor, frames: list, until: type, timeout: float = TURN_TIMEOUT_S) -> tuple[list, list]:
+    """pipecat.tests.utils.run_test's pipeline (source -> processor -> sink), ended once a
+    frame of type `until` comes downstream (or an ErrorFrame either way)."""
+    from pipecat.frames.frames import EndFrame, ErrorFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.frame_processor import FrameDirection
+    from pipecat.tests.utils import QueuedFrameProcessor
+    from pipecat.workers.runner import WorkerRunner
+
+    up: asyncio.Queue = asyncio.Queue()
+    down: asyncio.Queue = asyncio.Queue()
+    source = QueuedFrameProcessor(queue=up, queue_direction=FrameDirection.UPSTREAM)
+    sink = QueuedFrameProcessor(queue=down, queue_direction=FrameDirection.DOWNSTREAM)
+    worker = PipelineWorker(Pipeline([source, processor, sink]), cancel_on_idle_timeout=False, params=PipelineParams())
+    started = asyncio.Event()
+
+    @worker.event_handler("on_pipeline_started")
+    async def _started(worker, frame):
+        started.set()
+
+    got_down: list = []
+    got_up: list = []
+
+    async def drive() -> None:
+        await asyncio.wait_for(started.wait(), 30)
+        for f in frames:
+            await worker.queue_frame(f)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            while not up.empty():
+                got_up.append(up.get_nowait())
+            if any(isinstance(f, ErrorFrame) for f in got_up):
+                break
+            try:
+                f = await asyncio.wait_for(down.get(), 0.2)
+            except asyncio.TimeoutError:
+                continue
+            got_down.append(f)
+            if isinstance(f, (until, ErrorFrame)):
+                break
+        await worker.queue_frame(EndFrame())
+
+    runner = WorkerRunner()
+    await runner.add_workers(worker)
+    await asyncio.wait_for(asyncio.gather(runner.run(), drive()), timeout + 60)
+    while not down.empty():
+        got_down.append(down.get_nowait())
+    while not up.empty():
+        got_up.append(up.get_nowait())
+    return got_down, got_up
+
+
+async def test_pipecat_openai_tts(server):
+    _pipecat()
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame, TTSStoppedFrame
+    from pipecat.services.openai.tts import OpenAITTSService
+
+    errors = _LoguruErrors()
+    try:
+        tts = OpenAITTSService(api_key=ALICE_KEY, base_url=f"{server.url}/v1")
+        down, up = await _run_pipeline(tts, [TTSSpeakFrame(TEXT)], until=TTSStoppedFrame)
+    finally:
+        errors.close()
+    errs = [f for f in down + up if isinstance(f, ErrorFrame)]
+    assert not errs, (errs, server_log_tail(server))
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert audio and sum(len(f.audio) for f in audio) > 0, [type(f).__name__ for f in down]
+    assert all(f.sample_rate == 24000 and f.num_channels == 1 for f in audio)
+    assert any(isinstance(f, TTSStoppedFrame) for f in down)
+    assert not errors.records, errors.records
+
+
+async def test_pipecat_openai_realtime_llm(server):
+    _pipecat()
+    from pipecat.frames.frames import ErrorFrame, LLMContextFrame, LLMFullResponseEndFrame, TTSAudioRawFrame, TTSStartedFrame
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+
+    errors = _LoguruErrors()
+    try:
+        settings = OpenAIRealtimeLLMService.Settings(model=REALTIME_MODEL, system_instruction="Answer briefly.")
+        llm = OpenAIRealtimeLLMService(api_key=ALICE_KEY, base_url=ws_url(server), settings=settings)
+        context = LLMContext(messages=[{"role": "user", "content": "Hello there!"}])
+        down, up = await _run_pipeline(llm, [LLMContextFrame(context)], until=LLMFullResponseEndFrame)
+    finally:
+        errors.close()
+    errs = [f for f in down + up if isinstance(f, ErrorFrame)]
+    assert not errs, (errs, server_log_tail(server))
+    names = [type(f).__name__ for f in down]
+    assert any(isinstance(f, TTSStartedFrame) for f in down), names
+    audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
+    assert audio and sum(len(f.audio) for f in audio) > 0, names
+    assert any(isinstance(f, LLMFullResponseEndFrame) for f in down), names
+    assert not errors.records, errors.records
+
+
+# ----------------------------------------------------------------------------- LiveKit
+
+
+def _livekit():
+    return importlib.import_module("livekit.plugins.openai")  # installed by `make install` (a missing one fails, not skips)
+
+
+async def test_livekit_openai_tts_synthesize(server, caplog):
+    caplog.set_level(logging.WARNING)
+    lk = _livekit()
+    tts = lk.TTS(base_url=f"{server.url}/v1", api_key=ALICE_KEY)  # default model and voice
+    frames = []
+    try:
+        async with tts.synthesize(TEXT) as stream:
+            async for ev in stream:
+                frames.append(ev.frame)
+    finally:
+        await tts.aclose()
+    assert frames, server_log_tail(server)
+    assert sum(f.samples_per_channel for f in frames) > 0
+    assert all(f.sample_rate == 24000 and f.num_channels == 1 for f in frames)
+    assert not client_errors(caplog, "livekit"), client_errors(caplog, "livekit")
+
+
+@pytest.mark.parametrize("instructions", [True, False], ids=["instructions", "bare_greeting"])
+async def test_livekit_openai_realtime_model_generate_reply(server, caplog, instructions):
+    """RealtimeModel.session() then generate_reply(), as an agent's greeting does: with
+    update_instructions + per-reply instructions, and bare (an empty conversation, no
+    instructions at all)."""
+    caplog.set_level(logging.WARNING)
+    lk = _livekit()
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        # outside a job there is no utils.http_context: the session is passed in
+        model = lk.realtime.RealtimeModel(base_url=f"{server.url}/v1", api_key=ALICE_KEY, http_session=http)
+        sess = model.session()
+        errors: list = []
+        server_events: list[dict] = []
+        sess.on("error", errors.append)
+        sess.on("openai_server_event_received", server_events.append)
+        try:
+            if instructions:
+                await sess.update_instructions("You are a helpful voice assistant. Answer briefly.")
+                reply = sess.generate_reply(instructions="Greet the user.")
+            else:
+                reply = sess.generate_reply()
+            gen = await asyncio.wait_for(reply, 20)  # resolves on response.created carrying its metadata
+            audio_samples = 0
+            texts: list[str] = []
+
+            async def consume() -> None:
+                nonlocal audio_samples
+                async for msg in gen.message_stream:
+
+                    async def text(m=msg) -> None:
+                        async for t in m.text_stream:
+                            texts.append(t)
+
+                    task = asyncio.create_task(text())
+                    async for frame in msg.audio_stream:
+                        audio_samples += frame.samples_per_channel
+                    await task
+
+            await asyncio.wait_for(consume(), TURN_TIMEOUT_S)
+        finally:
+            await sess.aclose()
+            await model.aclose()
+    types = [e.get("type") for e in server_events]
+    assert not errors, (errors, [e for e in server_events if e.get("type") == "error"], server_log_tail(server))
+    assert "error" not in types, [e for e in server_events if e.get("type") == "error"]
+    done = [e for e in server_events if e.get("type") == "response.done"]
+    assert done and done[-1]["response"]["status"] == "completed", done
+    assert audio_samples > 0, types
+    assert not client_errors(caplog, "livekit"), client_errors(caplog, "livekit")
+
+
+# ----------------------------------------------------------------------------- litellm
+
+
+def _litellm():
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
+    return importlib.import_module("litellm")  # installed by `make install` (a missing one fails, not skips)
+
+
+async def test_litellm_aspeech(server):
+    litellm = _litellm()
+    resp = await litellm.aspeech(model=f"openai/{TTS_MODEL}", api_base=f"{server.url}/v1", api_key=ALICE_KEY, voice="alloy", input=TEXT)
+    data = resp.content
+    assert len(data) > 100
+    assert data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0), data[:8]  # mp3, the default format
+
+
+async def test_litellm_acompletion(server):
+    litellm = _litellm()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
+    r = await litellm.acompletion(model=f"openai/{CHAT_MODEL}", api_base=f"{server.url}/v1", api_key=ALICE_KEY, messages=messages, max_tokens=16)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 16
+
+
+async def test_litellm_acompletion_stream(server):
+    litellm = _litellm()
+    messages = [{"role": "user", "content": "Hello there!"}]
+    stream = await litellm.acompletion(
+        model=f"openai/{CHAT_MODEL}", api_base=f"{server.url}/v1", api_key=ALICE_KEY, messages=messages, max_tokens=16, stream=True
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) > 1 and text
+    assert any(c.choices and c.choices[0].finish_reason == "stop" for c in chunks)
+
+
+async def test_litellm_realtime_client_secret_opens_a_realtime_socket(server):
+    """litellm's POST /v1/realtime/client_secrets (the ephemeral key a browser or phone
+    client then connects with)."""
+    litellm = _litellm()
+    from openai import AsyncOpenAI
+
+    resp = await litellm.acreate_realtime_client_secret(
+        model=f"openai/{REALTIME_MODEL}", api_base=server.url, api_key=ALICE_KEY, session={"type": "realtime", "model": REALTIME_MODEL}
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    secret = body["value"]
+    assert secret and secret != ALICE_KEY and body["expires_at"] > 0, body
+    rt = AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1", api_key=secret)
+    async with rt.realtime.connect(model=REALTIME_MODEL) as conn:
+        created = await asyncio.wait_for(conn.recv(), 30)
+    assert created.type == "session.created"
