@@ -38,6 +38,10 @@ class ChunkingSpec(_Strict):
     chunk_frames: int = Field(default=16, ge=1, le=4096, description="frames in every later chunk")
     left_context_frames: int = Field(default=3, ge=0, le=4096, description="already-emitted frames decoded again on the left")
     lookahead_frames: int = Field(default=3, ge=0, le=4096, description="future frames a chunk waits for (right context)")
+    refill_ms: int = Field(default=
+        250, ge=0, le=60000, description="once less than this much of the emitted audio is left to play (in real time), the frames that "
+        "are ready are decoded at once instead of waiting for a full chunk_frames (no hole while the talker keeps up); 0: fixed chunks"
+    )
 
 
 class EdgeSpec(_Strict):
@@ -172,6 +176,7 @@ class ChunkingOverlay(_Strict):
     chunk_frames: int | None = Field(default=None, ge=1, le=4096)
     left_context_frames: int | None = Field(default=None, ge=0, le=4096)
     lookahead_frames: int | None = Field(default=None, ge=0, le=4096)
+    refill_ms: int | None = Field(default=None, ge=0, le=60000)
 
 
 class EdgeOverlay(_Strict):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -265,11 +266,29 @@ class StreamingDecoder:
     samples are kept. With enough context on both sides (the decoder's receptive
     field) this equals decoding everything at once. Without chunking (batch edge):
     one decode at the end.
+
+    Listeners play the audio in real time from its first chunk. A full `chunk_frames`
+    after a short first chunk takes `chunk_frames / speed` frame periods to generate
+    (`speed`: how much faster than real time the talker is), longer than the first
+    chunk lasts when the talker is only a little faster than real time: the player
+    would run dry once per answer. So the decoder keeps the time the audio emitted so
+    far ends playing (`_play_end`, playback starting at each chunk's emission or when
+    the one before it ends) and, once less than `refill_ms` of it is left, decodes the
+    frames that are ready at once: chunks then grow by the speed factor, back up to
+    `chunk_frames`. A talker slower than real time (playback already dry) gets full
+    chunks: short ones would only multiply the decoding work of an overloaded stage.
     """
 
-    def __init__(self, decode: Callable[[np.ndarray, int], Awaitable[np.ndarray]], chunking: ChunkingSpec | None) -> None:
+    def __init__(
+        self,
+        decode: Callable[[np.ndarray, int], Awaitable[np.ndarray]],
+        chunking: ChunkingSpec | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._decode = decode
         self.chunking = chunking
+        self._clock = clock
+        self._play_end: float | None = None  # when the audio emitted so far has played (real time)
         self._buf = np.zeros((0, 7), dtype=np.int32)
         self._base = 0  # absolute index of _buf[0]
         self.total = 0  # frames received
@@ -304,15 +323,27 @@ class StreamingDecoder:
         if c is None:
             return out
         while True:
+            ready = self.total - c.lookahead_frames - self.emitted  # frames whose lookahead is in
             size = c.first_chunk_frames if self.emitted == 0 else c.chunk_frames
+            if ready < size:
+                if self.emitted == 0 or ready < 1 or not self._running_low(c):
+                    break
+                size = ready  # a short chunk now rather than a hole in the audio
             end = self.emitted + size
-            if self.total < end + c.lookahead_frames:
-                break
             start = max(0, self.emitted - c.left_context_frames)
             out.append(await self._window(start, end + c.lookahead_frames, self.emitted, end))
+            now = self._clock()
+            self._play_end = max(now, self._play_end if self._play_end is not None else now) + size * SAMPLES_PER_FRAME / SAMPLE_RATE
             self.emitted = end
             self._trim()
         return out
+
+    def _running_low(self, c: ChunkingSpec) -> bool:
+        """Less than `refill_ms` of the emitted audio is left to play, and some is."""
+        if not c.refill_ms or self._play_end is None:
+            return False
+        now = self._clock()
+        return self._play_end - c.refill_ms / 1000 <= now < self._play_end
 
     async def finish(self) -> list[np.ndarray]:
         if self.emitted >= self.total:

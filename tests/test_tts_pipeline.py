@@ -66,10 +66,11 @@ async def test_stream_equals_batch_default_chunking(models_dir):
     batch, batch_chunks = await synth(models_dir, edge("batch"), TEXT)
     stream, stream_chunks = await synth(models_dir, edge("chunk"), TEXT)
     assert len(batch_chunks) == 1 and len(stream_chunks) > 3
-    # first chunk is first_chunk_frames long, later ones chunk_frames (last: the rest)
+    # first chunk is first_chunk_frames long, later ones at most chunk_frames (shorter
+    # while the emitted audio would run out: refill_ms; last: the rest)
     c = pipelines.load_builtin("tts").profiles["split"].edges[0].chunking
     assert stream_chunks[0] == c.first_chunk_frames * SAMPLES_PER_FRAME
-    assert all(n == c.chunk_frames * SAMPLES_PER_FRAME for n in stream_chunks[1:-1])
+    assert all(0 < n <= c.chunk_frames * SAMPLES_PER_FRAME and n % SAMPLES_PER_FRAME == 0 for n in stream_chunks[1:-1])
     assert stream.shape == batch.shape
     assert len(batch) % SAMPLES_PER_FRAME == 0 and len(batch) > 0
     np.testing.assert_allclose(stream, batch, atol=ATOL, rtol=0)
@@ -148,3 +149,61 @@ def test_default_overlay_is_split_chunk():
     p = apply_overlay(pipelines.load_builtin("tts"), DeployOverlay())
     assert [s.name for s in p.stages] == ["talker", "code2wav"]
     assert p.edges[0].mode == "chunk"
+
+
+async def _zeros(frames, priority):
+    return np.zeros(len(frames) * SAMPLES_PER_FRAME, np.float32)
+
+
+@pytest.mark.parametrize("speed", [1.1, 1.25, 1.5, 2.3, 8.0])
+async def test_streaming_decoder_never_lets_real_time_playback_run_dry(speed):
+    """A talker faster than real time by `speed`, on a virtual clock: audio played in
+    real time from the first chunk never waits for the next one, and chunks grow back
+    to chunk_frames once there is room (few decodes in the steady state)."""
+    frame_s = SAMPLES_PER_FRAME / 24000
+    now = [0.0]
+    c = ChunkingSpec()  # the pipelines' chunking: 1, then 16, 3 + 3 context frames
+    dec = StreamingDecoder(_zeros, c, clock=lambda: now[0])
+    played_to, sizes = None, []
+    for k in range(200):
+        now[0] = (k + 1) * frame_s / speed  # frame k is out of the talker
+        for audio in await dec.push(np.zeros((1, 7), np.int32)):
+            if played_to is None:
+                played_to = now[0]
+            assert now[0] <= played_to + 1e-9, f"playback ran dry for {(now[0] - played_to) * 1000:.0f} ms before chunk {len(sizes)}"
+            played_to += len(audio) / 24000
+            sizes.append(len(audio) // SAMPLES_PER_FRAME)
+    assert sizes[0] == c.first_chunk_frames and max(sizes) <= c.chunk_frames
+    if speed >= 1.5:
+        assert sizes[-1] == c.chunk_frames
+
+
+@pytest.mark.parametrize("speed", [0.5, 0.9])
+async def test_a_talker_slower_than_real_time_gets_short_chunks_only_before_a_hole(speed):
+    """Playback cannot keep up: a short chunk goes out only while some audio is still
+    left to play (it shortens the hole); once playback is dry the decoder waits for a
+    full chunk, so an overloaded stage does not also decode frame by frame."""
+    frame_s = SAMPLES_PER_FRAME / 24000
+    now = [0.0]
+    dec = StreamingDecoder(_zeros, ChunkingSpec(), clock=lambda: now[0])
+    played_to, sizes = 0.0, []
+    for k in range(120):
+        now[0] = (k + 1) * frame_s / speed
+        for a in await dec.push(np.zeros((1, 7), np.int32)):
+            n = len(a) // SAMPLES_PER_FRAME
+            if sizes and n < 16:
+                assert now[0] < played_to, f"a short chunk ({n}) after the audio ran out"
+            played_to = max(played_to, now[0]) + n * frame_s
+            sizes.append(n)
+    assert sizes[0] == 1 and 16 in sizes
+    assert len(sizes) <= 120 // 4  # at least 4 frames per decode on average
+
+
+async def test_refill_off_keeps_fixed_chunks():
+    now = [0.0]
+    dec = StreamingDecoder(_zeros, ChunkingSpec(refill_ms=0), clock=lambda: now[0])
+    sizes = []
+    for k in range(40):
+        now[0] = k * 0.01  # far ahead of real time: refill would apply, but it is off
+        sizes += [len(a) // SAMPLES_PER_FRAME for a in await dec.push(np.zeros((1, 7), np.int32))]
+    assert sizes == [1, 16, 16]
