@@ -164,7 +164,8 @@ async def test_streaming_decoder_never_lets_real_time_playback_run_dry(speed):
     now = [0.0]
     c = ChunkingSpec()  # the pipelines' chunking: 1, then 16, 3 + 3 context frames
     dec = StreamingDecoder(_zeros, c, clock=lambda: now[0])
-    played_to, sizes = None, []
+    played_to: float | None = None
+    sizes: list[int] = []
     for k in range(200):
         now[0] = (k + 1) * frame_s / speed  # frame k is out of the talker
         for audio in await dec.push(np.zeros((1, 7), np.int32)):
@@ -186,7 +187,8 @@ async def test_a_talker_slower_than_real_time_gets_short_chunks_only_before_a_ho
     frame_s = SAMPLES_PER_FRAME / 24000
     now = [0.0]
     dec = StreamingDecoder(_zeros, ChunkingSpec(), clock=lambda: now[0])
-    played_to, sizes = 0.0, []
+    played_to = 0.0
+    sizes: list[int] = []
     for k in range(120):
         now[0] = (k + 1) * frame_s / speed
         for a in await dec.push(np.zeros((1, 7), np.int32)):
