@@ -11,6 +11,7 @@ import pytest
 
 from clients.world import WorldClient
 from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
+from tests.protocols.helpers import drop
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -63,7 +64,7 @@ async def test_a_resumed_session_continues_from_its_buffer(server):
     w = await world(server, 7)
     first = [await w.step(a) for a in ACTIONS_A[:2]]
     sid, token = w.session_id, w.resume_token
-    await w.close()  # dropped: the session is detached, its buffer kept
+    drop(w.ws)  # dropped (no close frame): the session is detached, its buffer kept
     w2 = await WorldClient.connect(url(server), ADMIN_KEY, session_id=sid, resume_token=token)
     async with w2:
         assert w2.first["type"] == "session.resumed" and w2.session["frame_index"] == 2
