@@ -179,22 +179,56 @@ class Streamed:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+class _SendWatchdog:
+    """Cancels the sending task when one write has waited `timeout` seconds for the
+    client to read (a timer every timeout / 4; a write costs two assignments, not a
+    task per chunk as `asyncio.wait_for` would)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.writing: float | None = None  # loop time the pending write started
+        self.fired = False
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._handle = self._loop.call_later(timeout / 4, self._check)
+
+    def _check(self) -> None:
+        since = self.writing
+        if since is not None and self._loop.time() - since >= self.timeout and self._task is not None:
+            self.fired = True
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_later(self.timeout / 4, self._check)
+
+    def absorb(self) -> None:
+        """The cancellation was ours: the task goes on (its own cancel count restored)."""
+        uncancel = getattr(self._task, "uncancel", None)  # Python 3.11+
+        if uncancel is not None:
+            uncancel()
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
 async def send_streamed(request: web.Request, reply: Streamed) -> web.StreamResponse:
     resp = web.StreamResponse(status=200, headers=reply.headers)
     resp.content_type = reply.content_type
-    timeout = limits_of(request).send_timeout_s
+    stalled = _SendWatchdog(limits_of(request).send_timeout_s)
     try:
         await resp.prepare(request)
         async for chunk in reply.body:
-            try:
-                await asyncio.wait_for(resp.write(chunk), timeout)
-            except TimeoutError:
-                # the client stopped reading: as good as gone (its session is freed below)
-                log.info("%s %s: the client read nothing for %.0f s; the reply is cut off", request.method, request.path, timeout)
-                if request.transport is not None:
-                    request.transport.abort()
-                return resp
+            stalled.writing = asyncio.get_running_loop().time()
+            await resp.write(chunk)  # waits while the client does not read
+            stalled.writing = None
         await resp.write_eof()
+    except asyncio.CancelledError:
+        if not stalled.fired:
+            raise
+        stalled.absorb()
+        # the client stopped reading: as good as gone (its session is freed below)
+        log.info("%s %s: the client read nothing for %.0f s; the reply is cut off", request.method, request.path, stalled.timeout)
+        if request.transport is not None:
+            request.transport.abort()
     except DISCONNECTED:
         pass  # the client left; `close` frees what the request held
     except Exception as exc:
@@ -206,6 +240,7 @@ async def send_streamed(request: web.Request, reply: Streamed) -> web.StreamResp
         if request.transport is not None:
             request.transport.close()
     finally:
+        stalled.stop()
         aclose = getattr(reply.body, "aclose", None)
         if aclose is not None:
             await asyncio.shield(aclose())
