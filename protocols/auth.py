@@ -144,6 +144,23 @@ def _bearer(authorization: str | None) -> str | None:
     return key.strip() if scheme.lower() == "bearer" else None
 
 
+BROWSER_KEY_PROTOCOL = "openai-insecure-api-key."
+
+
+def authorization_of(request: web.Request) -> str | None:
+    """The request's credentials: its Authorization header, or for a browser's
+    WebSocket (which cannot set headers) the key in its subprotocols, as OpenAI's
+    browser clients send it: `Sec-WebSocket-Protocol: realtime, openai-insecure-api-key.<key>`."""
+    header = request.headers.get("authorization")
+    if header or not _is_upgrade(request):
+        return header
+    for proto in request.headers.get("sec-websocket-protocol", "").split(","):
+        proto = proto.strip()
+        if proto.startswith(BROWSER_KEY_PROTOCOL):
+            return "Bearer " + proto[len(BROWSER_KEY_PROTOCOL) :]
+    return None
+
+
 def _is_upgrade(request: web.Request) -> bool:
     return request.headers.get("upgrade", "").lower() == "websocket"
 
@@ -156,7 +173,7 @@ def auth_middleware(
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        authorization = request.headers.get("authorization")
+        authorization = authorization_of(request)
         bearer = _bearer(authorization)
         if client_secrets is not None and bearer is not None and bearer.startswith(ClientSecrets.PREFIX):
             try:

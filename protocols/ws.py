@@ -104,7 +104,8 @@ def _data(msg: Any) -> str | bytes | None:
 
 
 async def accept(request: web.Request, *, max_frame: int = MAX_FRAME_BYTES, heartbeat: float | None = HEARTBEAT_S) -> Socket:
-    ws = web.WebSocketResponse(max_msg_size=max_frame, heartbeat=heartbeat)
+    # "realtime": the subprotocol OpenAI's browser clients offer (with their key, see protocols.auth)
+    ws = web.WebSocketResponse(max_msg_size=max_frame, heartbeat=heartbeat, protocols=("realtime",))
     await ws.prepare(request)
     return Socket(ws, request)
 

@@ -200,6 +200,18 @@ async def test_a_client_secret_starts_one_call_with_its_session(hk):
     assert r.status == 401
 
 
+async def test_a_browser_websocket_passes_its_client_secret_as_a_subprotocol(hk):
+    got = await secret(hk, session={"instructions": "From the browser."})
+    ws = await hk.client.ws_connect("/v1/realtime", protocols=("realtime", f"openai-insecure-api-key.{got['value']}"))
+    assert ws.protocol == "realtime"
+    ev = Events(ws)
+    assert (await ev.until("session.created"))["session"]["instructions"] == "From the browser."
+    r = await hk.client.get("/v1/realtime", headers={"upgrade": "websocket", "connection": "upgrade", "sec-websocket-version": "13",
+                                                     "sec-websocket-key": "dGhlIHNhbXBsZSBub25jZQ==",
+                                                     "sec-websocket-protocol": "realtime, openai-insecure-api-key.wrong"})
+    assert r.status == 401
+
+
 async def test_client_secrets_expire_and_are_validated(hk):
     from protocols.auth import CLIENT_SECRETS
 
