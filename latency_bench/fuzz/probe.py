@@ -24,6 +24,7 @@ from latency_bench.fuzz.seeds import OFFER_SDP, VIDEO, mutate_openpi, mutate_sdp
 
 
 TAP: LogTap | None = None  # set by run_fuzz while it runs
+HTTP_TIMEOUT_FACTOR = 6  # an HTTP answer may be a whole generation
 
 
 class LogTap(logging.Handler):
@@ -138,9 +139,12 @@ async def _http_call(t: Target, tally: Tally, m: Mutant, method: str, path: str,
     if ctype:
         headers["content-type"] = ctype
     body = m.data.encode("utf-8", "surrogatepass") if isinstance(m.data, str) else m.data
+    # A valid mutant may ask for a whole answer (chat with audio, no max_tokens): the
+    # answer comes when it is generated, so HTTP gets HTTP_TIMEOUT_FACTOR x the timeout.
+    budget = t.timeout * HTTP_TIMEOUT_FACTOR
     try:
         async with t.http.request(method, t.url(path), data=body if data is None else data, headers=headers,
-                                  timeout=aiohttp.ClientTimeout(total=t.timeout)) as resp:
+                                  timeout=aiohttp.ClientTimeout(total=budget)) as resp:
             try:
                 raw = await resp.read()
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
@@ -149,7 +153,7 @@ async def _http_call(t: Target, tally: Tally, m: Mutant, method: str, path: str,
             status = resp.status
             headers_in = resp.headers
     except asyncio.TimeoutError:
-        tally.fail("timeout", m, f"no answer within {t.timeout}s")
+        tally.fail("timeout", m, f"no answer within {budget}s")
         return
     except aiohttp.ClientError as exc:
         tally.fail("no_response", m, repr(exc))
