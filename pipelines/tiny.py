@@ -493,6 +493,12 @@ AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
 WORLD_DIRNAME = "tiny-flux-world"
 POLICY_DIRNAME = "tiny-flow-policy"
+def _fill_whisper(out: Path) -> None:
+    from pipelines.tiny_whisper import fill  # it trains its tokenizer on CORPUS (imports this module)
+
+    fill(out)
+
+
 _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "talker": (TALKER_DIRNAME, _fill_talker),
     "code2wav": (CODE2WAV_DIRNAME, _fill_code2wav),
@@ -501,6 +507,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "policy": (POLICY_DIRNAME, _fill_policy),
     "image": (IMAGE_DIRNAME, _fill_image),
     "world": (WORLD_DIRNAME, _fill_world),
+    "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
 }
 
 

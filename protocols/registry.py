@@ -22,6 +22,7 @@ from sessions import SessionManager
 # wire name -> "module:function" that mounts it (imported only when a pipeline uses it)
 WIRES: dict[str, str] = {
     "speech": "protocols.speech:mount",
+    "transcriptions": "protocols.transcriptions:mount",
     "chat": "protocols.chat:mount",
     "realtime": "protocols.realtime:mount",
     "duplex": "protocols.duplex:mount",

@@ -89,6 +89,7 @@ class ArEngine(Protocol):
         *,
         prompt_token_ids: list[int] | None = None,
         prompt_embeds: Any = None,
+        encoder_audio: tuple[Any, int] | None = None,
         sampling: dict[str, Any],
     ) -> AsyncIterator[list[int]]: ...
 

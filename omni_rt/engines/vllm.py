@@ -390,15 +390,40 @@ class VllmEngine(Engine):
         emb = emb.detach().to(device="cpu", dtype=llm.model_config.dtype).contiguous()
         return dict(embeds_input(emb))
 
+    async def _audio_prompt(self, decoder_ids: list[int] | None, audio: tuple[Any, int]) -> Any:
+        """An encoder-decoder prompt with audio, rendered as vLLM's own speech-to-text
+        serving renders it (the model's processor makes the features)."""
+        from vllm.inputs import ExplicitEncoderDecoderPrompt, TextPrompt, TokensPrompt
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        if not decoder_ids:
+            raise EngineRequestError(f"{self.name}: an audio prompt needs decoder prompt_token_ids")
+        self.check_prompt_length(len(decoder_ids))
+        llm = self.llm
+        prompt = ExplicitEncoderDecoderPrompt(
+            encoder_prompt=TextPrompt(prompt="", multi_modal_data={"audio": audio}),
+            decoder_prompt=TokensPrompt(prompt_token_ids=[int(t) for t in decoder_ids]),
+        )
+        try:
+            (rendered,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
+        except (ValueError, TypeError) as exc:
+            raise EngineRequestError(f"{self.name}: the audio prompt was refused: {exc}") from exc
+        return rendered
+
     async def generate(
         self,
         request_id: str,
         *,
         prompt_token_ids: list[int] | None = None,
         prompt_embeds: Any = None,
+        encoder_audio: tuple[Any, int] | None = None,
         sampling: dict[str, Any],
     ) -> AsyncIterator[list[int]]:
         """Yield the new token ids of each engine step until the request finishes.
+
+        `encoder_audio` ((float32 mono, rate)): an encoder-decoder model's audio input
+        (Whisper), rendered by vLLM's own processor; `prompt_token_ids` is then the
+        decoder prompt.
 
         Ends normally on stop/EOS/max_tokens or after `abort(request_id)`. If the
         consumer stops iterating (break, aclose, GeneratorExit, task cancel) the
@@ -409,7 +434,7 @@ class VllmEngine(Engine):
         if request_id in self._inflight:
             raise EngineRequestError(f"{self.name}: request {request_id!r} already running")
         params = self._sampling_params(sampling)
-        prompt = self._prompt(prompt_token_ids, prompt_embeds)
+        prompt = await self._audio_prompt(prompt_token_ids, encoder_audio) if encoder_audio is not None else self._prompt(prompt_token_ids, prompt_embeds)
 
         self._inflight.add(request_id)
         self._aborted.discard(request_id)

@@ -46,6 +46,7 @@ class FakeArEngine(Engine):
         *,
         prompt_token_ids: list[int] | None = None,
         prompt_embeds: Any = None,
+        encoder_audio: tuple[Any, int] | None = None,
         sampling: dict[str, Any],
     ) -> AsyncIterator[list[int]]:
         self.require_alive()

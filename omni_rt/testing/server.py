@@ -58,6 +58,7 @@ FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] 
     "pipelines.tts:FusedTalkerProcessor": (
         "omni_rt.testing.stages:FakeFusedTalker",
         {"main": _ar, "decoder": lambda n, sp: FakeStepEngine(code2wav_fn, n, sp.step_s)}),
+    "pipelines.asr:AsrProcessor": ("omni_rt.testing.stages:FakeAsr", {"main": _ar}),
     "pipelines.robot:PolicyProcessor": (
         "omni_rt.testing.stages:FakePolicy", {"main": lambda n, sp: FakeStepEngine(_velocity, n, sp.step_s)}),
     "pipelines.image:ImageProcessor": (None, {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),

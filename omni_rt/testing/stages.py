@@ -12,6 +12,9 @@ run exactly as they do over real models. Outputs are deterministic:
 - the real `Code2WavProcessor` runs over `vocode` (`code2wav_fn`): a short tone per
   frame, 2048 samples, a pure function of the frame (stream = batch).
 - `FakeFusedTalker` (talker_fused): text to PCM in one stage.
+- `FakeAsr` (asr): per 30 s window of audio, one word `"w<token> "` per engine token
+  (as many tokens as whole seconds in the window, at least one), as TEXT with the
+  window's `segment`, `start`, `end`.
 - `FakePolicy` (policy), `FakeWorld` (world_dit), `FakeVideo` (video_dit); the real
   `ImageProcessor` runs over `FakeDiffusionEngine`.
 """
@@ -249,3 +252,29 @@ class FakeVideo(FakeWorld):
             await self.render(ctx, start + k, k * steps, frames * steps, last=k == frames - 1)
             await asyncio.sleep(0)
         ctx.add_usage(frames=frames, steps=frames * steps)
+
+
+class FakeAsr(StageProcessor):
+    WINDOW_S = 30.0
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.ar = self.engine_as(ArEngine)
+        self.seen: list[dict[str, Any]] = []
+
+    def languages(self) -> list[str]:
+        return ["de", "en", "es", "fr"]
+
+    async def run(self, ctx: StageContext) -> None:
+        chunks = [p for p in await ctx.input().read_all() if p.kind == PayloadKind.AUDIO]
+        rate = int(chunks[0].meta.get("sample_rate", 16000)) if chunks else 16000
+        pcm = np.concatenate([p.arrays["pcm"] for p in chunks]) if chunks else np.zeros(0, np.float32)
+        self.seen.append({"params": dict(ctx.params), "seconds": len(pcm) / rate})
+        win = int(self.WINDOW_S * rate)
+        for i, lo in enumerate(range(0, max(len(pcm), 1), win)):
+            part = pcm[lo : lo + win]
+            n = max(1, int(len(part) / rate))
+            async for toks in self.ar.generate(f"{ctx.request_id}-w{i}", prompt_token_ids=[n], sampling={"max_tokens": n, "seed": i}):
+                ctx.add_usage(output_tokens=len(toks))
+                meta = {"segment": i, "start": lo / rate, "end": (lo + len(part)) / rate}
+                await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text="".join(f"w{t} " for t in toks), meta=meta))

@@ -1,0 +1,73 @@
+"""/v1/audio/transcriptions on the real server (tiny random Whisper on vLLM) through the
+official openai SDK: an espeak-ng utterance as WAV and MP3, streamed and not, several
+response formats, translations, and concurrent requests batched in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import wave
+
+import numpy as np
+import pytest
+
+from protocols.audio_formats import StreamingEncoder
+from tests.harness import ADMIN_KEY, speech_pcm16
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+
+def wav_bytes(pcm16: bytes, rate: int = 24000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm16)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def utterance() -> bytes:
+    return speech_pcm16("Please transcribe this short sentence.")
+
+
+def client(server, cls=None):
+    from openai import OpenAI
+
+    return (cls or OpenAI)(base_url=f"{server.url}/v1", api_key=ADMIN_KEY, max_retries=0, timeout=120)
+
+
+def test_the_sdk_transcribes_wav_and_mp3_in_each_format(server, utterance):
+    c = client(server)
+    t = c.audio.transcriptions.create(model="whisper-1", file=("q.wav", wav_bytes(utterance)), language="en")
+    assert isinstance(t.text, str) and t.text.strip()  # random weights: some text, not the sentence
+    enc = StreamingEncoder("mp3")
+    mp3 = enc.encode(np.frombuffer(utterance, "<i2").astype(np.float32) / 32768) + enc.finish()
+    enc.close()
+    v = c.audio.transcriptions.create(model="whisper-1", file=("q.mp3", mp3), response_format="verbose_json")
+    assert v.language and v.duration == pytest.approx(len(utterance) / 48000, abs=0.1) and v.segments[0].start == 0.0
+    srt = c.audio.transcriptions.create(model="whisper-1", file=("q.wav", wav_bytes(utterance)), response_format="srt", language="en")
+    assert srt.startswith("1\n00:00:00,000 --> ")
+    tr = c.audio.translations.create(model="whisper-1", file=("q.wav", wav_bytes(utterance)))
+    assert tr.text.strip()
+
+
+def test_the_sdk_streams_a_transcript(server, utterance):
+    c = client(server)
+    events = list(c.audio.transcriptions.create(model="gpt-4o-transcribe", file=("q.wav", wav_bytes(utterance)), language="en", stream=True))
+    types = [e.type for e in events]
+    assert types[-1] == "transcript.text.done" and "transcript.text.delta" in types
+    assert events[-1].text == "".join(e.delta for e in events if e.type == "transcript.text.delta").strip()
+
+
+async def test_concurrent_transcriptions_share_the_engine(server, utterance):
+    from openai import AsyncOpenAI
+
+    c = client(server, AsyncOpenAI)
+    data = wav_bytes(utterance)
+    results = await asyncio.gather(*(c.audio.transcriptions.create(model="whisper-1", file=("q.wav", data), language="en") for _ in range(6)))
+    assert all(r.text.strip() for r in results)
+    with pytest.raises(Exception) as bad:
+        await c.audio.transcriptions.create(model="whisper-1", file=("q.wav", b"not audio"), language="en")
+    assert getattr(bad.value, "status_code", None) == 400
