@@ -104,11 +104,13 @@ class ProfileSpec(_Strict):
         for f in self.final_outputs:
             if f not in known:
                 raise ValueError(f"final output {f!r} is not a stage")
-        # Acyclic and every stage reachable from the entry.
+        # Acyclic and every stage reachable from the entry, or an entry of its own (it
+        # takes a client payload, `input`: e.g. the voice pipeline's asr, which
+        # transcription requests enter directly).
         order = _topo_order(names, [(e.src, e.dst) for e in self.edges])
         if order is None:
             raise ValueError("the stage graph has a cycle")
-        reach = {self.entry}
+        reach = {self.entry} | {st.name for st in self.stages if st.input is not None and not any(e.dst == st.name for e in self.edges)}
         for n in order:
             if n in reach:
                 reach.update(e.dst for e in self.edges if e.src == n)

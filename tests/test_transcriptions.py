@@ -71,3 +71,32 @@ async def test_concurrent_transcriptions_share_the_engine(server, utterance):
     with pytest.raises(Exception) as bad:
         await c.audio.transcriptions.create(model="whisper-1", file=("q.wav", b"not audio"), language="en")
     assert getattr(bad.value, "status_code", None) == 400
+
+
+async def test_realtime_input_transcription_through_the_sdk(server, utterance):
+    """GA session with audio.input.transcription: the committed utterance is transcribed
+    by the shared asr stage; the events come after its commit, typed by the SDK."""
+    import base64
+
+    from openai import AsyncOpenAI
+
+    c = AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1", api_key=ADMIN_KEY)
+    async with c.realtime.connect(model="gpt-realtime") as conn:
+        await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None,
+                                                                                  "transcription": {"model": "gpt-4o-mini-transcribe", "language": "en"}}}})
+        types = []
+        async for ev in conn:
+            types.append(ev.type)
+            if ev.type == "session.updated":
+                assert ev.session.audio.input.transcription.model == "gpt-4o-mini-transcribe"
+                break
+        for i in range(0, len(utterance), 9600):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(utterance[i : i + 9600]).decode())
+        await conn.input_audio_buffer.commit()
+        async for ev in conn:
+            types.append(ev.type)
+            assert ev.type != "error", ev
+            if ev.type == "conversation.item.input_audio_transcription.completed":
+                assert ev.transcript.strip()
+                break
+        assert types.index("input_audio_buffer.committed") < types.index("conversation.item.input_audio_transcription.completed")

@@ -21,6 +21,7 @@ from omni_rt import metrics
 from omni_rt.errors import ClientError
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.request import RequestStream
+from protocols.errors import to_omni
 from protocols.realtime.items import Item, new_id
 from protocols.realtime.models import RATE, TurnDetection
 from protocols.realtime.vad import VoiceActivity
@@ -56,6 +57,7 @@ class InputAudio:
         self.pending_prefix: list[np.ndarray] = []
         self.vad: VoiceActivity | None = None
         self.collecting: set[asyncio.Task[None]] = set()
+        self.heard: list[np.ndarray] = []  # the utterance's audio, kept for its transcription
 
     # ---- encoding ----------------------------------------------------------------------
     def _start(self) -> None:
@@ -69,6 +71,8 @@ class InputAudio:
         s = self.conv.session
         s.send_input(self.stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
         self.ms += len(pcm) * 1000 // RATE
+        if self.conv.cfg.transcription is not None:
+            self.heard.append(pcm)
 
     async def _collect(self, stream: RequestStream, fut: asyncio.Future[np.ndarray | None]) -> None:
         chunks = []
@@ -164,16 +168,55 @@ class InputAudio:
             )
         stream, item_id = self.stream, self.item_id
         assert item_id is not None
+        heard, self.heard = self.heard, []
         self.stream, self.item_id, self.ms = None, None, 0
         stream.end_input()
         prev = self.conv.last_item_id()
         self.conv.emit("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id)
-        self.conv.add_item(Item(item_id, "user", [{"type": "input_audio", "transcript": None}]), embeds=self.collect(stream))
+        item = Item(item_id, "user", [{"type": "input_audio", "transcript": None}])
+        self.conv.add_item(item, embeds=self.collect(stream))
+        if self.conv.cfg.transcription is not None and heard:
+            self.transcribe(item, np.concatenate(heard), self.conv.cfg.transcription)
+
+    # ---- input transcription -------------------------------------------------------------
+    def transcribe(self, item: Item, pcm: np.ndarray, settings: dict[str, Any]) -> None:
+        """Transcribe a committed utterance (its own request to the asr stage, not
+        fenced: a barge-in does not cancel the question's transcript): `…delta` events,
+        then `…completed` (the item keeps the transcript) or `…failed`."""
+        task = asyncio.get_running_loop().create_task(self._transcribe(item, pcm, settings))
+        self.collecting.add(task)
+        task.add_done_callback(self.collecting.discard)
+
+    async def _transcribe(self, item: Item, pcm: np.ndarray, settings: dict[str, Any]) -> None:
+        conv, s = self.conv, self.conv.session
+        ids = {"item_id": item.id, "content_index": 0}
+        text = ""
+        try:
+            stream = s.submit({"task": "transcribe", "language": settings.get("language"), "prompt": settings.get("prompt"), "temperature": 0.0},
+                              outputs={"asr"}, entry="asr", fenced=False)
+            try:
+                s.send_input(stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
+                stream.end_input()
+                async for _, p, _ in stream.payloads():
+                    if p.text:
+                        text += p.text
+                        conv.emit("conversation.item.input_audio_transcription.delta", delta=p.text, **ids)
+            finally:
+                await asyncio.shield(stream.close())
+        except Exception as exc:  # noqa: BLE001 - the client hears that its transcript failed
+            err = to_omni(exc, f"transcription of {item.id}")
+            conv.emit("conversation.item.input_audio_transcription.failed",
+                      error={"type": err.type, "code": err.code, "message": err.public_message(), "param": None}, **ids)
+            return
+        text = text.strip()
+        item.content[0]["transcript"] = text
+        conv.emit("conversation.item.input_audio_transcription.completed", transcript=text,
+                  usage={"type": "duration", "seconds": round(len(pcm) / RATE, 3)}, **ids)
 
     async def clear(self) -> None:
         if self.stream is not None:
             await self.stream.close()
-        self.stream, self.item_id, self.ms, self.pending_prefix = None, None, 0, []
+        self.stream, self.item_id, self.ms, self.pending_prefix, self.heard = None, None, 0, [], []
         self.conv.emit("input_audio_buffer.cleared")
 
     async def close(self) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from omni_rt.errors import ClientError
@@ -69,6 +69,7 @@ class Config:
     temperature: float = 0.8
     max_output_tokens: int | None = None
     speed: float = 1.0
+    transcription: dict[str, Any] | None = None  # input transcription {model, language, prompt}; None: off
 
     def wire(self, ga: bool, session_id: str) -> dict[str, Any]:
         td = self.turn_detection.wire() if self.turn_detection else None
@@ -83,7 +84,7 @@ class Config:
                 "output_modalities": ["audio"] if self.audio_out else ["text"],
                 "instructions": self.instructions,
                 "audio": {
-                    "input": {"format": fmt, "transcription": None, "noise_reduction": None, "turn_detection": td},
+                    "input": {"format": fmt, "transcription": self.transcription, "noise_reduction": None, "turn_detection": td},
                     "output": {"format": fmt, "voice": self.voice, "speed": self.speed},
                 },
                 "tools": [],
@@ -103,7 +104,7 @@ class Config:
             "voice": self.voice,
             "input_audio_format": "pcm16",
             "output_audio_format": "pcm16",
-            "input_audio_transcription": None,
+            "input_audio_transcription": self.transcription,
             "turn_detection": td,
             "tools": [],
             "tool_choice": "auto",
@@ -217,8 +218,21 @@ class TurnDetectionIn(WireModel):
         )
 
 
+class TranscriptionIn(WireModel):
+    """Input transcription: the model (any name: this server's asr stage does it), the
+    language (ISO-639-1) and a prompt for it."""
+
+    model: str | None = None
+    language: str | None = Field(default=None, min_length=2, max_length=3)
+    prompt: str | None = Field(default=None, max_length=4096)
+
+    def settings(self) -> dict[str, Any]:
+        return {"model": self.model or "whisper-1", "language": self.language, "prompt": self.prompt}
+
+
 class AudioInputIn(WireModel):
     format: PcmFormat | None = None
+    transcription: TranscriptionIn | None = None
     turn_detection: dict[str, Any] | None = None  # merged into the current settings; null: manual commits
 
 
@@ -243,6 +257,7 @@ class SessionUpdate(WireModel):
     input_audio_format: PcmFormat | None = None
     output_audio_format: PcmFormat | None = None
     turn_detection: dict[str, Any] | None = None
+    input_audio_transcription: TranscriptionIn | None = None
     temperature: Temperature | None = None
     max_response_output_tokens: MaxTokens | None = None
     max_output_tokens: MaxTokens | None = None
@@ -321,6 +336,8 @@ def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Co
             changes["audio_out"] = getattr(s, key)
     if _given(s, "turn_detection"):
         changes["turn_detection"] = turn_detection(s.turn_detection, cfg.turn_detection, "session.turn_detection")
+    if _given(s, "input_audio_transcription"):
+        changes["transcription"] = s.input_audio_transcription.settings() if s.input_audio_transcription is not None else None
     if s.temperature is not None:
         changes["temperature"] = s.temperature
     for key in ("max_response_output_tokens", "max_output_tokens"):
@@ -328,6 +345,8 @@ def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Co
             changes["max_output_tokens"] = getattr(s, key)
     if s.audio is not None:
         inp, out = s.audio.input, s.audio.output
+        if inp is not None and _given(inp, "transcription"):
+            changes["transcription"] = inp.transcription.settings() if inp.transcription is not None else None
         if inp is not None and _given(inp, "turn_detection"):
             changes["turn_detection"] = turn_detection(inp.turn_detection, cfg.turn_detection, "session.audio.input.turn_detection")
         if out is not None and out.voice is not None:

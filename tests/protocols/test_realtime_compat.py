@@ -235,3 +235,58 @@ async def test_with_keys_off_a_client_secret_is_a_usable_value(h):
     got = await secret(h, session={"instructions": "Hi."})
     ws = await connect(h, "/v1/realtime", {"authorization": f"Bearer {got['value']}"})
     assert (await ws.until("session.created"))["session"]["instructions"] == "Hi."
+
+
+@pytest.mark.parametrize("beta", [False, True])
+async def test_input_transcription_events_follow_the_commit_and_history_keeps_the_transcript(h, beta):
+    from tests.protocols.helpers import b64, tone
+
+    ws = await session(h, beta)
+    tr = {"model": "gpt-4o-mini-transcribe", "language": "en"}
+    body = {"turn_detection": None, "input_audio_transcription": tr} if beta else \
+        {"type": "realtime", "audio": {"input": {"turn_detection": None, "transcription": tr}}}
+    await ws.send("session.update", session=body)
+    s = (await ws.until("session.updated"))["session"]
+    assert (s["input_audio_transcription"] if beta else s["audio"]["input"]["transcription"])["model"] == "gpt-4o-mini-transcribe"
+    await ws.send("input_audio_buffer.append", audio=b64(tone(2.0)))
+    await ws.send("input_audio_buffer.commit")
+    done = await ws.until("conversation.item.input_audio_transcription.completed")
+    types = ws.types()
+    item_id = next(e for e in ws.seen if e["type"] == "input_audio_buffer.committed")["item_id"]
+    deltas = [e for e in ws.seen if e["type"] == "conversation.item.input_audio_transcription.delta"]
+    assert types.index("input_audio_buffer.committed") < types.index("conversation.item.input_audio_transcription.delta")
+    assert done["item_id"] == item_id and done["content_index"] == 0 and done["transcript"].startswith("w")
+    assert done["transcript"] == "".join(d["delta"] for d in deltas).strip() and done["usage"]["seconds"] == 2.0
+    assert h.processor("asr").seen[-1]["params"]["language"] == "en"
+    await ws.send("conversation.item.retrieve", item_id=item_id)
+    assert (await ws.until("conversation.item.retrieved"))["item"]["content"][0]["transcript"] == done["transcript"]
+    # off again: no transcription of the next utterance
+    off = {"input_audio_transcription": None} if beta else {"audio": {"input": {"transcription": None}}}
+    await ws.send("session.update", session=off)
+    await ws.until("session.updated")
+    n = len(h.processor("asr").seen)
+    await ws.send("input_audio_buffer.append", audio=b64(tone(1.0)))
+    await ws.send("input_audio_buffer.commit")
+    await ws.until("input_audio_buffer.committed")
+    await ws.send("response.create", response={"output_modalities" if not beta else "modalities": ["text"], "max_output_tokens": 2})
+    await ws.until("response.done")
+    assert len(h.processor("asr").seen) == n
+
+
+async def test_a_transcription_that_fails_says_so_and_bad_settings_name_their_field(h):
+    from tests.protocols.helpers import b64, tone
+
+    ws = await session(h)
+    await ws.send("session.update", session={"audio": {"input": {"transcription": {"language": 5}}}})
+    err = (await ws.until("error"))["error"]
+    assert err["param"] == "session.audio.input.transcription.language"
+    await ws.send("session.update", session={"audio": {"input": {"turn_detection": None, "transcription": {"model": "whisper-1"}}}})
+    await ws.until("session.updated")
+    h.engine("asr").mark_dead("gone")
+    await ws.send("input_audio_buffer.append", audio=b64(tone(1.0)))
+    await ws.send("input_audio_buffer.commit")
+    failed = await ws.until("conversation.item.input_audio_transcription.failed")
+    assert failed["error"]["code"] == "engine_unavailable" and failed["content_index"] == 0
+    # the conversation goes on: the answer still comes
+    await ws.send("response.create", response={"output_modalities": ["text"], "max_output_tokens": 2})
+    assert (await ws.until("response.done"))["response"]["status"] == "completed"
