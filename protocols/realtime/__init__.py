@@ -15,6 +15,7 @@ WebRTC calls plug their own transports into the same conversation.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Literal
 
 from aiohttp import web
@@ -26,7 +27,7 @@ from protocols.auth import CLIENT_SECRETS, ClientSecret, client_secret_of, princ
 from protocols.http import json_response, read_json, validate_body
 from protocols.realtime.conversation import Conversation, Transport, WebSocketTransport
 from protocols.realtime.items import AUDIO_PLACEHOLDER, GA_NAMES, Item, Response, new_id, wire_data
-from protocols.realtime.models import RATE, Config, SessionUpdate, TurnDetection, WireModel, apply_session_update
+from protocols.realtime.models import DEFAULT_TRANSCRIPTION, RATE, Config, SessionUpdate, TurnDetection, WireModel, apply_session_update
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.vad import VadFactory, silero_vad
 from protocols.registry import Mount
@@ -111,6 +112,8 @@ def mount(m: Mount) -> None:
             session = await sessions.open("realtime", pipeline.name, principal=principal_of(request).name)
         except (SessionError, ClientError) as exc:
             return await reject(request, exc)
+        if request.query.get("intent") == "transcription":  # beta's transcription sessions
+            cfg = replace(cfg, transcription_only=True, transcription=cfg.transcription or DEFAULT_TRANSCRIPTION)
         conv = Conversation(session, sessions, pipeline, ga=ga, model=cfg.model, vad=vad)
         conv.cfg = cfg
         try:
@@ -118,7 +121,8 @@ def mount(m: Mount) -> None:
         except BaseException:
             await sessions.end(session, "client_disconnected")
             raise
-        conv.emit("session.created", session=conv.cfg.wire(ga, session.id))
+        created = "transcription_session.created" if conv.cfg.transcription_only and not ga else "session.created"
+        conv.emit(created, session=conv.cfg.wire(ga, session.id))
 
         async def on_message(data: str | bytes) -> bool:
             await conv.handle(data)

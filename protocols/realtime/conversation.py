@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -22,7 +23,7 @@ from omni_rt.specs import PipelineSpec
 from protocols.errors import error_event
 from protocols.realtime.inputs import InputAudio, decode_pcm16
 from protocols.realtime.items import GA_NAMES, Item, new_id
-from protocols.realtime.models import Config, WireModel, apply_session_update, parse
+from protocols.realtime.models import DEFAULT_TRANSCRIPTION, Config, WireModel, apply_session_update, parse
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.responses import Responses
 from protocols.realtime.vad import VadFactory, silero_vad
@@ -215,6 +216,12 @@ class Conversation:
         if t == "session.update":
             self.cfg = self.transport.update_session(self, self._required(ev, "session"))
             self.emit("session.updated", session=self.transport.session_wire(self))
+        elif t == "transcription_session.update" and not self.ga:
+            # beta's transcription sessions (intent=transcription) have their own update event
+            self.cfg = replace(self.transport.update_session(self, self._required(ev, "session")), transcription_only=True)
+            if self.cfg.transcription is None:
+                self.cfg = replace(self.cfg, transcription=DEFAULT_TRANSCRIPTION)
+            self.emit("transcription_session.updated", session=self.transport.session_wire(self))
         elif t == "input_audio_buffer.append":
             await self.input.append(self._required(ev, "audio"))
         elif t == "input_audio_buffer.commit":

@@ -156,7 +156,7 @@ class InputAudio:
     async def speech_stopped(self, at_ms: int, td: TurnDetection) -> None:
         self.conv.emit("input_audio_buffer.speech_stopped", audio_end_ms=at_ms, item_id=self.item_id)
         await self.commit()
-        if td.create_response:
+        if td.create_response and not self.conv.cfg.transcription_only:
             await self.conv.responses.create(None)
 
     async def commit(self) -> None:

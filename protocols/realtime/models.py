@@ -70,10 +70,19 @@ class Config:
     max_output_tokens: int | None = None
     speed: float = 1.0
     transcription: dict[str, Any] | None = None  # input transcription {model, language, prompt}; None: off
+    transcription_only: bool = False  # a transcription session: utterances are transcribed, never answered
 
     def wire(self, ga: bool, session_id: str) -> dict[str, Any]:
         td = self.turn_detection.wire() if self.turn_detection else None
         limit: Any = self.max_output_tokens if self.max_output_tokens is not None else "inf"
+        if self.transcription_only:
+            if ga:
+                fmt = {"type": "audio/pcm", "rate": RATE}
+                return {"type": "transcription", "object": "realtime.transcription_session", "id": session_id,
+                        "audio": {"input": {"format": fmt, "transcription": self.transcription, "noise_reduction": None, "turn_detection": td}},
+                        "include": None}
+            return {"id": session_id, "object": "realtime.transcription_session", "modalities": ["text"], "input_audio_format": "pcm16",
+                    "input_audio_transcription": self.transcription, "turn_detection": td, "input_audio_noise_reduction": None}
         if ga:
             fmt = {"type": "audio/pcm", "rate": RATE}
             return {
@@ -250,6 +259,8 @@ class AudioIn(WireModel):
 class SessionUpdate(WireModel):
     """The body of `session.update` (either dialect's shape)."""
 
+    type: Literal["realtime", "transcription"] | None = None  # GA: "transcription" makes it a transcription session
+
     voice: str | None = None
     instructions: str | None = None
     modalities: AudioOut | None = None
@@ -353,7 +364,15 @@ def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Co
             changes["voice"] = voice_of(out.voice, voices, "session.audio.output.voice")
         if out is not None and out.speed is not None:
             changes["speed"] = out.speed
-    return replace(cfg, **changes)
+    if s.type is not None:
+        changes["transcription_only"] = s.type == "transcription"
+    new = replace(cfg, **changes)
+    if new.transcription_only and new.transcription is None:
+        new = replace(new, transcription=DEFAULT_TRANSCRIPTION)
+    return new
+
+
+DEFAULT_TRANSCRIPTION: dict[str, Any] = {"model": "whisper-1", "language": None, "prompt": None}
 
 
 def apply_session_update(cfg: Config, raw: Any, voices: Mapping[str, str]) -> Config:

@@ -31,6 +31,9 @@ class Responses:
     async def create(self, raw: Mapping[str, Any] | None) -> None:
         """`response.create` (its `response` object), or an answer server VAD starts."""
         conv = self.conv
+        if conv.cfg.transcription_only:
+            raise ClientError("This is a transcription session: it transcribes the audio it is sent and creates no responses.",
+                              code="invalid_request", param="type")
         if self.active is not None:
             raise ClientError(
                 f"Conversation already has an active response in progress: {self.active.id}. "

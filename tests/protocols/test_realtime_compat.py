@@ -290,3 +290,30 @@ async def test_a_transcription_that_fails_says_so_and_bad_settings_name_their_fi
     # the conversation goes on: the answer still comes
     await ws.send("response.create", response={"output_modalities": ["text"], "max_output_tokens": 2})
     assert (await ws.until("response.done"))["response"]["status"] == "completed"
+
+
+@pytest.mark.parametrize("beta", [False, True])
+async def test_a_transcription_session_transcribes_turns_and_never_answers(h, beta):
+    from tests.protocols.helpers import b64, quiet, tone
+
+    if beta:
+        ws = await connect(h, "/v1/realtime?intent=transcription", {"openai-beta": "realtime=v1"})
+        created = await ws.until("transcription_session.created")
+        assert created["session"]["object"] == "realtime.transcription_session"
+        await ws.send("transcription_session.update", session={"input_audio_transcription": {"model": "whisper-1", "language": "de"}})
+        s = (await ws.until("transcription_session.updated"))["session"]
+        assert s["input_audio_transcription"]["language"] == "de"
+    else:
+        ws = await session(h)
+        await ws.send("session.update", session={"type": "transcription", "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}})
+        s = (await ws.until("session.updated"))["session"]
+        assert s["type"] == "transcription" and s["audio"]["input"]["transcription"]["model"] == "gpt-4o-transcribe"
+    # server VAD (the default) commits each turn; each is transcribed, none answered
+    for _ in range(2):
+        await ws.send("input_audio_buffer.append", audio=b64(quiet(0.6) + tone(0.8) + quiet(0.8)))
+        await ws.until("conversation.item.input_audio_transcription.completed")
+    await ws.send("response.create")
+    assert (await ws.until("error"))["error"]["code"] == "invalid_request"
+    assert "response.created" not in ws.types()
+    assert len([t for t in ws.types() if t == "input_audio_buffer.committed"]) == 2
+    assert h.processor("thinker").seen == []
