@@ -114,7 +114,12 @@ def test_same_seed_same_audio_and_speed(server, api):
         return r.content
 
     a, b = run(1.0), run(1.0)
-    assert a == b  # seeded sampling is reproducible end to end
+    # Seeded sampling is reproducible end to end: the same codes, so the same audio up to
+    # float rounding. Where the decoder cuts its chunks follows the talker's pace
+    # (chunking.refill_ms), and a chunked decode equals a one-shot one within ~1e-6
+    # (tests/test_tts_pipeline.py ATOL): at most 1 LSB of PCM16 apart.
+    x, y = np.frombuffer(a, "<i2").astype(np.int32), np.frombuffer(b, "<i2").astype(np.int32)
+    assert len(x) == len(y) and np.abs(x - y).max() <= 1
     fast = run(2.0)
     assert abs(len(fast) / len(a) - 0.5) < 0.05
 
