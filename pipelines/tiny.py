@@ -190,6 +190,25 @@ def talker_layout(text_vocab_size: int) -> CodecLayout:
     )
 
 
+def train_byte_bpe(vocab_size: int) -> Any:
+    """A byte-level BPE (`tokenizers.Tokenizer`, GPT-2 / Llama 3 pre-tokenizer: the 256
+    byte symbols plus merges) trained on CORPUS, with no special tokens yet."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False and use_regex=True is what GPT-2/Llama 3 style BPE uses.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        special_tokens=[],
+    )
+    tok.train_from_iterator(list(CORPUS) * 4, trainer=trainer)
+    return tok
+
+
 def _train_tokenizer(
     out: Path,
     special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
@@ -198,20 +217,10 @@ def _train_tokenizer(
     extra_config: dict[str, Any] | None = None,
 ) -> int:
     """Train the byte-level BPE, save tokenizer files, return the text vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import decoders, processors
 
-    tok = Tokenizer(models.BPE())
-    # add_prefix_space=False and use_regex=True is what GPT-2/Llama 3 style BPE uses.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok = train_byte_bpe(TEXT_VOCAB_SIZE)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TEXT_VOCAB_SIZE,
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-        special_tokens=[],
-    )
-    tok.train_from_iterator(list(CORPUS) * 4, trainer=trainer)
     text_vocab = tok.get_vocab_size()
     # Special tokens are added after training so they get ids text_vocab.. (as in
     # Llama 3, where they follow the 128000 text tokens) instead of 0...

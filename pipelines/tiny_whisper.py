@@ -123,26 +123,11 @@ def special_tokens() -> list[str]:
     ]
 
 
-def _corpus() -> tuple[str, ...]:
-    from pipelines.tiny import CORPUS
-
-    return CORPUS
-
-
 def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """Byte-level BPE (Whisper/GPT-2 pre-tokenizer) on the corpus: vocab and merges."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from pipelines.tiny import train_byte_bpe  # it imports this module's builder lazily
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(
-        vocab_size=TEXT_VOCAB_TARGET,
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-        special_tokens=[],
-    )
-    tok.train_from_iterator(list(_corpus()) * 4, trainer=trainer)
+    tok = train_byte_bpe(TEXT_VOCAB_TARGET)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     return dict(model["vocab"]), merges  # type: ignore[return-value]
