@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from omni_rt import metrics
@@ -24,7 +24,7 @@ from omni_rt.status import RequestStatus
 if TYPE_CHECKING:
     from omni_rt.orchestrator import _Group, _RequestState
 
-__all__ = ["StageContext", "StageError", "StageInput", "StageProcessor"]
+__all__ = ["StageContext", "StageError", "StageInput", "StageProcessor", "check_processor_args"]
 
 
 _EOS = object()
@@ -157,6 +157,13 @@ class StageContext:
 
 
 E = TypeVar("E")
+
+
+def check_processor_args(args: Mapping[str, Any], known: Iterable[str], what: str) -> None:
+    """Refuse processor_args a processor does not take (a typo must not pass silently)."""
+    unknown = set(args) - set(known)
+    if unknown:
+        raise ValueError(f"unknown {what} processor_args: {sorted(unknown)}")
 
 
 class StageProcessor(abc.ABC):

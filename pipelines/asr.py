@@ -21,7 +21,7 @@ import numpy as np
 from omni_rt.engines.base import ArEngine, Engine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor
+from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
 
 RATE = 16000
 WINDOW_S = 30.0
@@ -34,9 +34,7 @@ class AsrProcessor(StageProcessor):
         super().__init__(spec, engine, aux)
         self.ar = self.engine_as(ArEngine)
         assert spec.model is not None
-        unknown = set(spec.processor_args) - set(self.DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown asr processor_args: {sorted(unknown)}")
+        check_processor_args(spec.processor_args, self.DEFAULTS, "asr")
         self.args = {**self.DEFAULTS, **spec.processor_args}
         self.tokenizer: Any = None
         self._languages: dict[str, int] = {}
@@ -55,10 +53,11 @@ class AsrProcessor(StageProcessor):
                     ("startoftranscript", "transcribe", "translate", "notimestamps", "startofprev", "endoftext")}
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._load)
+        if self.tokenizer is None:  # the wire may have asked for the languages already
+            await asyncio.to_thread(self._load)
 
     def languages(self) -> list[str]:
-        if not self._languages:
+        if self.tokenizer is None:
             self._load()
         return sorted(self._languages)
 

@@ -24,7 +24,7 @@ import torch
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import ChunkingSpec, StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor
+from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
 from pipelines.codec import (
     SAMPLE_RATE,
     SAMPLES_PER_FRAME,
@@ -107,9 +107,7 @@ class CodecTalker:
     }
 
     def __init__(self, model_dir: str, args: Mapping[str, Any]) -> None:
-        unknown = set(args) - set(self.DEFAULTS) - {"chunking"}
-        if unknown:
-            raise ValueError(f"unknown talker processor_args: {sorted(unknown)}")
+        check_processor_args(args, {*self.DEFAULTS, "chunking"}, "talker")
         self.args = {**self.DEFAULTS, **checkpoint_sampling(model_dir), **args}
         self.model_dir = model_dir
         self.layout = CodecLayout.load(model_dir)

@@ -34,7 +34,7 @@ import torch
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor
+from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
 from pipelines.tts import checkpoint_sampling
 
 AUDIO_PLACEHOLDER = "<|audio|>"
@@ -260,9 +260,7 @@ class ThinkerProcessor(StageProcessor):
         super().__init__(spec, engine, aux)
         self.ar = self.engine_as(ArEngine)
         assert spec.model is not None
-        unknown = set(spec.processor_args) - set(self.DEFAULTS)
-        if unknown:
-            raise ValueError(f"unknown thinker processor_args: {sorted(unknown)}")
+        check_processor_args(spec.processor_args, self.DEFAULTS, "thinker")
         self.args = {**self.DEFAULTS, **checkpoint_sampling(spec.model), **spec.processor_args}
         self.tokenizer: Any = None
         self._fast: Any = None

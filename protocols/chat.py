@@ -29,7 +29,7 @@ from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
 from protocols.auth import principal_of
 from protocols.errors import error_body
-from protocols.http import Streamed, json_response, read_json, send_streamed, validate_body
+from protocols.http import Streamed, json_response, prepend, read_json, send_streamed, validate_body
 from protocols.registry import Mount
 from sessions import SessionManager
 
@@ -206,7 +206,7 @@ class ChatService:
             await self.sessions.end(session, "failed")
             raise
         return Streamed(
-            self._sse(session, stream, _prepend(first, outputs), cid, created, req.model, voice is not None, include_usage, t0),
+            self._sse(session, stream, prepend(first, outputs), cid, created, req.model, voice is not None, include_usage, t0),
             "text/event-stream",
             lambda: self.sessions.end(session, "client_disconnected"),
             headers={"x-session-id": session.id},
@@ -270,14 +270,6 @@ class ChatService:
             yield f"data: {json.dumps({'error': err})}\n\n".encode()
         finally:
             await asyncio.shield(self.sessions.end(session, outcome))
-
-
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    if first is None:
-        return
-    yield first
-    async for x in rest:
-        yield x
 
 
 def mount(m: Mount) -> None:

@@ -179,6 +179,16 @@ class Streamed:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`first` (an item taken from `rest` before the reply started; None: `rest` had
+    none), then the rest of `rest`."""
+    if first is None:
+        return
+    yield first
+    async for x in rest:
+        yield x
+
+
 class _SendWatchdog:
     """Cancels the sending task when one write has waited `timeout` seconds for the
     client to read (a timer every timeout / 4; a write costs two assignments, not a

@@ -26,7 +26,7 @@ from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import AudioFormatError, decode_audio
 from protocols.auth import principal_of
 from protocols.errors import error_body
-from protocols.http import Streamed, check_length, json_response, send_streamed
+from protocols.http import Streamed, check_length, json_response, prepend, send_streamed
 from protocols.registry import Mount
 from sessions import SessionManager
 
@@ -171,9 +171,7 @@ class TranscriptionService:
             raise
 
         async def texts() -> AsyncIterator[Payload]:
-            if first is not None:
-                yield first[1]
-            async for _, p, _ in outputs:
+            async for _, p, _ in prepend(first, outputs):
                 session.touch()
                 yield p
 
