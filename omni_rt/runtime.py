@@ -9,6 +9,7 @@ from typing import Any
 
 from omni_rt.connectors import Connector, make_connector
 from omni_rt.engines.base import Engine
+from omni_rt.errors import StageError
 from omni_rt.orchestrator import Orchestrator
 from omni_rt.specs import AuxEngineSpec, ConnectorSpec, ProfileSpec, SpecError, StageSpec
 from omni_rt.stage import StageProcessor
@@ -104,7 +105,13 @@ class Runtime:
             for k, a in s.aux.items()
         }
         model = self.resolve_model(s.model, f"{key}.model") if s.model else None
-        return s.model_copy(update={"model": model, "aux": aux})
+        resolved = s.model_copy(update={"model": model, "aux": aux})
+        if model is not None:
+            try:
+                self.processor_class(resolved).check_model(model)
+            except StageError as exc:
+                raise SpecError(f"{key}.model: {exc}") from None
+        return resolved
 
     def processor_class(self, spec: StageSpec) -> type[StageProcessor]:
         return import_processor(spec.processor)

@@ -181,6 +181,13 @@ class StageProcessor(abc.ABC):
         None: the stage cannot run on a torch engine."""
         return None
 
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:  # noqa: B027 - optional hook
+        """Refuse (StageError) a model directory this stage cannot load, from its config
+        and processor files alone (no weights are read): `omni-rt check` and serve
+        call it before any engine starts. By default every directory passes."""
+        return None
+
     def engine_as(self, contract: type[E], role: str = "main") -> E:
         """This replica's engine (`role` "main") or aux engine, checked against the
         contract the processor programs against (`omni_rt.engines.base`)."""

@@ -22,6 +22,7 @@ from omni_rt.engines.base import ArEngine, Engine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from pipelines import checkpoint
 
 RATE = 16000
 WINDOW_S = 30.0
@@ -29,6 +30,14 @@ WINDOW_S = 30.0
 
 class AsrProcessor(StageProcessor):
     DEFAULTS: dict[str, Any] = {"max_tokens": 440}
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        checkpoint.check_architecture(model_dir, "asr", "WhisperForConditionalGeneration", lambda a: a == "WhisperForConditionalGeneration")
+        fe = checkpoint.config(model_dir, "preprocessor_config.json").get("feature_extractor_type")
+        if fe != "WhisperFeatureExtractor":
+            raise StageError(f"asr {model_dir}: preprocessor_config.json must name WhisperFeatureExtractor (got {fe!r})")
+        checkpoint.check_tokenizer_files(model_dir, "asr")
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)

@@ -502,6 +502,14 @@ AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
 WORLD_DIRNAME = "tiny-flux-world"
 POLICY_DIRNAME = "tiny-flow-policy"
+
+
+def _fill_omni(out: Path) -> None:
+    from pipelines.tiny_omni import fill  # it trains its tokenizer on CORPUS (imports this module)
+
+    fill(out)
+
+
 def _fill_whisper(out: Path) -> None:
     from pipelines.tiny_whisper import fill  # it trains its tokenizer on CORPUS (imports this module)
 
@@ -517,6 +525,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "image": (IMAGE_DIRNAME, _fill_image),
     "world": (WORLD_DIRNAME, _fill_world),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
+    "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
 }
 
 

@@ -25,6 +25,7 @@ from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import ChunkingSpec, StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from pipelines import checkpoint
 from pipelines.codec import (
     SAMPLE_RATE,
     SAMPLES_PER_FRAME,
@@ -174,6 +175,11 @@ async def _input_text(ctx: StageContext) -> str:
 
 class TalkerProcessor(StageProcessor):
     """Split profile, stage 1: text -> codec frames (published as CODES chunks)."""
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        checkpoint.check_architecture(model_dir, "talker", "a causal LM (…ForCausalLM, e.g. Orpheus' LlamaForCausalLM)", lambda a: a.endswith("ForCausalLM"))
+        checkpoint.check_tokenizer_files(model_dir, "talker")
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
@@ -381,9 +387,19 @@ def _snac_module(model_dir: str) -> Callable[[], torch.nn.Module]:
 class Code2WavProcessor(StageProcessor):
     """Split profile, stage 2: codec frames -> PCM chunks."""
 
+    SNAC_KEYS = ("sampling_rate", "codebook_size", "vq_strides", "decoder_rates")
+
     @staticmethod
     def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
         return _snac_module(model_dir)
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        missing = [k for k in cls.SNAC_KEYS if k not in checkpoint.config(model_dir)]
+        if missing:
+            raise StageError(f"code2wav {model_dir}: config.json is not a SNAC config (missing {', '.join(missing)})")
+        if not any((Path(model_dir) / f).is_file() for f in ("pytorch_model.bin", "model.safetensors")):
+            raise StageError(f"code2wav {model_dir}: no weights file (pytorch_model.bin or model.safetensors)")
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)

@@ -35,6 +35,7 @@ from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from pipelines.checkpoint import architectures, check_tokenizer_files
 from pipelines.tts import checkpoint_sampling
 
 AUDIO_PLACEHOLDER = "<|audio|>"
@@ -249,12 +250,73 @@ class SegmentEncoder:
         return out
 
 
+# Architectures (config.json) whose vLLM model takes audio itself, through the model's
+# own processor: Qwen2.5-Omni (vLLM serves its thinker and skips talker/token2wav).
+NATIVE_AUDIO_ARCHITECTURES = frozenset({"Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel"})
+NATIVE_RATE = 16000  # what their feature extractors take
+
+
+def native_messages(messages: list[Mapping[str, Any]], with_audio: bool) -> list[dict[str, Any]]:
+    """Conversation messages as a multimodal chat template takes them: the latest
+    `<|audio|>` (the utterance whose audio is given) becomes an audio content part;
+    older placeholders (audio not kept, no transcript) are left out."""
+    spot = None
+    if with_audio:
+        for i in range(len(messages) - 1, -1, -1):
+            if AUDIO_PLACEHOLDER in str(messages[i].get("content", "")):
+                spot = i
+                break
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        content = str(m.get("content", ""))
+        if AUDIO_PLACEHOLDER not in content:
+            out.append({"role": m.get("role", "user"), "content": content})
+            continue
+        pieces = content.split(AUDIO_PLACEHOLDER)
+        parts: list[dict[str, Any]] = []
+        for j, piece in enumerate(pieces):
+            if piece.strip():
+                parts.append({"type": "text", "text": piece.strip()})
+            if i == spot and j == len(pieces) - 2:
+                parts.append({"type": "audio"})
+        out.append({"role": m.get("role", "user"), "content": parts or [{"type": "text", "text": ""}]})
+    return out
+
+
 class ThinkerProcessor(StageProcessor):
-    """Chat text + audio embeddings -> streamed text (TEXT deltas)."""
+    """Chat text (+ the user's speech) -> streamed text (TEXT deltas).
+
+    What the user said arrives in the form the profile gives it:
+
+    * AUDIO (any rate): a model that takes audio itself (`NATIVE_AUDIO_ARCHITECTURES`,
+      the default profile): the prompt is rendered by the checkpoint's own processor
+      and chat template with the audio as a content part, and vLLM runs the model's
+      audio tower on it (`multi_modal_data`);
+    * TEXT: a transcript (the cascade profile: asr -> any text chat LM), put where the
+      utterance's placeholder is;
+    * HIDDEN: audio embeddings spliced into `prompt_embeds` (the legacy profile's
+      home-made encoder).
+    """
 
     # min_tokens: the stop token is masked until this many tokens are out (a voice
     # agent that answers nothing is never what a caller wants).
     DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64, "min_tokens": 1}
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        arch = architectures(model_dir)
+        if not arch:
+            raise StageError(f"thinker {model_dir}: config.json missing or without architectures")
+        check_tokenizer_files(model_dir, "thinker", chat=True)
+        if NATIVE_AUDIO_ARCHITECTURES & set(arch):
+            pre = Path(model_dir) / "preprocessor_config.json"
+            if not pre.is_file() or not json.loads(pre.read_text()).get("feature_extractor_type"):
+                raise StageError(f"thinker {model_dir}: {arch[0]} needs its processor files (preprocessor_config.json with a feature extractor)")
+        elif not any(a.endswith("ForCausalLM") for a in arch):
+            raise StageError(
+                f"thinker {model_dir}: architecture {arch[0]} is neither a chat LM (…ForCausalLM) nor one whose audio "
+                f"input the thinker supports ({', '.join(sorted(NATIVE_AUDIO_ARCHITECTURES))})"
+            )
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
@@ -262,49 +324,96 @@ class ThinkerProcessor(StageProcessor):
         assert spec.model is not None
         check_processor_args(spec.processor_args, self.DEFAULTS, "thinker")
         self.args = {**self.DEFAULTS, **checkpoint_sampling(spec.model), **spec.processor_args}
+        self.native = bool(NATIVE_AUDIO_ARCHITECTURES & set(architectures(spec.model)))
         self.tokenizer: Any = None
+        self.processor: Any = None
+        self.n_fft = self.hop = 0
+        self.max_samples = 0
         self._fast: Any = None
         self._segments: SegmentEncoder | None = None
         self.embed: torch.Tensor | None = None
 
     def _load(self) -> None:
-        from safetensors import safe_open
         from transformers import AutoTokenizer
 
         assert self.spec.model is not None
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model)
-        for f in sorted(Path(self.spec.model).glob("*.safetensors")):
-            with safe_open(str(f), "pt") as st:
-                if "model.embed_tokens.weight" in st.keys():
-                    self.embed = st.get_tensor("model.embed_tokens.weight").float()
-        if self.embed is None:
-            raise StageError(f"thinker checkpoint {self.spec.model} has no model.embed_tokens.weight")
+        if self.native:
+            from transformers import AutoProcessor
+
+            from omni_rt.vllm_plugin import register
+
+            register()  # what vLLM's processes get from the plugin, here too
+            self.processor = AutoProcessor.from_pretrained(self.spec.model)
+            self.tokenizer = self.processor.tokenizer
+            fe = self.processor.feature_extractor
+            self.n_fft, self.hop, self.max_samples = int(fe.n_fft), int(fe.hop_length), int(fe.n_samples)
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model)
+        if self.spec.engine_args.get("enable_prompt_embeds"):
+            self._load_embeddings()
         self.audio_id = self.tokenizer.convert_tokens_to_ids(AUDIO_PLACEHOLDER)
         self.stop_ids = [i for i in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")} if i is not None]
         self.text_vocab = min(self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.all_special_tokens)
         self._fast = rust_tokenizer(self.tokenizer)
         self._segments = SegmentEncoder.for_tokenizer(self._fast) if self._fast is not None else None
 
+    def _load_embeddings(self) -> None:
+        from safetensors import safe_open
+
+        assert self.spec.model is not None
+        for f in sorted(Path(self.spec.model).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                if "model.embed_tokens.weight" in st.keys():
+                    self.embed = st.get_tensor("model.embed_tokens.weight").float()
+        if self.embed is None:
+            raise StageError(f"thinker checkpoint {self.spec.model} has no model.embed_tokens.weight")
+
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
 
-    def prompt_ids(self, messages: list[Mapping[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def render(self, messages: list[Mapping[str, Any]], with_audio: bool = False) -> str:
+        """The prompt text, by the checkpoint's own chat template."""
+        if self.native:
+            return str(self.processor.apply_chat_template(native_messages(messages, with_audio), add_generation_prompt=True, tokenize=False))
+        return str(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False))
+
+    def encode(self, text: str) -> list[int]:
         if self._segments is not None:
             return self._segments.encode(text)
         if self._fast is not None:  # the Rust tokenizer itself: same ids, less Python per call
             return list(self._fast.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def prompt_ids(self, messages: list[Mapping[str, Any]], with_audio: bool = False) -> list[int]:
+        return self.encode(self.render(messages, with_audio))
+
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:
             return str(self._fast.decode(ids, skip_special_tokens=True))
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def prompt_embeds(self, messages: list[Mapping[str, str]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
+    def audio_prompt(self, pcm: np.ndarray) -> dict[str, Any]:
+        """The engine inputs for the user's speech (16 kHz float32): vLLM's
+        `multi_modal_data`, and the feature extractor padding to just past the audio
+        (its checkpoint pads to `n_samples`, 300 s for Qwen2.5-Omni; the frames of the
+        audio are bit-identical either way, since only zeros follow them, and the
+        padded frames are masked, but the extractor's cost follows the padded length)."""
+        if len(pcm) > self.max_samples:
+            raise StageError(f"the user's audio is {len(pcm) / NATIVE_RATE:.1f} s; the model takes at most {self.max_samples / NATIVE_RATE:.0f} s")
+        pad = min(self.max_samples, -(-(len(pcm) + self.n_fft) // self.hop) * self.hop)
+        return {"multi_modal_data": {"audio": (pcm, NATIVE_RATE)}, "mm_processor_kwargs": {"audio_kwargs": {"max_length": pad}}}
+
+    def audio_tokens(self, samples: int) -> int:
+        """How many audio tokens Qwen2.5-Omni's audio tower makes of `samples` (its
+        processor's rule: feature frames, halved by the conv, pooled by 2)."""
+        frames = -(-samples // self.hop)
+        return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+    def prompt_embeds(self, messages: list[Mapping[str, Any]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
         ids = self.prompt_ids(messages)
+        if self.embed is None:
+            raise StageError("this thinker takes no audio embeddings (start its engine with enable_prompt_embeds)")
         embed = self.embed
-        assert embed is not None
 
         def rows(sel: list[int]) -> torch.Tensor:
             return embed[torch.tensor(sel, dtype=torch.long)]
@@ -345,28 +454,64 @@ class ThinkerProcessor(StageProcessor):
             sampling["seed"] = int(params["seed"])
         return sampling
 
+    async def _speech(self, ctx: StageContext) -> tuple[np.ndarray | None, np.ndarray | None, str | None]:
+        """What the user said, as this request's inputs give it: (16 kHz audio,
+        audio embeddings, transcript)."""
+        if not ctx.inputs:
+            return None, None, None
+        pcm: list[np.ndarray] = []
+        rate: int | None = None
+        embeds: list[np.ndarray] = []
+        text: list[str] = []
+        for p in await ctx.input().read_all():
+            if p.kind == PayloadKind.AUDIO:
+                r = int(p.meta.get("sample_rate", 24000))
+                if rate is not None and r != rate:
+                    raise StageError(f"audio sample rate changed mid-utterance ({rate} -> {r})")
+                rate = r
+                pcm.append(np.asarray(p.arrays["pcm"], np.float32).reshape(-1))
+            elif p.kind == PayloadKind.HIDDEN:
+                embeds.append(p.arrays["embeds"])
+            elif p.kind == PayloadKind.TEXT and p.text:
+                text.append(p.text)
+        audio = None
+        if pcm:
+            if not self.native:
+                raise StageError(f"thinker {self.spec.model} takes no audio (a text chat LM: serve it in the cascade profile, after asr)")
+            audio = np.concatenate(pcm)
+            if rate != NATIVE_RATE:
+                import soxr
+
+                audio = await asyncio.to_thread(soxr.resample, audio, rate, NATIVE_RATE)
+        return audio, (np.concatenate(embeds) if embeds else None), ("".join(text).strip() if text else None)
+
     async def run(self, ctx: StageContext) -> None:
-        audio_chunks = []
-        if ctx.inputs:
-            for p in await ctx.input().read_all():
-                if p.kind == PayloadKind.HIDDEN:
-                    audio_chunks.append(p.arrays["embeds"])
-        audio = np.concatenate(audio_chunks) if audio_chunks else None
+        audio, embeds, transcript = await self._speech(ctx)
         # An empty conversation is answered too (OpenAI greets): chat templates refuse an
         # empty list, so the prompt is one empty user turn.
         messages = list(ctx.params.get("messages") or []) or [{"role": "user", "content": ""}]
-        if audio is not None and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
+        heard = audio is not None or embeds is not None or transcript is not None
+        if heard and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
-        # Text only: token ids, the engine's fast path (no embedding rows to ship to the
-        # engine process). With audio: prompt embeddings with the audio spliced in.
+        if transcript is not None:  # the cascade: the transcript goes where the utterance is
+            messages = put_transcript(messages, transcript)
         prompt: dict[str, Any]
-        if audio is None:
+        if audio is not None:
+            # native audio: token ids with the model's audio placeholder, the audio
+            # itself beside them (vLLM's processor expands the placeholder)
+            ids = self.prompt_ids(messages, with_audio=True)
+            n_audio = self.audio_tokens(len(audio))
+            prompt, n_in = {"prompt_token_ids": ids, **self.audio_prompt(audio)}, len(ids) - 1 + n_audio
+            ctx.add_usage(input_audio_tokens=n_audio)
+        elif embeds is not None:
+            # prompt embeddings with the audio spliced in at its placeholder
+            emb, _ = self.prompt_embeds(messages, embeds)
+            prompt, n_in = {"prompt_embeds": emb}, int(emb.shape[0])
+            ctx.add_usage(input_audio_tokens=int(embeds.shape[0]))  # rows of the prompt that are audio
+        else:
+            # text only: token ids, the engine's fast path
             ids = self.prompt_ids(messages)
             prompt, n_in = {"prompt_token_ids": ids}, len(ids)
-        else:
-            emb, _ = self.prompt_embeds(messages, audio)
-            prompt, n_in = {"prompt_embeds": emb}, int(emb.shape[0])
-            ctx.add_usage(input_audio_tokens=int(audio.shape[0]))  # rows of the prompt that are audio
         sampling = self.sampling(ctx.params)
         ctx.add_usage(input_tokens=n_in)
         detok = self.detokenizer()
@@ -403,3 +548,18 @@ class ThinkerProcessor(StageProcessor):
             return delta
 
         return whole
+
+
+def put_transcript(messages: list[Mapping[str, Any]], transcript: str) -> list[Mapping[str, Any]]:
+    """The latest `<|audio|>` replaced by what was heard (older ones, whose audio is
+    not kept, are dropped)."""
+    out: list[Mapping[str, Any]] = []
+    spot = max(i for i, m in enumerate(messages) if AUDIO_PLACEHOLDER in str(m.get("content", "")))
+    for i, m in enumerate(messages):
+        content = str(m.get("content", ""))
+        if AUDIO_PLACEHOLDER in content:
+            head, _, tail = content.rpartition(AUDIO_PLACEHOLDER)
+            said = transcript if i == spot else ""
+            content = " ".join(p for p in (head.replace(AUDIO_PLACEHOLDER, "").strip(), said, tail.strip()) if p)
+        out.append({**m, "content": content})
+    return out

@@ -168,6 +168,14 @@ class Session:
         return self.fence
 
     # ---- requests --------------------------------------------------------------------
+    def entry_stage(self, pipeline: str | None = None) -> str | None:
+        """The entry stage of the profile served for this session's pipeline (None
+        without an orchestrator or pipeline)."""
+        name = pipeline or self.pipeline
+        orch = self._manager.orchestrator
+        profile = orch.pipelines.get(name) if orch is not None and name is not None else None
+        return profile.entry if profile is not None else None
+
     def submit(
         self,
         params: Mapping[str, Any] | None = None,

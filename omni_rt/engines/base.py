@@ -15,7 +15,7 @@ checked against the same contract as the real one:
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from omni_rt.errors import ContextLengthExceeded, EngineDead, EngineError, EngineRequestError
@@ -90,6 +90,8 @@ class ArEngine(Protocol):
         prompt_token_ids: list[int] | None = None,
         prompt_embeds: Any = None,
         encoder_audio: tuple[Any, int] | None = None,
+        multi_modal_data: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
         sampling: dict[str, Any],
     ) -> AsyncIterator[list[int]]: ...
 

@@ -410,6 +410,25 @@ class VllmEngine(Engine):
             raise EngineRequestError(f"{self.name}: the audio prompt was refused: {exc}") from exc
         return rendered
 
+    async def _mm_prompt(self, ids: list[int] | None, data: Mapping[str, Any], kwargs: Mapping[str, Any] | None) -> Any:
+        """A token prompt with multimodal data, rendered by vLLM's renderer (the model's
+        processor; its checks of the data)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        self._prompt(ids, None)  # the token checks
+        assert ids is not None
+        llm = self.llm
+        prompt = TokensPrompt(prompt_token_ids=[int(t) for t in ids], multi_modal_data=dict(data))
+        if kwargs:
+            prompt["mm_processor_kwargs"] = dict(kwargs)
+        try:
+            (rendered,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, prompt)])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise EngineRequestError(f"{self.name}: the multimodal prompt was refused: {exc}") from exc
+        self.check_prompt_length(len(rendered["prompt_token_ids"]))
+        return rendered
+
     async def generate(
         self,
         request_id: str,
@@ -417,6 +436,8 @@ class VllmEngine(Engine):
         prompt_token_ids: list[int] | None = None,
         prompt_embeds: Any = None,
         encoder_audio: tuple[Any, int] | None = None,
+        multi_modal_data: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
         sampling: dict[str, Any],
     ) -> AsyncIterator[list[int]]:
         """Yield the new token ids of each engine step until the request finishes.
@@ -424,6 +445,11 @@ class VllmEngine(Engine):
         `encoder_audio` ((float32 mono, rate)): an encoder-decoder model's audio input
         (Whisper), rendered by vLLM's own processor; `prompt_token_ids` is then the
         decoder prompt.
+
+        `multi_modal_data` (e.g. ``{"audio": (pcm, 16000)}``) goes with
+        `prompt_token_ids` that hold the model's placeholder token(s): vLLM's own
+        processor for the model (with `mm_processor_kwargs`) makes the features and
+        expands the placeholders.
 
         Ends normally on stop/EOS/max_tokens or after `abort(request_id)`. If the
         consumer stops iterating (break, aclose, GeneratorExit, task cancel) the
@@ -434,7 +460,12 @@ class VllmEngine(Engine):
         if request_id in self._inflight:
             raise EngineRequestError(f"{self.name}: request {request_id!r} already running")
         params = self._sampling_params(sampling)
-        prompt = await self._audio_prompt(prompt_token_ids, encoder_audio) if encoder_audio is not None else self._prompt(prompt_token_ids, prompt_embeds)
+        if encoder_audio is not None:
+            prompt = await self._audio_prompt(prompt_token_ids, encoder_audio)
+        elif multi_modal_data is not None:
+            prompt = await self._mm_prompt(prompt_token_ids, multi_modal_data, mm_processor_kwargs)
+        else:
+            prompt = self._prompt(prompt_token_ids, prompt_embeds)
 
         self._inflight.add(request_id)
         self._aborted.discard(request_id)

@@ -6,7 +6,7 @@ these, deterministically and fast (`step_s` of wall time per step: the speed fac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,8 @@ class FakeArEngine(Engine):
         prompt_token_ids: list[int] | None = None,
         prompt_embeds: Any = None,
         encoder_audio: tuple[Any, int] | None = None,
+        multi_modal_data: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
         sampling: dict[str, Any],
     ) -> AsyncIterator[list[int]]:
         self.require_alive()
@@ -55,7 +57,7 @@ class FakeArEngine(Engine):
         if request_id in self.running:
             raise EngineRequestError(f"{self.name}: request {request_id!r} already running")
         self.check_prompt_length(len(prompt_token_ids) if prompt_token_ids is not None else len(prompt_embeds))
-        self.prompts[request_id] = {"prompt_token_ids": prompt_token_ids, "prompt_embeds": prompt_embeds, "sampling": dict(sampling)}
+        self.prompts[request_id] = {"prompt_token_ids": prompt_token_ids, "prompt_embeds": prompt_embeds, "multi_modal_data": multi_modal_data, "sampling": dict(sampling)}
         seed = sampling.get("seed")
         prompt = list(prompt_token_ids or [])
         rng = np.random.default_rng(seed if seed is not None else (hash(tuple(prompt)) & 0xFFFFFFFF))

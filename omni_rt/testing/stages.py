@@ -7,7 +7,8 @@ run exactly as they do over real models. Outputs are deterministic:
 - `FakeAudioEncoder` (audio_encoder): one HIDDEN row per 40 ms of audio
   ([rms, mean, max, min]), streamed block by block.
 - `FakeThinker` (thinker): one word `"w<token> "` per engine token; `seen` records
-  what each request was given (messages, rows of speech).
+  what each request was given (messages, rows of speech: embedding rows, or one per
+  40 ms of audio where the thinker takes audio itself, as the default profile's does).
 - `FakeTalker` (talker): `frames_per_word` codec frames per word of its text.
 - the real `Code2WavProcessor` runs over `vocode` (`code2wav_fn`): a short tone per
   frame, 2048 samples, a pure function of the frame (stream = batch).
@@ -89,11 +90,23 @@ class FakeThinker(StageProcessor):
 
     async def run(self, ctx: StageContext) -> None:
         rows = 0
+        said: list[str] = []
         if ctx.inputs:
             for p in await ctx.input().read_all():
+                if p.kind == PayloadKind.TEXT and p.text:  # a cascade's transcript
+                    said.append(p.text)
                 if p.kind == PayloadKind.HIDDEN:
                     rows += len(p.arrays["embeds"])
+                elif p.kind == PayloadKind.AUDIO:  # a thinker that takes audio: one row per 40 ms
+                    block = int(int(p.meta.get("sample_rate", RATE)) * BLOCK_S)
+                    rows += -(-p.arrays["pcm"].size // block)
         messages = list(ctx.params.get("messages") or [])  # empty: answered too, like the real thinker
+        if said:
+            from pipelines.voice import AUDIO_PLACEHOLDER, put_transcript
+
+            if not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
+                messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
+            messages = put_transcript(messages, "".join(said).strip())
         self.seen.append({"request_id": ctx.request_id, "messages": messages, "audio_rows": rows, "params": dict(ctx.params)})
         words = sum(len(str(m.get("content", "")).split()) for m in messages)
         ctx.add_usage(input_tokens=words + rows, **({"input_audio_tokens": rows} if rows else {}))

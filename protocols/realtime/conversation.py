@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import Field
 
 from omni_rt.errors import ClientError, OmniError
+from omni_rt.payloads import Payload
 from omni_rt.specs import PipelineSpec
 from protocols.errors import error_event
 from protocols.realtime.inputs import InputAudio, decode_pcm16
@@ -124,15 +125,16 @@ class Conversation:
     def last_item_id(self) -> str | None:
         return next(reversed(self.items), None)
 
-    def add_item(self, item: Item, done: bool = True, embeds: Any = None) -> None:
+    def add_item(self, item: Item, done: bool = True, speech: Any = None) -> None:
         """Append to the conversation. GA clients also get `conversation.item.done`
         (right away for finished items; for a response's item when it finishes).
-        `embeds`: the item's encoded speech, which becomes the audio prompts hear (only
+        `speech`: the item's speech as the thinker takes it (a future of payloads:
+        its audio, embeddings or transcript), which becomes what prompts hear (only
         the latest utterance's is kept)."""
-        if embeds is not None:
+        if speech is not None:
             for it in self.items.values():
-                it.embeds = None
-            item.embeds = embeds
+                it.speech = None
+            item.speech = speech
         prev = self.last_item_id()
         self.items[item.id] = item
         self.emit("conversation.item.created", previous_item_id=prev, item=item.wire(self.ga))
@@ -147,15 +149,15 @@ class Conversation:
                 msgs.append({"role": it.role if it.role in ("user", "assistant", "system") else "user", "content": text})
         return msgs
 
-    async def latest_embeds(self) -> np.ndarray | None:
-        """The encoded speech of the latest utterance (spliced in at its placeholder)."""
+    async def latest_speech(self) -> list[Payload]:
+        """The speech of the latest utterance (the thinker puts it at its placeholder)."""
         for it in reversed(self.items.values()):
-            if it.embeds is not None:
+            if it.speech is not None:
                 try:
-                    return await it.embeds
+                    return list(await it.speech)
                 except Exception:  # noqa: BLE001 - answer without the audio rather than not at all
-                    return None
-        return None
+                    return []
+        return []
 
     def truncate(self, item: Item, end_ms: int, content_index: int = 0) -> None:
         """History keeps what the user heard: the transcript up to `end_ms` of the
@@ -265,7 +267,7 @@ class Conversation:
         if item_id in self.items:
             raise ClientError(f"An item with id '{item_id}' already exists.", param="item.id")
         new = Item(item_id, item.role, parts)
-        self.add_item(new, embeds=await self.input.encode(audio) if audio is not None else None)
+        self.add_item(new, speech=await self.input.encode(audio, new) if audio is not None else None)
 
     def item_delete(self, ev: Mapping[str, Any]) -> None:
         item_id = ev.get("item_id")

@@ -1,8 +1,12 @@
 """The input audio buffer of a realtime conversation.
 
-User audio is encoded while it is appended: the first audio of an utterance opens an
-encoder-only request and every chunk streams into it, so a commit only waits for the
-last partial block. With server_vad a detector listens to everything appended: speech
+What happens to user audio while it is appended depends on the profile served. Where
+the profile's entry is a stage before the thinker (`front`: the legacy audio encoder,
+the cascade's asr), the first audio of an utterance opens a request to it alone and
+every chunk streams in, so a commit only waits for what is left (the encoder's last
+block, the transcript); its outputs become the utterance's "speech", given to the
+thinker with the response. Where the thinker itself takes audio (the default), the
+buffer keeps the utterance's PCM, and that is its speech. With server_vad a detector listens to everything appended: speech
 start opens the utterance (with `prefix_padding_ms` of the audio before it) and, during
 an answer, is a barge-in; speech stop commits and, with `create_response`, answers.
 The encoder requests are not fenced: a barge-in cancels the answer, not the question.
@@ -51,7 +55,10 @@ def decode_pcm16(b64: Any, param: str, limit: int = MAX_APPEND_BYTES) -> np.ndar
 class InputAudio:
     def __init__(self, conv: Conversation) -> None:
         self.conv = conv
-        self.stream: RequestStream | None = None  # the utterance being encoded
+        self.stream: RequestStream | None = None  # the utterance's request to the front stage
+        entry = conv.session.entry_stage()
+        self.front: str | None = entry if entry not in (None, "thinker") else None
+        self.pcm: list[np.ndarray] = []  # the utterance's audio, where the thinker takes it
         self.item_id: str | None = None
         self.ms = 0  # audio appended since the buffer was last committed/cleared
         self.pending_prefix: list[np.ndarray] = []
@@ -59,27 +66,33 @@ class InputAudio:
         self.collecting: set[asyncio.Task[None]] = set()
         self.heard: list[np.ndarray] = []  # the utterance's audio, kept for its transcription
 
-    # ---- encoding ----------------------------------------------------------------------
+    # ---- the utterance ----------------------------------------------------------------
     def _start(self) -> None:
-        self.stream = self.conv.session.submit(outputs={"audio_encoder"}, fenced=False)
+        if self.front is not None:
+            self.stream = self.conv.session.submit(outputs={self.front}, fenced=False)
         self.item_id = new_id("item")
 
     def _send(self, pcm: np.ndarray) -> None:
-        if self.stream is None:
+        if self.item_id is None:
             self._start()
-        assert self.stream is not None
         s = self.conv.session
-        s.send_input(self.stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
+        if self.stream is not None:
+            s.send_input(self.stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
+        else:
+            self.pcm.append(pcm)
         self.ms += len(pcm) * 1000 // RATE
         if self.conv.cfg.transcription is not None:
             self.heard.append(pcm)
 
-    async def _collect(self, stream: RequestStream, fut: asyncio.Future[np.ndarray | None]) -> None:
-        chunks = []
+    async def _collect(self, stream: RequestStream, fut: asyncio.Future[list[Payload]], item: Item | None) -> None:
+        out: list[Payload] = []
         try:
             async for _, p, _ in stream.payloads():
-                chunks.append(p.arrays["embeds"])
-            fut.set_result(np.concatenate(chunks) if chunks else None)
+                out.append(p)
+            fut.set_result(out)
+            said = "".join(p.text or "" for p in out if p.kind == PayloadKind.TEXT).strip()
+            if item is not None and said and item.content and not item.content[0].get("transcript"):
+                item.content[0]["transcript"] = said  # a cascade's transcript: later turns read it
         except Exception as exc:  # noqa: BLE001 - whoever waits must not wait forever
             if not fut.done():
                 fut.set_exception(exc)
@@ -88,22 +101,29 @@ class InputAudio:
                 fut.cancel()
             await asyncio.shield(stream.close())
 
-    def collect(self, stream: RequestStream) -> asyncio.Future[np.ndarray | None]:
-        """The embeddings of a closed utterance, once its encoder request finishes."""
+    def collect(self, stream: RequestStream, item: Item | None = None) -> asyncio.Future[list[Payload]]:
+        """The speech of a closed utterance, once its front-stage request finishes."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[np.ndarray | None] = loop.create_future()
-        task = loop.create_task(self._collect(stream, fut))
+        fut: asyncio.Future[list[Payload]] = loop.create_future()
+        task = loop.create_task(self._collect(stream, fut, item))
         self.collecting.add(task)
         task.add_done_callback(self.collecting.discard)
         return fut
 
-    async def encode(self, pcm: np.ndarray) -> asyncio.Future[np.ndarray | None]:
-        """Encode a whole utterance (an input_audio item) and wait for it."""
+    def _audio(self, pcm: np.ndarray) -> asyncio.Future[list[Payload]]:
+        fut: asyncio.Future[list[Payload]] = asyncio.get_running_loop().create_future()
+        fut.set_result([Payload(PayloadKind.AUDIO, self.conv.session.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE})])
+        return fut
+
+    async def encode(self, pcm: np.ndarray, item: Item | None = None) -> asyncio.Future[list[Payload]]:
+        """The speech of a whole utterance (an input_audio item), once it is ready."""
+        if self.front is None:
+            return self._audio(pcm)
         s = self.conv.session
-        stream = s.submit(outputs={"audio_encoder"}, fenced=False)
+        stream = s.submit(outputs={self.front}, fenced=False)
         s.send_input(stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
         stream.end_input()
-        fut = self.collect(stream)
+        fut = self.collect(stream, item)
         await asyncio.wait([fut])
         return fut
 
@@ -125,7 +145,7 @@ class InputAudio:
         if self.vad is None:
             self.vad = await self.conv.vad()
         events = await asyncio.to_thread(self.vad.push, pcm, td)
-        if self.stream is not None:
+        if self.item_id is not None:
             self._send(pcm)
         else:
             self.pending_prefix.append(pcm)
@@ -139,7 +159,7 @@ class InputAudio:
                 await self.speech_stopped(at_ms, td)
 
     async def speech_started(self, at_ms: int, td: TurnDetection) -> None:
-        if self.stream is None:
+        if self.item_id is None:
             prefix = np.concatenate(self.pending_prefix) if self.pending_prefix else np.zeros(0, np.float32)
             self.pending_prefix = []
             self._start()
@@ -160,21 +180,23 @@ class InputAudio:
             await self.conv.responses.create(None)
 
     async def commit(self) -> None:
-        if self.stream is None or self.ms < MIN_COMMIT_MS:
+        if self.item_id is None or self.ms < MIN_COMMIT_MS:
             raise ClientError(
                 "Error committing input audio buffer: buffer too small. Expected at least "
                 f"{MIN_COMMIT_MS}ms of audio, but buffer only has {self.ms:.2f}ms of audio.",
                 code="input_audio_buffer_commit_empty",
             )
         stream, item_id = self.stream, self.item_id
-        assert item_id is not None
         heard, self.heard = self.heard, []
+        pcm, self.pcm = self.pcm, []
         self.stream, self.item_id, self.ms = None, None, 0
-        stream.end_input()
+        if stream is not None:
+            stream.end_input()
         prev = self.conv.last_item_id()
         self.conv.emit("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id)
         item = Item(item_id, "user", [{"type": "input_audio", "transcript": None}])
-        self.conv.add_item(item, embeds=self.collect(stream))
+        speech = self.collect(stream, item) if stream is not None else self._audio(np.concatenate(pcm))
+        self.conv.add_item(item, speech=speech)
         if self.conv.cfg.transcription is not None and heard:
             self.transcribe(item, np.concatenate(heard), self.conv.cfg.transcription)
 
@@ -216,7 +238,7 @@ class InputAudio:
     async def clear(self) -> None:
         if self.stream is not None:
             await self.stream.close()
-        self.stream, self.item_id, self.ms, self.pending_prefix, self.heard = None, None, 0, [], []
+        self.stream, self.item_id, self.ms, self.pending_prefix, self.heard, self.pcm = None, None, 0, [], [], []
         self.conv.emit("input_audio_buffer.cleared")
 
     async def close(self) -> None:

@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from omni_rt.payloads import Payload
 from omni_rt.request import RequestStream
 
 AUDIO_PLACEHOLDER = "<|audio|>"
@@ -44,7 +43,7 @@ class Item:
     role: str
     content: list[dict[str, Any]]
     status: str = "completed"
-    embeds: asyncio.Future[np.ndarray | None] | None = None  # user audio, encoded (the latest utterance only)
+    speech: asyncio.Future[list[Payload]] | None = None  # user audio as the thinker takes it (the latest utterance only)
     audio_ms: int = 0  # assistant audio produced
     transcript: str = ""  # assistant text / transcript
 
@@ -67,7 +66,7 @@ class Item:
                 # The item whose encoded speech goes to the thinker marks its place with
                 # the placeholder (the embeddings are spliced in there), even when the
                 # client also gave a transcript; older audio turns show their transcript.
-                parts.append(AUDIO_PLACEHOLDER if self.embeds is not None else c.get("transcript") or AUDIO_PLACEHOLDER)
+                parts.append(AUDIO_PLACEHOLDER if self.speech is not None else c.get("transcript") or AUDIO_PLACEHOLDER)
             elif t in ("output_audio", "audio"):
                 parts.append(c.get("transcript") or "")
         return " ".join(p for p in parts if p)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.errors import ClientError, RequestAborted
-from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.payloads import Payload
 from protocols.audio_formats import pcm16_bytes
 from protocols.errors import to_omni
 from protocols.realtime.items import Item, Response, new_id
@@ -54,21 +54,21 @@ class Responses:
         part0: dict[str, Any] = {"type": "output_audio", "transcript": ""} if audio_out else {"type": "output_text", "text": ""}
         item = Item(new_id("item"), "assistant", [part0], status="in_progress")
         resp = Response(new_id("resp"), item, audio_out, epoch=conv.session.epoch, metadata=o.metadata)
-        embeds = await conv.latest_embeds()
+        speech = await conv.latest_speech()
         params = {
             "messages": conv.messages(o.instructions if o.instructions is not None else cfg.instructions),
             "voice": conv.pipeline.voices.get(voice, voice),
             "max_output_tokens": max_tokens,
             "temperature": o.temperature if o.temperature is not None else cfg.temperature,
         }
-        # The user's audio was encoded while it was appended: its embeddings go
-        # straight to the thinker, which is this request's entry.
+        # The user's speech (its audio, or what the profile's front stage made of it
+        # while it was appended) goes straight to the thinker, this request's entry.
         session = conv.session
         resp.stream = session.submit(params, outputs={"thinker", "code2wav"} if audio_out else {"thinker"}, entry="thinker")
         self.active = resp
         try:
-            if embeds is not None:
-                session.send_input(resp.stream, Payload(PayloadKind.HIDDEN, session.fence, arrays={"embeds": embeds}))
+            for p in speech:
+                session.send_input(resp.stream, Payload(p.kind, session.fence, text=p.text, arrays=p.arrays, meta=p.meta))
             resp.stream.end_input()
         except BaseException:
             self.active = None

@@ -1,0 +1,54 @@
+"""What a stage can tell about a checkpoint directory from its config and processor
+files alone (no weights read): the checks behind `StageProcessor.check_model`, which
+`omni-rt check` and serve run before any engine starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omni_rt.errors import StageError
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+def config(model_dir: str, name: str = "config.json") -> dict[str, Any]:
+    path = Path(model_dir) / name
+    if not path.is_file():
+        return {}
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StageError(f"{path}: not readable JSON ({exc})") from None
+    return out if isinstance(out, dict) else {}
+
+
+def architectures(model_dir: str) -> list[str]:
+    """The `architectures` a checkpoint's config.json declares (empty when none)."""
+    return [str(a) for a in config(model_dir).get("architectures") or []]
+
+
+def has_chat_template(model_dir: str) -> bool:
+    d = Path(model_dir)
+    if (d / "chat_template.json").is_file() or (d / "chat_template.jinja").is_file():
+        return True
+    return bool(config(model_dir, "tokenizer_config.json").get("chat_template"))
+
+
+def check_tokenizer_files(model_dir: str, what: str, chat: bool = False) -> None:
+    d = Path(model_dir)
+    if not any((d / f).is_file() for f in TOKENIZER_FILES):
+        raise StageError(f"{what} {model_dir}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    if chat and not has_chat_template(model_dir):
+        raise StageError(f"{what} {model_dir}: no chat template (chat_template.json/.jinja or tokenizer_config.json)")
+
+
+def check_architecture(model_dir: str, what: str, accepted: str, ok: Any) -> list[str]:
+    """The declared architectures, refused unless `ok(arch)` holds for one of them."""
+    arch = architectures(model_dir)
+    if not arch:
+        raise StageError(f"{what} {model_dir}: config.json missing or without architectures")
+    if not any(ok(a) for a in arch):
+        raise StageError(f"{what} {model_dir}: architecture {arch[0]} is not {accepted}")
+    return arch

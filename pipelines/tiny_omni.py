@@ -1,0 +1,243 @@
+"""Builder of a tiny random Qwen2.5-Omni checkpoint (the voice pipeline's speech-in thinker).
+
+Writes a directory laid out like the hub ``Qwen/Qwen2.5-Omni-*`` checkpoints, loaded
+unchanged by vLLM (``AsyncLLM`` with ``model=<dir>``: architecture
+``Qwen2_5OmniForConditionalGeneration``, served by vLLM's own
+``Qwen2_5OmniThinkerForConditionalGeneration``, which runs the audio tower on the
+audio it is given) and by transformers (``Qwen2_5OmniForConditionalGeneration`` /
+``Qwen2_5OmniProcessor.from_pretrained``):
+
+* ``config.json`` + ``model.safetensors``: ``Qwen2_5OmniForConditionalGeneration``
+  with ``enable_audio_output: false`` (the thinker only: a real checkpoint's
+  ``talker.*``/``token2wav.*`` weights are what vLLM skips), the real architecture
+  with tiny sizes: text 2 layers x 256 (M-RoPE), audio tower 1 layer x 128, vision
+  tower 1 layer x 64;
+* the processor files of the real checkpoints: ``preprocessor_config.json``
+  (``WhisperFeatureExtractor`` with 128 mels + ``Qwen2VLImageProcessor`` fields,
+  ``processor_class: Qwen2_5OmniProcessor``), ``video_preprocessor_config.json``,
+  ``chat_template.json`` (the family's template: ``<|audio_bos|><|AUDIO|><|audio_eos|>``
+  per audio part) and a byte-level BPE tokenizer trained here on
+  `pipelines.tiny.CORPUS` with the family's special tokens in its order
+  (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|AUDIO|>``, ...), each
+  multimodal token also named in ``extra_special_tokens`` as the processor reads it.
+
+The processor JSON is written as dicts, not with ``save_pretrained``: the video
+processor transformers builds needs torchvision, which this environment lacks (see
+`omni_rt.vllm_plugin`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SEED = 11
+SAMPLE_RATE = 16000
+NUM_MEL_BINS = 128  # Qwen2.5-Omni's front end: Whisper-large-v3's 128-mel log-mel
+
+# In the order of the real tokenizer's added tokens (151643..151656 there).
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|vision_pad|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+)
+# what Qwen2_5OmniProcessor reads from the tokenizer (tokenizer.audio_token ...)
+NAMED_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "audio_token": "<|AUDIO|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+DEFAULT_SYSTEM = "You are a helpful assistant."
+# The family's chat template: string contents as they are, list contents part by
+# part (audio, image and video parts as their placeholder spans), a default system
+# turn when the conversation has none.
+CHAT_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
+    "{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}"
+    "<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TEXT_CONFIG: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    # M-RoPE over (time, height, width): the sections split head_dim / 2 = 32
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+}
+AUDIO_CONFIG: dict[str, Any] = {
+    "num_mel_bins": NUM_MEL_BINS,
+    "encoder_layers": 1,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 256,
+    "d_model": 128,
+    "max_source_positions": 1500,
+    "n_window": 100,
+    "output_dim": TEXT_CONFIG["hidden_size"],
+}
+VISION_CONFIG: dict[str, Any] = {
+    "depth": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 112,
+    "out_hidden_size": TEXT_CONFIG["hidden_size"],
+    "fullatt_block_indexes": [0],
+}
+FEATURE_EXTRACTOR: dict[str, Any] = {
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": NUM_MEL_BINS,
+    "sampling_rate": SAMPLE_RATE,
+    "hop_length": 160,
+    "n_fft": 400,
+    "chunk_length": 300,
+    "n_samples": 300 * SAMPLE_RATE,
+    "nb_max_frames": 30000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+    "dither": 0.0,
+}
+IMAGE_PROCESSOR: dict[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "rescale_factor": 0.00392156862745098,
+    "resample": 3,
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": VISION_CONFIG["patch_size"],
+    "temporal_patch_size": VISION_CONFIG["temporal_patch_size"],
+    "merge_size": VISION_CONFIG["spatial_merge_size"],
+}
+VIDEO_PROCESSOR: dict[str, Any] = {
+    **{k: v for k, v in IMAGE_PROCESSOR.items() if k != "image_processor_type"},
+    "video_processor_type": "Qwen2VLVideoProcessor",
+    "min_pixels": 3136,
+    "max_pixels": 602112,
+    "processor_class": "Qwen2_5OmniProcessor",
+}
+
+
+def _tokenizer(out: Path) -> dict[str, int]:
+    from tokenizers import decoders
+
+    from pipelines.tiny import TEXT_VOCAB_SIZE, train_byte_bpe
+
+    tok = train_byte_bpe(TEXT_VOCAB_SIZE)
+    tok.decoder = decoders.ByteLevel()
+    text_vocab = tok.get_vocab_size()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: text_vocab + i for i, t in enumerate(SPECIAL_TOKENS)}
+    special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False,
+        "bos_token": None,
+        **special_map,
+        "extra_special_tokens": NAMED_TOKENS,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ids
+
+
+def fill(out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    ids = _tokenizer(out)
+    n_text = min(ids.values())
+    vocab_size = -(-(n_text + len(SPECIAL_TOKENS)) // 64) * 64
+    thinker = {
+        "audio_config": AUDIO_CONFIG,
+        "vision_config": VISION_CONFIG,
+        "text_config": {**TEXT_CONFIG, "vocab_size": vocab_size, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        "audio_token_index": ids["<|AUDIO|>"],
+        "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"],
+        "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"],
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "user_token_id": ids["<|im_start|>"],
+        "position_id_per_seconds": 25,
+        "seconds_per_chunk": 2,
+        "pad_token_id": ids["<|endoftext|>"],
+    }
+    # enable_audio_output false: the thinker alone (the talker's config keeps its
+    # defaults, whose token ids belong to the real vocabulary; nothing reads them)
+    hf_logging.set_verbosity_error()
+    try:
+        config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False, torch_dtype="float32")
+    finally:
+        hf_logging.set_verbosity_warning()
+    config.architectures = ["Qwen2_5OmniForConditionalGeneration"]
+    torch.manual_seed(SEED)
+    model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=True,
+        temperature=0.7,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+    ).save_pretrained(str(out))
+    pre = {**FEATURE_EXTRACTOR, **IMAGE_PROCESSOR, "processor_class": "Qwen2_5OmniProcessor"}
+    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
+    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2) + "\n")
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")

@@ -1,0 +1,106 @@
+"""`omni-rt check --deploy` on the documented real-weights overlays
+(examples/deploy/*.yaml), from config and processor files alone: each model directory
+gets the files its hub checkpoint has (config.json with its architectures, processor
+and tokenizer files), no weights, and the check says whether each stage can load it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omni_rt.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples" / "deploy"
+
+TOKENIZER = {"tokenizer.json": "{}", "tokenizer_config.json": json.dumps({"chat_template": "{{ messages }}"})}
+WHISPER_FE = {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "sampling_rate": 16000}
+# what each hub checkpoint the overlays name holds, less its weights
+CHECKPOINTS: dict[str, dict[str, str]] = {
+    "Qwen2.5-Omni-3B": {
+        "config.json": json.dumps({"architectures": ["Qwen2_5OmniModel"], "model_type": "qwen2_5_omni", "enable_audio_output": True}),
+        "preprocessor_config.json": json.dumps({**WHISPER_FE, "processor_class": "Qwen2_5OmniProcessor", "image_processor_type": "Qwen2VLImageProcessor"}),
+        "chat_template.json": json.dumps({"chat_template": "{{ messages }}"}),
+        "vocab.json": "{}",
+        "merges.txt": "",
+    },
+    "orpheus-3b-0.1-ft": {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}), "tokenizer.json": "{}"},
+    "snac_24khz": {
+        "config.json": json.dumps({"sampling_rate": 24000, "codebook_size": 4096, "vq_strides": [4, 2, 1], "decoder_rates": [8, 8, 4, 2]}),
+        "pytorch_model.bin": "",
+    },
+    "whisper-large-v3-turbo": {"config.json": json.dumps({"architectures": ["WhisperForConditionalGeneration"]})},
+    "Llama-3.2-3B-Instruct": {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}), **TOKENIZER},
+}
+
+
+def _materialise(name: str, tmp: Path, models: Path, broken: dict[str, dict[str, str | None]] | None = None) -> Path:
+    """The example overlay with its /models/… paths under `models`, each holding the
+    checkpoint's files (`broken` replaces or removes some). The transcriptions API reads
+    Whisper's languages from its tokenizer when it is mounted: that directory gets the
+    tiny Whisper's tokenizer files (the hub layout, the real one's token names)."""
+    text = (EXAMPLES / name).read_text()
+    tiny_whisper = Path(os.environ["OMNI_RT_MODELS_DIR"]) / "tiny-whisper"
+    for ckpt, files in CHECKPOINTS.items():
+        d = models / ckpt
+        d.mkdir(parents=True, exist_ok=True)
+        if ckpt.startswith("whisper"):
+            for f in tiny_whisper.iterdir():
+                if f.suffix in (".json", ".txt") and f.name not in ("config.json", "generation_config.json"):
+                    shutil.copy(f, d / f.name)
+        for f, body in {**files, **(broken or {}).get(ckpt, {})}.items():
+            if body is None:
+                (d / f).unlink(missing_ok=True)
+            else:
+                (d / f).write_text(body)
+        text = text.replace(f"/models/{ckpt}", str(d))
+    overlay = tmp / name
+    overlay.write_text(text)
+    return overlay
+
+
+def _check(overlay: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(["check", "--deploy", str(overlay)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("name,profile", [("qwen2.5-omni.yaml", "default"), ("cascade.yaml", "cascade")])
+def test_documented_overlays_pass_the_check(name, profile, tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))  # the pipelines the overlay leaves on tiny
+    overlay = _materialise(name, tmp_path, tmp_path / "models")
+    rc, out, err = _check(overlay, capsys)
+    assert rc == 0, err
+    voice = json.loads(out)["voice"]
+    stages = {s["name"]: s for s in voice["stages"]}
+    spec = yaml.safe_load(overlay.read_text())["pipelines"]["voice"]["stages"]
+    for stage, o in spec.items():
+        assert stages[stage]["model"] == o["model"]  # the overlay's directory, as given
+    assert voice["entry"] == {"default": "thinker", "cascade": "asr"}[profile]
+    # the stages other pipelines share take the same directories
+    tts = {s["name"]: s for s in json.loads(out)["tts"]["stages"]}
+    assert tts["talker"]["model"] == stages["talker"]["model"]
+
+
+@pytest.mark.parametrize("name,ckpt,broken,says", [
+    ("qwen2.5-omni.yaml", "Qwen2.5-Omni-3B", {"preprocessor_config.json": None}, "processor files"),
+    ("qwen2.5-omni.yaml", "Qwen2.5-Omni-3B", {"config.json": json.dumps({"architectures": ["Qwen2AudioForConditionalGeneration"]})},
+     "Qwen2AudioForConditionalGeneration is neither a chat LM"),
+    ("qwen2.5-omni.yaml", "Qwen2.5-Omni-3B", {"chat_template.json": None}, "no chat template"),
+    ("cascade.yaml", "whisper-large-v3-turbo", {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]})},
+     "is not WhisperForConditionalGeneration"),
+    ("cascade.yaml", "Llama-3.2-3B-Instruct", {"tokenizer.json": None}, "no tokenizer files"),
+    ("cascade.yaml", "snac_24khz", {"config.json": json.dumps({"sampling_rate": 24000})}, "not a SNAC config"),
+    ("cascade.yaml", "orpheus-3b-0.1-ft", {"config.json": "{not json"}, "not readable JSON"),
+])
+def test_the_check_names_what_a_directory_lacks(name, ckpt, broken, says, tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise(name, tmp_path, tmp_path / "models", {ckpt: broken})
+    rc, _, err = _check(overlay, capsys)
+    assert rc == 2
+    assert says in err and ".model:" in err, err
