@@ -158,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--port", type=int, default=8600, help="port of the server the bench starts (default 8600)")
     im.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     im.add_argument("--json", help="write results here (JSON)")
+    tr = sub.add_parser(
+        "transcriptions",
+        help="concurrent /v1/audio/transcriptions callers: requests/s, latency (asr batching)",
+        description="C callers at once, each transcribing the same utterance back to back for --duration seconds.",
+    )
+    tr.add_argument("--concurrency", "-c", default="1,8", help="comma-separated levels (default 1,8)")
+    tr.add_argument("--duration", type=float, default=10.0, help="seconds per level (default 10)")
+    tr.add_argument("--warmup", type=int, default=2, help="uncounted requests first (default 2)")
+    tr.add_argument("--url", help="http://host:port of a running server (default: start one)")
+    tr.add_argument("--api-key")
+    tr.add_argument("--port", type=int, default=8900, help="port of the server the bench starts (default 8900)")
+    tr.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    tr.add_argument("--json", help="write results here (JSON)")
     w = sub.add_parser(
         "world",
         help="concurrent /v1/world rollouts: step latency, frames/s per session",
@@ -209,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 # subcommand -> module latency_bench.<module>, whose main_<module>(args) runs it
 COMMANDS = {"tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
-            "fuzz": "fuzz"}
+            "fuzz": "fuzz", "transcriptions": "transcriptions"}
 
 
 def main(argv: list[str] | None = None) -> int:

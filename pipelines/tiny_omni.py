@@ -19,7 +19,9 @@ audio it is given) and by transformers (``Qwen2_5OmniForConditionalGeneration`` 
   per audio part) and a byte-level BPE tokenizer trained here on
   `pipelines.tiny.CORPUS` with the family's special tokens in its order
   (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|AUDIO|>``, ...), each
-  multimodal token also named in ``extra_special_tokens`` as the processor reads it.
+  multimodal token also named in ``extra_special_tokens`` as the processor reads it;
+* ``spk_dict.pt``: the speakers file the hub repos ship (transformers loads it),
+  zeros for the two real voice names.
 
 The processor JSON is written as dicts, not with ``save_pretrained``: the video
 processor transformers builds needs torchvision, which this environment lacks (see
@@ -100,7 +102,9 @@ TEXT_CONFIG: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "hidden_act": "silu",
     "use_sliding_window": False,
-    "tie_word_embeddings": True,
+    # an LM head of its own: transformers' thinker ties by the thinker config, vLLM by
+    # the text config; with both false they load the same weights
+    "tie_word_embeddings": False,
     # M-RoPE over (time, height, width): the sections split head_dim / 2 = 32
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
 }
@@ -216,6 +220,7 @@ def fill(out: Path) -> None:
         "position_id_per_seconds": 25,
         "seconds_per_chunk": 2,
         "pad_token_id": ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
     }
     # enable_audio_output false: the thinker alone (the talker's config keeps its
     # defaults, whose token ids belong to the real vocabulary; nothing reads them)
@@ -241,3 +246,9 @@ def fill(out: Path) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
     (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2) + "\n")
     (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    # the speakers file every Qwen2.5-Omni repo ships (transformers' from_pretrained
+    # requires it): the real voices' names and shapes (an x-vector `cond`, a reference
+    # mel, the talker's text-start token); zeros here, as the tiny has no talker
+    speakers = {name: {"cond": torch.zeros(192), "ref_mel": torch.zeros(1, 300, 80), "bos_token": 151870 + i}
+                for i, name in enumerate(("Chelsie", "Ethan"))}
+    torch.save(speakers, str(out / "spk_dict.pt"))

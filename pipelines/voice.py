@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +256,7 @@ NATIVE_AUDIO_ARCHITECTURES = frozenset({"Qwen2_5OmniForConditionalGeneration", "
 NATIVE_RATE = 16000  # what their feature extractors take
 
 
-def native_messages(messages: list[Mapping[str, Any]], with_audio: bool) -> list[dict[str, Any]]:
+def native_messages(messages: Sequence[Mapping[str, Any]], with_audio: bool) -> list[dict[str, Any]]:
     """Conversation messages as a multimodal chat template takes them: the latest
     `<|audio|>` (the utterance whose audio is given) becomes an audio content part;
     older placeholders (audio not kept, no transcript) are left out."""
@@ -371,7 +371,7 @@ class ThinkerProcessor(StageProcessor):
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
 
-    def render(self, messages: list[Mapping[str, Any]], with_audio: bool = False) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], with_audio: bool = False) -> str:
         """The prompt text, by the checkpoint's own chat template."""
         if self.native:
             return str(self.processor.apply_chat_template(native_messages(messages, with_audio), add_generation_prompt=True, tokenize=False))
@@ -384,7 +384,7 @@ class ThinkerProcessor(StageProcessor):
             return list(self._fast.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, messages: list[Mapping[str, Any]], with_audio: bool = False) -> list[int]:
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], with_audio: bool = False) -> list[int]:
         return self.encode(self.render(messages, with_audio))
 
     def decode(self, ids: list[int]) -> str:
@@ -409,7 +409,7 @@ class ThinkerProcessor(StageProcessor):
         frames = -(-samples // self.hop)
         return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
-    def prompt_embeds(self, messages: list[Mapping[str, Any]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
+    def prompt_embeds(self, messages: Sequence[Mapping[str, Any]], audio: np.ndarray | None) -> tuple[torch.Tensor, int]:
         ids = self.prompt_ids(messages)
         if self.embed is None:
             raise StageError("this thinker takes no audio embeddings (start its engine with enable_prompt_embeds)")

@@ -50,9 +50,9 @@ def _materialise(name: str, tmp: Path, models: Path, broken: dict[str, dict[str,
         d = models / ckpt
         d.mkdir(parents=True, exist_ok=True)
         if ckpt.startswith("whisper"):
-            for f in tiny_whisper.iterdir():
-                if f.suffix in (".json", ".txt") and f.name not in ("config.json", "generation_config.json"):
-                    shutil.copy(f, d / f.name)
+            for src in tiny_whisper.iterdir():
+                if src.suffix in (".json", ".txt") and src.name not in ("config.json", "generation_config.json"):
+                    shutil.copy(src, d / src.name)
         for f, body in {**files, **(broken or {}).get(ckpt, {})}.items():
             if body is None:
                 (d / f).unlink(missing_ok=True)

@@ -67,9 +67,15 @@ class InputAudio:
         self.heard: list[np.ndarray] = []  # the utterance's audio, kept for its transcription
 
     # ---- the utterance ----------------------------------------------------------------
+    def _front_params(self) -> dict[str, Any]:
+        """A cascade's front stage transcribes: greedily, in the language the session's
+        input transcription names (else detected)."""
+        t = self.conv.cfg.transcription or {}
+        return {"task": "transcribe", "language": t.get("language"), "prompt": t.get("prompt"), "temperature": 0.0}
+
     def _start(self) -> None:
         if self.front is not None:
-            self.stream = self.conv.session.submit(outputs={self.front}, fenced=False)
+            self.stream = self.conv.session.submit(self._front_params(), outputs={self.front}, fenced=False)
         self.item_id = new_id("item")
 
     def _send(self, pcm: np.ndarray) -> None:
@@ -84,28 +90,42 @@ class InputAudio:
         if self.conv.cfg.transcription is not None:
             self.heard.append(pcm)
 
-    async def _collect(self, stream: RequestStream, fut: asyncio.Future[list[Payload]], item: Item | None) -> None:
+    async def _collect(self, stream: RequestStream, fut: asyncio.Future[list[Payload]], item: Item | None, seconds: float | None) -> None:
+        """`seconds`: the front stage is the asr and the session asked for input
+        transcription: its transcript is also the transcription (`…delta` events as it
+        comes, then `…completed` or `…failed`), not a second pass over the audio."""
         out: list[Payload] = []
+        conv = self.conv
+        ids = {"item_id": item.id, "content_index": 0} if item is not None else {}
         try:
             async for _, p, _ in stream.payloads():
                 out.append(p)
+                if seconds is not None and p.text:
+                    conv.emit("conversation.item.input_audio_transcription.delta", delta=p.text, **ids)
             fut.set_result(out)
             said = "".join(p.text or "" for p in out if p.kind == PayloadKind.TEXT).strip()
             if item is not None and said and item.content and not item.content[0].get("transcript"):
                 item.content[0]["transcript"] = said  # a cascade's transcript: later turns read it
+            if seconds is not None:
+                conv.emit("conversation.item.input_audio_transcription.completed", transcript=said,
+                          usage={"type": "duration", "seconds": round(seconds, 3)}, **ids)
         except Exception as exc:  # noqa: BLE001 - whoever waits must not wait forever
             if not fut.done():
                 fut.set_exception(exc)
+            if seconds is not None:
+                err = to_omni(exc, f"transcription of {ids.get('item_id')}")
+                conv.emit("conversation.item.input_audio_transcription.failed",
+                          error={"type": err.type, "code": err.code, "message": err.public_message(), "param": None}, **ids)
         finally:
             if not fut.done():
                 fut.cancel()
             await asyncio.shield(stream.close())
 
-    def collect(self, stream: RequestStream, item: Item | None = None) -> asyncio.Future[list[Payload]]:
+    def collect(self, stream: RequestStream, item: Item | None = None, seconds: float | None = None) -> asyncio.Future[list[Payload]]:
         """The speech of a closed utterance, once its front-stage request finishes."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[list[Payload]] = loop.create_future()
-        task = loop.create_task(self._collect(stream, fut, item))
+        task = loop.create_task(self._collect(stream, fut, item, seconds))
         self.collecting.add(task)
         task.add_done_callback(self.collecting.discard)
         return fut
@@ -120,7 +140,7 @@ class InputAudio:
         if self.front is None:
             return self._audio(pcm)
         s = self.conv.session
-        stream = s.submit(outputs={self.front}, fenced=False)
+        stream = s.submit(self._front_params(), outputs={self.front}, fenced=False)
         s.send_input(stream, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
         stream.end_input()
         fut = self.collect(stream, item)
@@ -195,10 +215,16 @@ class InputAudio:
         prev = self.conv.last_item_id()
         self.conv.emit("input_audio_buffer.committed", previous_item_id=prev, item_id=item_id)
         item = Item(item_id, "user", [{"type": "input_audio", "transcript": None}])
-        speech = self.collect(stream, item) if stream is not None else self._audio(np.concatenate(pcm))
+        settings = self.conv.cfg.transcription
+        transcribing = settings is not None and bool(heard)
+        shared = transcribing and self.front == "asr"  # the cascade's own transcript is the transcription
+        if stream is not None:
+            speech = self.collect(stream, item, sum(len(h) for h in heard) / RATE if shared else None)
+        else:
+            speech = self._audio(np.concatenate(pcm))
         self.conv.add_item(item, speech=speech)
-        if self.conv.cfg.transcription is not None and heard:
-            self.transcribe(item, np.concatenate(heard), self.conv.cfg.transcription)
+        if settings is not None and heard and not shared:
+            self.transcribe(item, np.concatenate(heard), settings)
 
     # ---- input transcription -------------------------------------------------------------
     def transcribe(self, item: Item, pcm: np.ndarray, settings: dict[str, Any]) -> None:

@@ -1,0 +1,110 @@
+"""The default voice thinker is a real Qwen2.5-Omni: the tiny checkpoint loads unchanged
+in transformers (`Qwen2_5OmniForConditionalGeneration.from_pretrained`) and in vLLM
+through the stage's own code (a `VllmEngine` given only a directory, the engine args of
+the default profile, `ThinkerProcessor` rendering the prompt with the checkpoint's
+processor and chat template), and both compute the same next-token distribution for the
+same speech: the audio goes through the model's own feature extractor and audio tower
+in vLLM exactly as in transformers.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from omni_rt.engines.vllm import VllmEngine
+from omni_rt.specs import load_pipeline
+from pipelines import PIPELINE_DIR
+from pipelines.voice import NATIVE_RATE, ThinkerProcessor
+from tests.harness import speech_pcm16
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Listen: <|audio|>"}]
+
+
+def _speech() -> np.ndarray:
+    pcm = np.frombuffer(speech_pcm16("The quick brown fox jumps over the lazy dog.", rate=NATIVE_RATE), "<i2")
+    return pcm.astype(np.float32) / 32768.0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine_and_thinker(models_dir, tmp_path_factory):
+    # a copy under a name of its own: the loader is given a directory and nothing else
+    ckpt = tmp_path_factory.mktemp("ckpt") / "some-qwen2.5-omni"
+    shutil.copytree(models_dir / "tiny-qwen2.5-omni", ckpt)
+    spec = load_pipeline(PIPELINE_DIR / "voice.yaml").profiles["default"].stage("thinker")
+    # float32 on both sides: the comparison is of the computation, not of bf16 rounding
+    spec = spec.model_copy(update={"model": str(ckpt), "engine_args": {**spec.engine_args, "dtype": "float32"}})
+    engine = VllmEngine(str(ckpt), spec.engine_args, name="thinker")
+    await engine.start()
+    thinker = ThinkerProcessor(spec, engine, {})
+    await thinker.start()
+    yield engine, thinker, ckpt
+    await engine.stop()
+
+
+def _reference(ckpt, thinker: ThinkerProcessor, audio: np.ndarray | None) -> np.ndarray:
+    """transformers' own thinker on the processor's own inputs: next-token log-probs."""
+    import torch
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    text = thinker.render(MESSAGES, with_audio=audio is not None)
+    inputs = thinker.processor(text=text, audio=[audio] if audio is not None else None, return_tensors="pt")
+    with torch.no_grad():
+        logits = model.thinker(**inputs).logits[0, -1]
+    return logits.log_softmax(-1).numpy()
+
+
+async def _vllm_logprobs(engine: VllmEngine, thinker: ThinkerProcessor, audio: np.ndarray | None, rid: str) -> dict[int, float]:
+    from vllm import SamplingParams
+
+    ids = thinker.prompt_ids(MESSAGES, with_audio=audio is not None)
+    if audio is not None:
+        mm = thinker.audio_prompt(audio)
+        prompt = await engine._mm_prompt(ids, mm["multi_modal_data"], mm["mm_processor_kwargs"])
+        # vLLM's processor expanded the one placeholder to as many audio tokens as the
+        # stage counts for usage
+        assert len(prompt["prompt_token_ids"]) == len(ids) - 1 + thinker.audio_tokens(len(audio))
+    else:
+        prompt = engine._prompt(ids, None)
+    outs = [o async for o in engine.llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20), rid)]
+    out = outs[-1]
+    return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+
+@pytest.mark.parametrize("with_audio", [True, False])
+async def test_vllm_path_computes_what_transformers_computes(engine_and_thinker, with_audio):
+    engine, thinker, ckpt = engine_and_thinker
+    audio = _speech() if with_audio else None
+    ref = _reference(ckpt, thinker, audio)
+    got = await _vllm_logprobs(engine, thinker, audio, f"cmp-{with_audio}")
+    top = sorted(got, key=lambda t: -got[t])
+    assert top[0] == int(ref.argmax())
+    for t, lp in got.items():
+        assert abs(lp - float(ref[t])) < 2e-3, (t, lp, float(ref[t]))
+
+
+async def test_the_audio_changes_the_answer(engine_and_thinker):
+    """The speech reaches the model: another utterance, another distribution."""
+    engine, thinker, _ = engine_and_thinker
+    a = await _vllm_logprobs(engine, thinker, _speech(), "a")
+    silence = np.zeros(NATIVE_RATE, np.float32)
+    b = await _vllm_logprobs(engine, thinker, silence, "b")
+    shared = set(a) & set(b)
+    assert set(a) != set(b) or any(abs(a[t] - b[t]) > 1e-3 for t in shared)
+
+
+async def test_the_processor_renders_the_prompt(engine_and_thinker):
+    """The prompt is the chat template's, with Qwen2.5-Omni's audio span where the
+    utterance is (no hand-built strings)."""
+    _, thinker, _ = engine_and_thinker
+    text = thinker.render(MESSAGES, with_audio=True)
+    assert text == thinker.processor.apply_chat_template(
+        [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Listen:"}, {"type": "audio"}]}],
+        add_generation_prompt=True, tokenize=False)
+    assert "<|audio_bos|><|AUDIO|><|audio_eos|>" in text and text.endswith("<|im_start|>assistant\n")
