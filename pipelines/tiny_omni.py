@@ -34,6 +34,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipelines.tiny import TEXT_VOCAB_SIZE, THINKER_CONFIG, train_byte_bpe
+
 SEED = 11
 SAMPLE_RATE = 16000
 NUM_MEL_BINS = 128  # Qwen2.5-Omni's front end: Whisper-large-v3's 128-mel log-mel
@@ -92,21 +94,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The legacy Qwen2 thinker's sizes (2 layers x 256, 4 heads, 2 kv heads), so the two
+# profiles compare on equal text models; M-RoPE over (time, height, width), its
+# sections splitting head_dim / 2 = 32; an LM head of its own (transformers' thinker
+# ties by the thinker config, vLLM by the text config: with both false they load the
+# same weights).
 TEXT_CONFIG: dict[str, Any] = {
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
+    **{k: v for k, v in THINKER_CONFIG.items() if k not in ("rope_theta", "tie_word_embeddings")},
     "hidden_act": "silu",
     "use_sliding_window": False,
-    # an LM head of its own: transformers' thinker ties by the thinker config, vLLM by
-    # the text config; with both false they load the same weights
     "tie_word_embeddings": False,
-    # M-RoPE over (time, height, width): the sections split head_dim / 2 = 32
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+    "rope_parameters": {"rope_type": "default", "rope_theta": THINKER_CONFIG["rope_theta"], "mrope_section": [8, 12, 12]},
 }
 AUDIO_CONFIG: dict[str, Any] = {
     "num_mel_bins": NUM_MEL_BINS,
@@ -171,8 +169,6 @@ VIDEO_PROCESSOR: dict[str, Any] = {
 
 def _tokenizer(out: Path) -> dict[str, int]:
     from tokenizers import decoders
-
-    from pipelines.tiny import TEXT_VOCAB_SIZE, train_byte_bpe
 
     tok = train_byte_bpe(TEXT_VOCAB_SIZE)
     tok.decoder = decoders.ByteLevel()
