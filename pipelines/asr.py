@@ -96,7 +96,11 @@ class AsrProcessor(StageProcessor):
         pcm = np.concatenate([np.asarray(p.arrays["pcm"], np.float32).reshape(-1) for p in chunks])
         if rate != RATE:
             pcm = await asyncio.to_thread(soxr.resample, pcm, rate, RATE)
-        p = ctx.params
+        # A transcription request names its task (and may set language, prompt,
+        # temperature); a request that passes through asr on its way to the thinker (the
+        # voice cascade's chat turn) carries the thinker's settings: it is transcribed
+        # greedily, its language detected.
+        p = ctx.params if ctx.params.get("task") in ("transcribe", "translate") else {}
         task = "translate" if p.get("task") == "translate" else "transcribe"
         win = int(WINDOW_S * RATE)
         language = p.get("language")
