@@ -6,8 +6,8 @@ the cascade's asr), the first audio of an utterance opens a request to it alone 
 every chunk streams in, so a commit only waits for what is left (the encoder's last
 block, the transcript); its outputs become the utterance's "speech", given to the
 thinker with the response. Where the thinker itself takes audio (the default), the
-buffer keeps the utterance's PCM, and that is its speech. With server_vad a detector listens to everything appended: speech
-start opens the utterance (with `prefix_padding_ms` of the audio before it) and, during
+buffer keeps the utterance's PCM (at most `MAX_KEPT_MS`), and that is its speech.
+With server_vad a detector listens to everything appended: speech start opens the utterance (with `prefix_padding_ms` of the audio before it) and, during
 an answer, is a barge-in; speech stop commits and, with `create_response`, answers.
 The encoder requests are not fenced: a barge-in cancels the answer, not the question.
 """
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 MAX_APPEND_BYTES = 15 * 1024 * 1024
 MIN_COMMIT_MS = 100
+# The longest utterance kept for a thinker that takes audio itself (Qwen2.5-Omni's
+# feature extractor takes 300 s); appends beyond it are refused, not dropped.
+MAX_KEPT_MS = 300_000
 
 
 def decode_pcm16(b64: Any, param: str, limit: int = MAX_APPEND_BYTES) -> np.ndarray:
@@ -79,6 +82,11 @@ class InputAudio:
         self.item_id = new_id("item")
 
     def _send(self, pcm: np.ndarray) -> None:
+        if self.front is None and self.ms + len(pcm) * 1000 // RATE > MAX_KEPT_MS:
+            raise ClientError(
+                f"The input audio buffer holds at most {MAX_KEPT_MS // 1000} s of speech; commit or clear it first.",
+                code="input_audio_buffer_too_long",
+            )
         if self.item_id is None:
             self._start()
         s = self.conv.session

@@ -99,3 +99,25 @@ async def test_every_profile_serves_chat_audio_in(profile):
             assert seen["audio_rows"] == 0 and "<|audio|>" not in seen["messages"][-1]["content"]
         else:
             assert seen["audio_rows"] == 25
+
+
+async def test_the_kept_utterance_is_bounded_and_the_refusal_is_visible():
+    """Where the thinker takes audio itself the buffer keeps the PCM: beyond 300 s an
+    append is refused with an error event (not dropped silently), and after a commit
+    the session goes on."""
+    async with serve(["voice"]) as h:
+        ws = await connect(h, "/v1/realtime?model=gpt-realtime")
+        await ws.until("session.created")
+        await ws.send("session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
+        await ws.until("session.updated")
+        await ws.send("input_audio_buffer.append", audio=b64(tone(200.0, amp=0.0)))
+        await ws.send("input_audio_buffer.append", audio=b64(tone(200.0, amp=0.0)), event_id="too-long")
+        err = await ws.until("error", timeout=20)
+        assert err["error"]["code"] == "input_audio_buffer_too_long" and err["error"]["event_id"] == "too-long"
+        await ws.send("input_audio_buffer.commit")
+        await ws.until("input_audio_buffer.committed", timeout=20)
+        await ws.send("response.create", response={"max_output_tokens": 2})
+        done = await ws.until("response.done", timeout=20)
+        assert done["response"]["status"] == "completed"
+        assert h.processor("thinker").seen[-1]["audio_rows"] == 5000  # the 200 s accepted, as 40 ms rows
+        await ws.ws.close()
