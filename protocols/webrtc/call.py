@@ -90,7 +90,10 @@ class Call:
                     chunk = np.concatenate(batch)
                     batch, have = [], 0
                     self.session.touch()
-                    await self.conv.input.append_pcm(chunk)
+                    try:
+                        await self.conv.input.append_pcm(chunk)
+                    except ClientError as exc:  # refused audio (a full buffer): said on the channel, the call goes on
+                        self.conv.error(exc)
         except MediaStreamError:
             pass  # the caller's track ended
         except asyncio.CancelledError:
