@@ -19,7 +19,7 @@ import time
 import wave
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -81,11 +81,12 @@ def read_wav_pcm16(path: str) -> bytes:
     return (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
 
 
-def write_wav_pcm16(path: str, pcm: bytes) -> None:
+def write_wav_pcm16(path: str | BinaryIO, pcm: bytes, rate: int = RATE) -> None:
+    """PCM16 mono at `rate` as a WAV file (a path or a binary file object)."""
     with wave.open(path, "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
-        w.setframerate(RATE)
+        w.setframerate(rate)
         w.writeframes(pcm)
 
 

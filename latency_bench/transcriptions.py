@@ -1,7 +1,7 @@
 """Transcriptions bench: closed loop of C concurrent `POST /v1/audio/transcriptions`
 callers (the official SDK's request: multipart WAV, `model`, `response_format` json).
 
-For each level C, C workers send the same utterance (espeak-ng speech, else a tone)
+For each level C, C workers send the same utterance (espeak-ng speech, else noise)
 back to back for `duration` seconds. Per level: requests/s and latency percentiles.
 Target: requests/s at C=8 / at C=1 >= 3 (the asr engine batches concurrent
 requests: their encoder passes and decode steps share the engine's steps).
@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-import wave
 from typing import Any
 
 import httpx
 
+from clients.realtime import write_wav_pcm16
 from latency_bench import finish, machine_info, utc_now
+from latency_bench.realtime import utterance as realtime_utterance
 from latency_bench.stats import ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.transcriptions/1"
@@ -25,24 +26,12 @@ TEXT = "Hello, can you tell me what the weather is like today?"
 
 
 def utterance() -> tuple[bytes, str]:
-    """A WAV file of speech (espeak-ng) or, without it, a 3 s tone; and what it is."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which("espeak-ng")
-    if exe:
-        return subprocess.run([exe, "--stdout", TEXT], check=True, capture_output=True).stdout, f"espeak-ng: {TEXT!r}"
-    import numpy as np
-
-    t = np.arange(48000) / 16000
-    pcm = (0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
+    """A WAV file of the realtime bench's utterance (espeak-ng speech, else noise) and
+    what it is."""
+    pcm, what = realtime_utterance(None, TEXT)
     buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(16000)
-        w.writeframes(pcm)
-    return buf.getvalue(), "3 s tone (espeak-ng not installed)"
+    write_wav_pcm16(buf, pcm)
+    return buf.getvalue(), f"{what}: {TEXT!r}"
 
 
 async def run_level(base_url: str, api_key: str | None, c: int, duration: float, wav: bytes) -> dict[str, Any]:

@@ -209,6 +209,23 @@ def train_byte_bpe(vocab_size: int) -> Any:
     return tok
 
 
+def save_sampling(out: Path, eos: list[int], pad: int | None, temperature: float, bos: int | None = None) -> None:
+    """generation_config.json of a tiny LM: sampling at `temperature`, with top-p, top-k
+    and the repetition penalty off (see the talker's note on their cost on CPU)."""
+    from transformers import GenerationConfig
+
+    GenerationConfig(
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        do_sample=True,
+        temperature=temperature,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+    ).save_pretrained(str(out))
+
+
 def _train_tokenizer(
     out: Path,
     special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
@@ -251,7 +268,7 @@ def _train_tokenizer(
 
 def _fill_talker(out: Path) -> None:
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # save_pretrained's shard bar is just noise here
@@ -281,16 +298,7 @@ def _fill_talker(out: Path) -> None:
     # sampler top-p/top-k sort the whole vocabulary (decode step at batch 8: 6 ->
     # 12-14 ms) and the penalty costs ~6 ms per step at batch 32 on the tiny model;
     # random weights gain nothing from either.
-    GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=[layout.end_of_speech],
-        pad_token_id=config.pad_token_id,
-        do_sample=True,
-        temperature=0.6,
-        top_p=1.0,
-        top_k=0,
-        repetition_penalty=1.0,
-    ).save_pretrained(str(out))
+    save_sampling(out, [layout.end_of_speech], config.pad_token_id, 0.6, bos=config.bos_token_id)
     layout.save(out)
 
 
@@ -354,7 +362,7 @@ AUDIO_ENCODER_CONFIG: dict[str, Any] = {
 
 def _fill_thinker(out: Path) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -374,16 +382,7 @@ def _fill_thinker(out: Path) -> None:
     torch.manual_seed(SEED + 1)
     model = Qwen2ForCausalLM(config).eval()
     model.save_pretrained(str(out), safe_serialization=True)
-    GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=config.pad_token_id,
-        do_sample=True,
-        temperature=0.7,
-        top_p=1.0,
-        top_k=0,
-        repetition_penalty=1.0,
-    ).save_pretrained(str(out))
+    save_sampling(out, [ids["<|im_end|>"], ids["<|endoftext|>"]], config.pad_token_id, 0.7, bos=config.bos_token_id)
 
 
 def _fill_audio_encoder(out: Path) -> None:

@@ -34,7 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipelines.tiny import TEXT_VOCAB_SIZE, THINKER_CONFIG, train_byte_bpe
+from pipelines.tiny import TEXT_VOCAB_SIZE, THINKER_CONFIG, save_sampling, train_byte_bpe
 
 SEED = 11
 SAMPLE_RATE = 16000
@@ -193,7 +193,7 @@ def _tokenizer(out: Path) -> dict[str, int]:
 
 def fill(out: Path) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -229,15 +229,7 @@ def fill(out: Path) -> None:
     torch.manual_seed(SEED)
     model = Qwen2_5OmniForConditionalGeneration(config).eval()
     model.save_pretrained(str(out), safe_serialization=True)
-    GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-        do_sample=True,
-        temperature=0.7,
-        top_p=1.0,
-        top_k=0,
-        repetition_penalty=1.0,
-    ).save_pretrained(str(out))
+    save_sampling(out, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"], 0.7)
     pre = {**FEATURE_EXTRACTOR, **IMAGE_PROCESSOR, "processor_class": "Qwen2_5OmniProcessor"}
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
     (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2) + "\n")

@@ -35,6 +35,7 @@ from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from pipelines import checkpoint
 from pipelines.checkpoint import architectures, check_tokenizer_files
 from pipelines.tts import checkpoint_sampling
 
@@ -309,8 +310,7 @@ class ThinkerProcessor(StageProcessor):
             raise StageError(f"thinker {model_dir}: config.json missing or without architectures")
         check_tokenizer_files(model_dir, "thinker", chat=True)
         if NATIVE_AUDIO_ARCHITECTURES & set(arch):
-            pre = Path(model_dir) / "preprocessor_config.json"
-            if not pre.is_file() or not json.loads(pre.read_text()).get("feature_extractor_type"):
+            if not checkpoint.config(model_dir, "preprocessor_config.json").get("feature_extractor_type"):
                 raise StageError(f"thinker {model_dir}: {arch[0]} needs its processor files (preprocessor_config.json with a feature extractor)")
         elif not any(a.endswith("ForCausalLM") for a in arch):
             raise StageError(

@@ -19,14 +19,11 @@ PCM_B64 = base64.b64encode(bytes(960)).decode()  # 20 ms of silence at 24 kHz
 
 def _wav_b64() -> str:
     import io
-    import wave
+
+    from clients.realtime import write_wav_pcm16
 
     buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(24000)
-        w.writeframes(bytes(4800))  # 100 ms of silence
+    write_wav_pcm16(buf, bytes(4800), 24000)  # 100 ms of silence
     return base64.b64encode(buf.getvalue()).decode()
 
 

@@ -78,14 +78,11 @@ async def test_every_profile_serves_chat_audio_in(profile):
     """/v1/chat/completions with an input_audio part enters at the profile's entry."""
     import base64
     import io
-    import wave
+
+    from clients.realtime import write_wav_pcm16
 
     buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(24000)
-        w.writeframes(tone(1.0))
+    write_wav_pcm16(buf, tone(1.0), 24000)
     audio = base64.b64encode(buf.getvalue()).decode()
     async with serve(["voice"], {"pipelines": {"voice": {"profile": profile}}}) as h:
         r = await h.client.post("/v1/chat/completions", json={
