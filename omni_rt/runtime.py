@@ -32,7 +32,7 @@ def import_processor(path: str) -> type[StageProcessor]:
     return obj
 
 
-_TORCH_ARGS = {"max_batch", "max_wait_ms", "threads", "device"}
+_TORCH_ARGS = {"max_batch", "max_wait_ms", "threads", "device", "dtype"}
 _DIFFUSERS_ARGS = {"max_batch", "threads", "device", "max_sequence_length"}
 
 
@@ -108,7 +108,7 @@ class Runtime:
         resolved = s.model_copy(update={"model": model, "aux": aux})
         if model is not None:
             try:
-                self.processor_class(resolved).check_model(model)
+                self.processor_class(resolved).check_spec(resolved)
             except StageError as exc:
                 raise SpecError(f"{key}.model: {exc}") from None
         return resolved

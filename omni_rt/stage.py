@@ -188,6 +188,13 @@ class StageProcessor(abc.ABC):
         call it before any engine starts. By default every directory passes."""
         return None
 
+    @classmethod
+    def check_spec(cls, spec: StageSpec) -> None:
+        """`check_model` for a stage whose check needs more than the model directory
+        (its processor_args name another directory, say). By default: check_model."""
+        if spec.model is not None:
+            cls.check_model(spec.model)
+
     def engine_as(self, contract: type[E], role: str = "main") -> E:
         """This replica's engine (`role` "main") or aux engine, checked against the
         contract the processor programs against (`omni_rt.engines.base`)."""

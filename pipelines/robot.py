@@ -1,19 +1,36 @@
-"""The `robot` pipeline: one policy stage mapping observations to action chunks.
+"""The `robot` pipeline: one policy stage mapping observations to action chunks, on π0.
 
-The policy is π0-shaped: a prefix encoder (camera patches, the prompt's bytes, the
-proprioceptive state) and an action expert that predicts the flow-matching velocity
-of a noisy action chunk, integrated from noise (t = 1) to actions (t = 0) in
-`num_steps` Euler steps. Inputs are padded to fixed sizes (camera slots, state and
-action widths), as π0 pads them, so robots of different embodiments share one batch.
+The policy is transformers' `PI0ForConditionalGeneration` (a PaliGemma prefix over the
+cameras and the prompt, a Gemma action expert that predicts the flow-matching velocity
+of a noisy action chunk, integrated from noise at t = 1 to actions at t = 0), loaded
+with `from_pretrained` from a directory: a transformers-saved π0 or a lerobot one
+(`lerobot/pi0_base` and its fine-tunes: lerobot's config.json and key names, which
+transformers maps itself). Nothing of the network is written here: the engine module
+(`Pi0Steps`) calls the model's own `embed_prefix`, its VLM and its forward.
 
-- Layouts (`processor_args.layouts`) are the per-embodiment input/output transforms:
-  which observation keys are the cameras, which are concatenated into the state, the
-  prompt key, and how many action dims and steps the robot gets. A connection picks
-  one (`?layout=aloha`), else `default_layout`.
-- Continuous batching at step level: every encode and every denoising step is one
-  item on the torch engine, so robots that arrive mid-inference join the next step's
-  batch. Each request's noise comes from its own generator (episode seed, step), so a
-  batched result equals the unbatched one.
+- Inputs follow the checkpoint's processor: `PI0Processor` with the directory's
+  tokenizer and image-processor settings (`processor_config.json` or
+  `preprocessor_config.json`; `processor_args.processor` names another directory, e.g.
+  PaliGemma's, when the policy directory has none), the image processor run on PIL
+  (`Pi0ImageProcessor`: the same resize and normalisation without torchvision). The
+  prompt is padded to a fixed length (`max_prompt_tokens`), so robots of one layout
+  share one prefix length and so one batch.
+- Normalisation from the checkpoint (`load_normalization`): lerobot's normalizer files
+  (`policy_preprocessor.json` / `policy_postprocessor.json` and the safetensors of
+  statistics they name: MEAN_STD, MIN_MAX, QUANTILES or IDENTITY per feature type) or
+  `PI0Processor`'s `state_mean`/`state_std`/`actions_mean`/`actions_std`; none means
+  the model's raw values.
+- Layouts (`processor_args.layouts`) map an embodiment onto the model: which
+  observation keys are the cameras (in order), which are concatenated into the state,
+  the prompt key, how many action dims the robot takes and (optionally) how many of
+  the chunk's steps. A connection picks one (`?layout=aloha`), else `default_layout`.
+- Continuous batching at step level: a request's prefix (images, prompt, state) is
+  encoded once and its KV cache kept for the request; each Euler step of the action
+  expert is one item on the torch engine, so robots that arrive mid-inference join the
+  next step's batch, at whatever step each one is. The KV cache, the state and the
+  noisy actions stay on the engine's device between steps (tensors in, tensors out).
+  Each request's noise comes from its own generator (episode seed, step), so a batched
+  result equals the unbatched one.
 - Episode state (the step counter that seeds the noise and the previous chunk's last
   action, which chunk-boundary smoothing blends toward) lives in the robot's session:
   it comes in as `params["episode"]` and the updated state goes back on the action
@@ -23,8 +40,6 @@ action widths), as π0 pads them, so robots of different embodiments share one b
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,80 +48,256 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.image_processing_backends import PilBackend
+from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, PILImageResampling
 
 from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
+from pipelines import checkpoint
 
-PROMPT_PAD = 256  # byte ids are 0..255
+ARCHITECTURE = "PI0ForConditionalGeneration"
+# What the processor pads the prompt to (PI0Processor's own default max_length): the
+# BOS, the prompt's tokens and the newline after it.
+DEFAULT_PROMPT_TOKENS = 48
+PREPROCESSOR = "policy_preprocessor.json"
+POSTPROCESSOR = "policy_postprocessor.json"
 
 
-class PolicyNet(torch.nn.Module):
-    """encode(images, state, prompt) -> prefix; velocity(x, t, prefix) -> dx/dt."""
+class Pi0ImageProcessor(PilBackend):
+    """`PI0ImageProcessor`'s defaults on transformers' PIL backend (the class itself
+    needs torchvision). The checkpoint's image-processor settings override them."""
 
-    def __init__(self, config: Mapping[str, Any]) -> None:
+    resample = PILImageResampling.BICUBIC
+    image_mean = IMAGENET_STANDARD_MEAN
+    image_std = IMAGENET_STANDARD_STD
+    size = {"max_height": 224, "max_width": 224}
+    default_to_square = False
+    do_resize = True
+    do_rescale = True
+    do_normalize = True
+    do_convert_rgb = True
+    pad_size = {"height": 224, "width": 224}
+    do_pad = True
+
+
+class Pi0Steps(torch.nn.Module):
+    """The torch engine's module: transformers' π0 with the denoising loop of its
+    `sample_actions` cut at step granularity. `encode` runs the prefix once and returns
+    its KV cache (one tensor [layers, 2, kv_heads, prefix, head_dim] per request, so
+    requests stack along the batch); `denoise` is one Euler step for a batch of
+    requests, each at its own time t."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        w, heads = int(config["width"]), int(config["heads"])
-        self.slots = int(config["image_slots"])
-        self.grid = int(config["grid"])
-        self.horizon = int(config["action_horizon"])
-        self.p = int(config["patch"])
-        self.side = int(config["image_size"]) // self.p
-        if self.side * self.p != int(config["image_size"]) or self.side % self.grid:
-            raise ValueError("image_size must be a multiple of patch, and image_size/patch of grid")
-        self.patch = torch.nn.Linear(3 * self.p * self.p, w)
-        self.slot_emb = torch.nn.Parameter(torch.randn(self.slots, 1, w) * 0.02)
-        self.byte_emb = torch.nn.Embedding(PROMPT_PAD + 1, w)
-        self.state_proj = torch.nn.Linear(int(config["max_state_dim"]), w)
+        self.pi0 = model
 
-        def layer(cls: Any) -> Any:
-            return cls(w, heads, 4 * w, dropout=0.0, batch_first=True, norm_first=True)
+    @classmethod
+    def load(cls, model_dir: str) -> Pi0Steps:
+        from transformers import PI0ForConditionalGeneration
 
-        self.prefix_enc = torch.nn.TransformerEncoder(
-            layer(torch.nn.TransformerEncoderLayer), int(config["prefix_layers"]), enable_nested_tensor=False
+        return cls(PI0ForConditionalGeneration.from_pretrained(model_dir).eval())
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.pi0.parameters()).dtype
+
+    def encode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        pixel_values: torch.Tensor,
+        pixel_attention_mask: torch.Tensor,
+        state: torch.Tensor,
+        noise: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        model = self.pi0.model
+        embeds = model.embed_prefix(input_ids, pixel_values.to(self._dtype()), pixel_attention_mask)
+        cache = model.vlm(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=attention_mask.cumsum(-1) - 1,
+            token_type_ids=torch.zeros_like(embeds)[:, :, 0],
+            use_cache=True,
+            return_dict=True,
+        ).past_key_values
+        kv = torch.stack([torch.stack([layer.keys, layer.values], 1) for layer in cache.layers], 1)
+        # state and noise ride along so that they, too, live on the device from here on
+        return {"kv": kv, "attention_mask": attention_mask, "state": state, "x": noise}
+
+    def denoise(
+        self, kv: torch.Tensor, attention_mask: torch.Tensor, state: torch.Tensor, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor
+    ) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        # A cache over the batch's prefixes; the step's own keys are appended to copies
+        # (torch.cat), so the request's prefix KV is never changed.
+        cache = DynamicCache(ddp_cache_data=[(kv[:, i, 0], kv[:, i, 1]) for i in range(kv.shape[1])])
+        dtype = self._dtype()
+        v = self.pi0(
+            state=state.to(dtype), noise=x.to(dtype), timestep=t, attention_mask=attention_mask, past_key_values=cache
+        ).logits
+        return x + dt[:, None, None] * v.float()
+
+
+# ---- normalisation from the checkpoint ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Norm:
+    """One feature's normalisation, as lerobot's normalizer steps define it."""
+
+    mode: str  # MEAN_STD, MIN_MAX, QUANTILES (q01..q99 to -1..1), IDENTITY
+    stats: Mapping[str, np.ndarray]
+    eps: float
+    source: str  # the file the statistics came from
+    feature: str
+
+    MODES = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "IDENTITY": ()}
+
+    @property
+    def dim(self) -> int | None:
+        return None if self.mode == "IDENTITY" else int(next(iter(self.stats.values())).shape[-1])
+
+    def _lo_scale(self) -> tuple[np.ndarray, np.ndarray]:
+        a, b = (self.stats[k] for k in self.MODES[self.mode])
+        if self.mode == "MEAN_STD":
+            return a, b + self.eps
+        return a, (b - a + self.eps) / 2.0  # [lo, hi] -> [-1, 1]
+
+    def normalize(self, x: np.ndarray) -> np.ndarray:
+        if self.mode == "IDENTITY":
+            return x
+        lo, scale = self._lo_scale()
+        y = (x - lo) / scale
+        return (y if self.mode == "MEAN_STD" else y - 1.0).astype(np.float32)
+
+    def unnormalize(self, y: np.ndarray) -> np.ndarray:
+        if self.mode == "IDENTITY":
+            return y
+        lo, scale = self._lo_scale()
+        return ((y if self.mode == "MEAN_STD" else y + 1.0) * scale + lo).astype(np.float32)
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "feature": self.feature, "dims": self.dim, "source": self.source}
+
+
+def _normalizer_step(path: Path, registry_name: str) -> tuple[dict[str, Any], Mapping[str, np.ndarray]] | None:
+    """The named step of a lerobot processor file and the statistics its state file holds."""
+    from safetensors.numpy import load_file
+
+    conf = checkpoint.config(str(path.parent), path.name)
+    steps = conf.get("steps")
+    if not isinstance(steps, list):
+        raise StageError(f"{path}: a processor file has a list of steps")
+    for step in steps:
+        if isinstance(step, dict) and step.get("registry_name") == registry_name:
+            stats: Mapping[str, np.ndarray] = {}
+            if step.get("state_file"):
+                state = path.parent / str(step["state_file"])
+                if not state.is_file():
+                    raise StageError(f"{path}: its {registry_name} names the statistics file {state.name}, which is missing")
+                stats = {k: np.asarray(v, np.float32) for k, v in load_file(str(state)).items()}
+            return dict(step.get("config") or {}), stats
+    return None
+
+
+def _lerobot_norm(path: Path, registry_name: str, kind: str) -> Norm | None:
+    found = _normalizer_step(path, registry_name)
+    if found is None:
+        return None
+    conf, stats = found
+    features = conf.get("features") or {}
+    names = [n for n, f in features.items() if isinstance(f, dict) and f.get("type") == kind]
+    if not names:
+        return None
+    mode = str((conf.get("norm_map") or {}).get(kind, "IDENTITY")).upper()
+    if mode not in Norm.MODES:
+        raise StageError(f"{path}: normalisation mode {mode!r} for {kind} is not one of {sorted(Norm.MODES)}")
+    feature = names[0]
+    needed = {k: stats.get(f"{feature}.{k}") for k in Norm.MODES[mode]}
+    missing = [f"{feature}.{k}" for k, v in needed.items() if v is None]
+    if missing:
+        raise StageError(f"{path}: {mode} for {feature} needs the statistics {', '.join(missing)}, not in its state file")
+    return Norm(mode, {k: v for k, v in needed.items() if v is not None}, float(conf.get("eps", 1e-8)), path.name, feature)
+
+
+def load_normalization(model_dir: str, processor_config: Mapping[str, Any]) -> tuple[Norm | None, Norm | None]:
+    """(state, actions) normalisation a checkpoint declares, None where it declares none."""
+    d = Path(model_dir)
+    state = actions = None
+    if (d / PREPROCESSOR).is_file():
+        state = _lerobot_norm(d / PREPROCESSOR, "normalizer_processor", "STATE")
+        actions = _lerobot_norm(d / PREPROCESSOR, "normalizer_processor", "ACTION")
+    if (d / POSTPROCESSOR).is_file():
+        actions = _lerobot_norm(d / POSTPROCESSOR, "unnormalizer_processor", "ACTION") or actions
+    # PI0Processor's own statistics (it normalises with (x - mean) / (std + 1e-8))
+    for key, name in (("state", "state"), ("actions", "actions")):
+        mean, std = processor_config.get(f"{key}_mean"), processor_config.get(f"{key}_std")
+        if mean is None or std is None:
+            continue
+        stats = {"mean": np.asarray(mean, np.float32), "std": np.asarray(std, np.float32)}
+        if stats["mean"].shape != stats["std"].shape or stats["mean"].ndim != 1:
+            raise StageError(f"{d / 'processor_config.json'}: {key}_mean and {key}_std must be lists of one length")
+        norm = Norm("MEAN_STD", stats, 1e-8, "processor_config.json", name)
+        if key == "state":
+            state = state or norm
+        else:
+            actions = actions or norm
+    return state, actions
+
+
+# ---- the checkpoint's processor ---------------------------------------------------------
+
+
+def image_processor_config(processor_dir: str) -> dict[str, Any]:
+    """The image processor's settings: `processor_config.json`'s `image_processor`
+    (how transformers 5 saves a processor) or `preprocessor_config.json`."""
+    conf = checkpoint.config(processor_dir, "processor_config.json").get("image_processor")
+    if not isinstance(conf, dict):
+        conf = checkpoint.config(processor_dir, "preprocessor_config.json")
+    if not conf:
+        raise StageError(
+            f"policy processor {processor_dir}: no image processor settings (processor_config.json with an "
+            f"image_processor, or preprocessor_config.json); processor_args.processor can name a directory that has them"
         )
-        self.action_in = torch.nn.Linear(int(config["max_action_dim"]), w)
-        self.pos = torch.nn.Parameter(torch.randn(self.horizon, w) * 0.02)
-        self.time_mlp = torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.SiLU(), torch.nn.Linear(w, w))
-        self.expert = torch.nn.TransformerDecoder(layer(torch.nn.TransformerDecoderLayer), int(config["expert_layers"]))
-        self.action_out = torch.nn.Linear(w, int(config["max_action_dim"]))
-        half = w // 2
-        self.register_buffer("freqs", torch.exp(-math.log(10000.0) * torch.arange(half) / half), persistent=False)
-
-    def encode(self, images: torch.Tensor, image_mask: torch.Tensor, state: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
-        """images uint8 [B, slots, S, S, 3] (slots without a camera: image_mask False,
-        not computed), state f32 [B, max_state_dim], prompt int64 [B, prompt_len] ->
-        prefix [B, P, width]."""
-        b, n, p = images.shape[0], self.side, self.p
-        mask = image_mask.reshape(-1)
-        present = images.reshape(b * self.slots, *images.shape[2:])[mask]
-        patches = present.reshape(-1, n, p, n, p, 3).permute(0, 1, 3, 2, 4, 5).reshape(-1, n * n, p * p * 3)
-        # pixels / 127.5 - 1 folded into the patch projection
-        w = self.patch.weight / 127.5
-        x = torch.nn.functional.gelu(torch.nn.functional.linear(patches.float(), w, self.patch.bias - self.patch.weight.sum(1)))
-        x = torch.nn.functional.avg_pool2d(x.transpose(1, 2).reshape(x.shape[0], -1, n, n), n // self.grid)
-        tok = x.new_zeros(b * self.slots, self.grid * self.grid, x.shape[1])
-        tok[mask] = x.flatten(2).transpose(1, 2)  # [cameras, grid², w]
-        tok = (tok.reshape(b, self.slots, -1, tok.shape[-1]) + self.slot_emb).flatten(1, 2)
-        prefix = torch.cat([tok, self.byte_emb(prompt), self.state_proj(state)[:, None]], dim=1)
-        return self.prefix_enc(prefix)
-
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """x f32 [B, horizon, max_action_dim] at time t f32 [B] -> velocity, same shape."""
-        ang = t[:, None] * 1000.0 * self.freqs[None]
-        temb = self.time_mlp(torch.cat([ang.sin(), ang.cos()], dim=-1))
-        h = self.action_in(x) + self.pos[None] + temb[:, None]
-        return self.action_out(self.expert(h, prefix))
+    size = conf.get("size")
+    if not (isinstance(size, dict) and size.get("height") and size.get("width")):
+        raise StageError(f"policy processor {processor_dir}: the image processor's size must give height and width, got {size!r}")
+    if not conf.get("image_seq_length"):
+        raise StageError(f"policy processor {processor_dir}: the image processor's settings lack image_seq_length")
+    return conf
 
 
-def load_policy(model_dir: str) -> tuple[dict[str, Any], PolicyNet]:
-    from safetensors.torch import load_file
+def load_processor(processor_dir: str) -> Any:
+    from transformers import AutoTokenizer, PI0Processor
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    net = PolicyNet(config)
-    net.load_state_dict(load_file(str(Path(model_dir) / "model.safetensors")))
-    return config, net.eval()
+    conf = {k: v for k, v in image_processor_config(processor_dir).items() if k not in ("image_processor_type", "processor_class")}
+    checkpoint.check_tokenizer_files(processor_dir, "policy processor")
+    extra = checkpoint.config(processor_dir, "processor_config.json")
+    kwargs = {k: extra[k] for k in ("state_mean", "state_std", "actions_mean", "actions_std", "max_state_dim", "chunk_size") if k in extra}
+    return PI0Processor(image_processor=Pi0ImageProcessor(**conf), tokenizer=AutoTokenizer.from_pretrained(processor_dir), **kwargs)
+
+
+def check_policy_dir(model_dir: str, processor_dir: str | None = None) -> dict[str, Any]:
+    """Refuse a directory that is not a π0 this stage can load, from its config and
+    processor files alone; returns its config.json."""
+    conf = checkpoint.config(model_dir)
+    if not conf:
+        raise StageError(f"policy {model_dir}: config.json missing")
+    kind = conf.get("model_type") or conf.get("type")  # transformers' and lerobot's configs
+    arch = [str(a) for a in conf.get("architectures") or []]
+    if kind != "pi0" or (arch and ARCHITECTURE not in arch):
+        raise StageError(
+            f"policy {model_dir}: config.json describes {arch[0] if arch else kind!r}, not π0 "
+            f"({ARCHITECTURE}: model_type or lerobot type 'pi0')"
+        )
+    image_processor_config(processor_dir or model_dir)
+    checkpoint.check_tokenizer_files(processor_dir or model_dir, "policy processor")
+    for name in (PREPROCESSOR, POSTPROCESSOR):
+        if (Path(model_dir) / name).is_file():
+            load_normalization(model_dir, {})  # names a missing statistics file
+    return conf
 
 
 # ---- layouts (per-embodiment input/output transforms) ----------------------------------
@@ -124,44 +315,42 @@ class Layout:
     default_prompt: str = ""
 
     @classmethod
-    def parse(cls, name: str, raw: Mapping[str, Any], config: Mapping[str, Any]) -> Layout:
+    def parse(cls, name: str, raw: Mapping[str, Any], config: Any) -> Layout:
         known = {"images", "state", "state_dims", "action_dim", "action_horizon", "prompt", "default_prompt"}
         if not isinstance(raw, Mapping):
             raise ValueError(f"layouts.{name}: a layout is a mapping of {sorted(known)}")
         bad = set(raw) - known
         if bad:
             raise ValueError(f"layouts.{name}: unknown keys {sorted(bad)}; known: {sorted(known)}")
-        missing = {"action_dim", "action_horizon"} - set(raw)
-        if missing:
-            raise ValueError(f"layouts.{name}: {', '.join(sorted(missing))} missing")
+        if "action_dim" not in raw:
+            raise ValueError(f"layouts.{name}: action_dim missing")
         lay = cls(
             name=name,
             images=tuple(raw.get("images", ())),
             state=tuple(raw.get("state", ())),
             state_dims=tuple(int(d) for d in raw.get("state_dims", ())),
             action_dim=int(raw["action_dim"]),
-            action_horizon=int(raw["action_horizon"]),
+            action_horizon=int(raw.get("action_horizon", config.chunk_size)),
             prompt=str(raw.get("prompt", "prompt")),
             default_prompt=str(raw.get("default_prompt", "")),
         )
-        if len(lay.images) > int(config["image_slots"]):
-            raise ValueError(f"layouts.{name}: {len(lay.images)} cameras, the policy has {config['image_slots']} slots")
+        if not lay.images:
+            raise ValueError(f"layouts.{name}: at least one camera (images) is needed")
         if len(lay.state) != len(lay.state_dims) or any(d < 1 for d in lay.state_dims):
             raise ValueError(f"layouts.{name}: state and state_dims must pair up, each dim >= 1")
-        if sum(lay.state_dims) > int(config["max_state_dim"]):
-            raise ValueError(f"layouts.{name}: state of {sum(lay.state_dims)} dims exceeds max_state_dim {config['max_state_dim']}")
-        if not 1 <= lay.action_dim <= int(config["max_action_dim"]):
-            raise ValueError(f"layouts.{name}: action_dim must be in 1..{config['max_action_dim']}")
-        if not 1 <= lay.action_horizon <= int(config["action_horizon"]):
-            raise ValueError(f"layouts.{name}: action_horizon must be in 1..{config['action_horizon']}")
+        if sum(lay.state_dims) > config.max_state_dim:
+            raise ValueError(f"layouts.{name}: state of {sum(lay.state_dims)} dims exceeds the policy's max_state_dim {config.max_state_dim}")
+        if not 1 <= lay.action_dim <= config.max_action_dim:
+            raise ValueError(f"layouts.{name}: action_dim must be in 1..{config.max_action_dim} (the policy's max_action_dim)")
+        if not 1 <= lay.action_horizon <= config.chunk_size:
+            raise ValueError(f"layouts.{name}: action_horizon must be in 1..{config.chunk_size} (the policy's chunk_size)")
         return lay
 
 
-def _image(name: str, arr: np.ndarray, size: int) -> np.ndarray:
-    """An HWC or CHW camera image (uint8, or float in [0, 1]) -> uint8 [size, size, 3],
-    resized with padding (aspect kept) when it is not already that size."""
+def _image(name: str, arr: np.ndarray) -> np.ndarray:
+    """An HWC or CHW camera image (uint8, or float in [0, 1]) -> uint8 HWC RGB."""
     if arr.ndim != 3 or 3 not in (arr.shape[0], arr.shape[-1]):
-        raise StageError(f"observation {name!r}: expected an image [H, W, 3] or [3, H, W], got shape {list(arr.shape)}")
+        raise StageError(f"observation {name!r}: expected an RGB image [H, W, 3] or [3, H, W], got shape {list(arr.shape)}")
     if arr.shape[-1] != 3:
         arr = arr.transpose(1, 2, 0)
     if arr.dtype != np.uint8:
@@ -173,54 +362,72 @@ def _image(name: str, arr: np.ndarray, size: int) -> np.ndarray:
     h, w = arr.shape[:2]
     if h < 1 or w < 1 or max(h, w) > 4096:
         raise StageError(f"observation {name!r}: image side must be 1..4096 pixels, got {h}x{w}")
-    if (h, w) == (size, size):
-        return arr
-    from PIL import Image
-
-    scale = size / max(h, w)
-    nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
-    small = np.asarray(Image.fromarray(np.ascontiguousarray(arr)).resize((nw, nh), Image.Resampling.BILINEAR))
-    out = np.zeros((size, size, 3), np.uint8)
-    top, left = (size - nh) // 2, (size - nw) // 2
-    out[top : top + nh, left : left + nw] = small
-    return out
+    return np.ascontiguousarray(arr)
 
 
 class PolicyProcessor(StageProcessor):
     """Entry stage: one OBSERVATION payload in, one ACTIONS payload out per request."""
 
-    ARGS = {"layouts", "default_layout", "num_steps", "smoothing", "seed"}
+    ARGS = {"layouts", "default_layout", "num_steps", "smoothing", "seed", "processor", "max_prompt_tokens"}
 
     @staticmethod
     def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
-        return lambda: load_policy(model_dir)[1]
+        return lambda: Pi0Steps.load(model_dir)
+
+    @classmethod
+    def check_spec(cls, spec: StageSpec) -> None:
+        assert spec.model is not None
+        proc = spec.processor_args.get("processor")
+        check_policy_dir(spec.model, str(proc) if proc else None)
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        from transformers import PI0Config
+
         super().__init__(spec, engine, aux)
         self.steps = self.engine_as(StepEngine)
         assert spec.model is not None
-        self.config = json.loads((Path(spec.model) / "config.json").read_text())
         args = dict(spec.processor_args)
         bad = set(args) - self.ARGS
         if bad:
             raise ValueError(f"unknown policy processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
-        self.layouts = {n: Layout.parse(n, raw, self.config) for n, raw in (args.get("layouts") or {}).items()}
+        processor_dir = str(args.get("processor") or spec.model)
+        raw = check_policy_dir(spec.model, processor_dir)
+        self.config = PI0Config.from_pretrained(spec.model)
+        self.name = str(raw.get("name") or raw.get("_name_or_path") or Path(spec.model).name)
+        self.processor = load_processor(processor_dir)
+        vlm = self.config.vlm_config
+        if self.processor.image_token_id != vlm.image_token_id:
+            raise ValueError(
+                f"policy processor {processor_dir}: its <image> token is id {self.processor.image_token_id}, the model's "
+                f"image_token_id is {vlm.image_token_id} (a tokenizer of another model?)"
+            )
+        if len(self.processor.tokenizer) > vlm.text_config.vocab_size:
+            raise ValueError(f"policy processor {processor_dir}: {len(self.processor.tokenizer)} tokens, the model embeds {vlm.text_config.vocab_size}")
+        self.state_norm, self.action_norm = load_normalization(spec.model, checkpoint.config(processor_dir, "processor_config.json"))
+        self.layouts = {n: Layout.parse(n, raw_l, self.config) for n, raw_l in (args.get("layouts") or {}).items()}
         if not self.layouts:
             raise ValueError("policy processor_args.layouts: at least one layout is needed")
+        for lay in self.layouts.values():
+            self._check_against_stats(lay)
         self.default_layout = str(args.get("default_layout") or next(iter(self.layouts)))
         if self.default_layout not in self.layouts:
             raise ValueError(f"default_layout {self.default_layout!r} is not one of {sorted(self.layouts)}")
-        self.num_steps = int(args.get("num_steps", self.config.get("num_steps", 10)))
+        self.num_steps = int(args.get("num_steps", self.config.num_inference_steps))
         self.smoothing = float(args.get("smoothing", 0.5))
         self.seed = int(args.get("seed", 0))
-        if self.num_steps < 1 or not 0.0 <= self.smoothing < 1.0:
-            raise ValueError("policy processor_args: num_steps >= 1 and 0 <= smoothing < 1")
-        self.size = int(self.config["image_size"])
-        self.slots = int(self.config["image_slots"])
-        self.prompt_len = int(self.config["prompt_len"])
-        self.max_state = int(self.config["max_state_dim"])
-        self.max_action = int(self.config["max_action_dim"])
-        self.horizon = int(self.config["action_horizon"])
+        self.max_prompt_tokens = int(args.get("max_prompt_tokens", raw.get("tokenizer_max_length", DEFAULT_PROMPT_TOKENS)))
+        if self.num_steps < 1 or not 0.0 <= self.smoothing < 1.0 or self.max_prompt_tokens < 2:
+            raise ValueError("policy processor_args: num_steps >= 1, 0 <= smoothing < 1 and max_prompt_tokens >= 2")
+        self.size = (int(self.processor.height), int(self.processor.width))
+        self.image_tokens = int(self.processor.image_seq_length)
+
+    def _check_against_stats(self, lay: Layout) -> None:
+        for norm, dims, what in ((self.state_norm, sum(lay.state_dims), "state"), (self.action_norm, lay.action_dim, "action_dim")):
+            if norm is not None and norm.dim is not None and norm.dim != dims:
+                raise ValueError(
+                    f"layouts.{lay.name}: {what} of {dims} dims, but the checkpoint normalises {norm.feature} with "
+                    f"{norm.dim} ({norm.source}); serve only layouts of the embodiment it was trained on"
+                )
 
     # ---- what a client is told first ---------------------------------------------------
     def layout(self, name: str | None) -> Layout:
@@ -232,18 +439,27 @@ class PolicyProcessor(StageProcessor):
     def metadata(self, name: str | None) -> dict[str, Any]:
         lay = self.layout(name)
         return {
-            "policy": self.config.get("name", "omni-rt-policy"),
+            "policy": self.name,
+            "architecture": ARCHITECTURE,
             "layout": lay.name,
             "layouts": sorted(self.layouts),
             "action_horizon": lay.action_horizon,
+            "chunk_size": int(self.config.chunk_size),
             "action_dim": lay.action_dim,
+            "max_action_dim": int(self.config.max_action_dim),
             "action_keys": ["actions"],
             "actions": {"shape": [lay.action_horizon, lay.action_dim], "dtype": "float32"},
             "image_keys": list(lay.images),
-            "image_resolution": [self.size, self.size],
+            "image_resolution": list(self.size),
             "state_keys": list(lay.state),
             "state_dims": list(lay.state_dims),
+            "max_state_dim": int(self.config.max_state_dim),
             "prompt_key": lay.prompt,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "normalization": {
+                "state": self.state_norm.describe() if self.state_norm else None,
+                "actions": self.action_norm.describe() if self.action_norm else None,
+            },
             "num_steps": self.num_steps,
             "smoothing": self.smoothing,
         }
@@ -252,7 +468,29 @@ class PolicyProcessor(StageProcessor):
         return {"seed": self.seed if seed is None else int(seed), "step": 0, "prev": None}
 
     # ---- observation -> model inputs ---------------------------------------------------
-    def prepare(self, lay: Layout, obs: Payload) -> dict[str, np.ndarray]:
+    def state_vector(self, lay: Layout, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        parts = []
+        for key, dim in zip(lay.state, lay.state_dims, strict=True):
+            v = arrays[key]  # numeric: payloads carry no other dtypes
+            v = v.reshape(-1) if v.ndim <= 1 else v
+            if v.shape != (dim,):
+                longer = f"; the policy takes at most {self.config.max_state_dim} state dims" if v.size > self.config.max_state_dim else ""
+                raise StageError(f"observation {key!r}: expected shape [{dim}], got {list(arrays[key].shape)}{longer}")
+            v = v.astype(np.float32)
+            if not np.isfinite(v).all():
+                raise StageError(f"observation {key!r}: state has NaN or infinite values")
+            parts.append(v)
+        state = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        if self.state_norm is not None:
+            state = self.state_norm.normalize(state)
+        out = np.zeros(self.config.max_state_dim, np.float32)
+        out[: state.shape[0]] = state
+        return out
+
+    def prepare(self, lay: Layout, obs: Payload) -> dict[str, torch.Tensor]:
+        """One observation -> the model's inputs (no batch dimension): the processor's
+        input_ids, attention_mask, pixel_values and pixel_attention_mask, and the state
+        (normalised, padded to max_state_dim)."""
         arrays, texts = obs.arrays, obs.meta.get("text", {})
         missing = [k for k in (*lay.images, *lay.state) if k not in arrays]
         if missing:
@@ -260,30 +498,23 @@ class PolicyProcessor(StageProcessor):
                 f"observation is missing {', '.join(repr(k) for k in missing)} (layout {lay.name!r} needs "
                 f"images {list(lay.images)} and state {list(lay.state)})"
             )
-        images = np.zeros((self.slots, self.size, self.size, 3), np.uint8)
-        image_mask = np.zeros(self.slots, np.bool_)
-        for i, key in enumerate(lay.images):
-            images[i] = _image(key, arrays[key], self.size)
-            image_mask[i] = True
-        state = np.zeros(self.max_state, np.float32)
-        at = 0
-        for key, dim in zip(lay.state, lay.state_dims, strict=True):
-            v = arrays[key]  # numeric: payloads carry no other dtypes
-            v = v.reshape(-1) if v.ndim <= 1 else v
-            if v.shape != (dim,):
-                raise StageError(f"observation {key!r}: expected shape [{dim}], got {list(arrays[key].shape)}")
-            v = v.astype(np.float32)
-            if not np.isfinite(v).all():
-                raise StageError(f"observation {key!r}: state has NaN or infinite values")
-            state[at : at + dim] = v
-            at += dim
         if lay.prompt in arrays:
             raise StageError(f"observation {lay.prompt!r}: the prompt is a string")
-        text = texts.get(lay.prompt, lay.default_prompt)
-        raw = text.encode()[: self.prompt_len]
-        prompt = np.full(self.prompt_len, PROMPT_PAD, np.int64)
-        prompt[: len(raw)] = np.frombuffer(raw, np.uint8)
-        return {"images": images, "image_mask": image_mask, "state": state, "prompt": prompt}
+        images = [_image(key, arrays[key]) for key in lay.images]
+        state = self.state_vector(lay, arrays)
+        limit = len(images) * self.image_tokens + self.max_prompt_tokens
+        batch = self.processor(
+            images=[images], text=[texts.get(lay.prompt, lay.default_prompt)], padding="max_length", max_length=limit, return_tensors="pt"
+        )
+        if batch["input_ids"].shape[1] > limit:
+            n = batch["input_ids"].shape[1] - len(images) * self.image_tokens
+            raise StageError(
+                f"observation {lay.prompt!r}: the prompt is {n} tokens (with BOS and newline); this policy takes at most "
+                f"{self.max_prompt_tokens} (max_prompt_tokens)"
+            )
+        out = {k: batch[k][0] for k in ("input_ids", "attention_mask", "pixel_values", "pixel_attention_mask")}
+        out["state"] = torch.from_numpy(state)
+        return out
 
     # ---- inference -----------------------------------------------------------------------
     async def run(self, ctx: StageContext) -> None:
@@ -296,24 +527,26 @@ class PolicyProcessor(StageProcessor):
             if obs.kind != PayloadKind.OBSERVATION:
                 raise StageError(f"the policy takes observations, not {obs.kind.value}")
             t0 = time.perf_counter()
-            resize = any(k in obs.arrays and obs.arrays[k].shape[:2] != (self.size, self.size) for k in lay.images)
-            inputs = await asyncio.to_thread(self.prepare, lay, obs) if resize else self.prepare(lay, obs)
+            inputs = await asyncio.to_thread(self.prepare, lay, obs)
             rng = np.random.default_rng([int(episode["seed"]) & 0xFFFFFFFF, int(episode["step"])])
-            x = rng.standard_normal((self.horizon, self.max_action), dtype=np.float32)
-            prefix = await self.steps.run(inputs, op="encode")
-            dt = 1.0 / self.num_steps
+            inputs["noise"] = torch.from_numpy(rng.standard_normal((self.config.chunk_size, self.config.max_action_dim), dtype=np.float32))
+            # one host -> device copy here; the prefix KV, state and noisy actions stay there
+            enc = await self.steps.run(inputs, op="encode")
+            x, dt = enc["x"], -1.0 / self.num_steps
             for k in range(self.num_steps):
-                t = np.asarray(1.0 - k * dt, np.float32)
-                v = await self.steps.run({"x": x, "t": t, "prefix": prefix}, op="velocity")
-                x = x - dt * v
-            actions = np.ascontiguousarray(x[: lay.action_horizon, : lay.action_dim], dtype=np.float32)
+                # t as sample_actions computes it (1 + k * dt in double, then float32)
+                step = {"kv": enc["kv"], "attention_mask": enc["attention_mask"], "state": enc["state"], "x": x,
+                        "t": np.asarray(1.0 + k * dt, np.float32), "dt": np.asarray(dt, np.float32)}
+                x = await self.steps.run(step, op="denoise")
+            chunk = x.float().cpu().numpy()[: lay.action_horizon, : lay.action_dim]
+            actions = self.action_norm.unnormalize(chunk) if self.action_norm is not None else chunk
+            actions = np.ascontiguousarray(actions, dtype=np.float32)
             prev = episode.get("prev")
             if prev is not None and self.smoothing > 0:
                 # Chunk-boundary smoothing: the first steps lean toward where the previous
                 # chunk ended, with a weight that halves (for 0.5) step by step.
                 w = (self.smoothing ** np.arange(1, lay.action_horizon + 1, dtype=np.float32))[:, None]
-                actions = (1.0 - w) * actions + w * np.asarray(prev, np.float32)[None, :]
-                actions = actions.astype(np.float32)
+                actions = ((1.0 - w) * actions + w * np.asarray(prev, np.float32)[None, :]).astype(np.float32)
             episode = {"seed": episode["seed"], "step": int(episode["step"]) + 1, "prev": actions[-1].tolist()}
             infer_ms = (time.perf_counter() - t0) * 1000.0
             ctx.add_usage(action_chunks=1)

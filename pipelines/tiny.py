@@ -397,38 +397,6 @@ def _fill_audio_encoder(out: Path) -> None:
     save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "model.safetensors"))
 
 
-# π0-shaped policy: 3 camera slots (14x14 patches of 224x224, pooled to 4x4 tokens each),
-# a 48-byte prompt, state and actions padded to 32 dims, a 16-step chunk, 10 flow steps.
-POLICY_CONFIG = {
-    "name": "omni-rt-tiny-policy",
-    "image_slots": 3,
-    "image_size": 224,
-    "patch": 14,
-    "grid": 4,
-    "width": 64,
-    "heads": 4,
-    "prefix_layers": 1,
-    "expert_layers": 2,
-    "prompt_len": 48,
-    "max_state_dim": 32,
-    "max_action_dim": 32,
-    "action_horizon": 16,
-    "num_steps": 10,
-}
-
-
-def _fill_policy(out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from pipelines.robot import PolicyNet
-
-    torch.manual_seed(SEED + 3)
-    net = PolicyNet(POLICY_CONFIG).eval()
-    (out / "config.json").write_text(json.dumps({"model_type": "omni_rt_flow_policy", **POLICY_CONFIG}, indent=2) + "\n")
-    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "model.safetensors"))
-
-
 def _fill_image(out: Path) -> None:
     _fill_flux(out, SEED + 4)
 
@@ -500,11 +468,17 @@ THINKER_DIRNAME = "tiny-qwen2-thinker"
 AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
 WORLD_DIRNAME = "tiny-flux-world"
-POLICY_DIRNAME = "tiny-flow-policy"
+POLICY_DIRNAME = "tiny-pi0"
 
 
 def _fill_omni(out: Path) -> None:
     from pipelines.tiny_omni import fill  # it trains its tokenizer on CORPUS (imports this module)
+
+    fill(out)
+
+
+def _fill_pi0(out: Path) -> None:
+    from pipelines.tiny_pi0 import fill  # it trains its tokenizer on CORPUS (imports this module)
 
     fill(out)
 
@@ -520,7 +494,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "code2wav": (CODE2WAV_DIRNAME, _fill_code2wav),
     "thinker": (THINKER_DIRNAME, _fill_thinker),
     "audio_encoder": (AUDIO_ENCODER_DIRNAME, _fill_audio_encoder),
-    "policy": (POLICY_DIRNAME, _fill_policy),
+    "policy": (POLICY_DIRNAME, _fill_pi0),
     "image": (IMAGE_DIRNAME, _fill_image),
     "world": (WORLD_DIRNAME, _fill_world),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),

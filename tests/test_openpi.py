@@ -101,7 +101,9 @@ def test_openpi_client_at_the_root_gets_metadata_then_actions(server):
     policy = WebsocketClientPolicy(host, port, api_key=ALICE_KEY)
     try:
         meta = policy.get_server_metadata()
-        assert meta["layout"] == "droid" and meta["action_horizon"] == 10 and meta["action_dim"] == 8
+        assert meta["layout"] == "droid" and meta["action_horizon"] == meta["chunk_size"] == 16 and meta["action_dim"] == 8
+        assert meta["architecture"] == "PI0ForConditionalGeneration" and meta["max_state_dim"] == 32
+        assert meta["normalization"] == {"state": None, "actions": None}  # the tiny base policy carries no stats
         assert meta["image_keys"] == ["observation/exterior_image_1_left", "observation/wrist_image_left"]
         assert meta["image_resolution"] == [224, 224] and "reset" in meta["extensions"]
         assert {"aloha", "droid"} <= set(meta["layouts"])
@@ -109,7 +111,7 @@ def test_openpi_client_at_the_root_gets_metadata_then_actions(server):
         for i in range(30):
             out = policy.infer(droid_observation(i))
             a = out["actions"]
-            assert a.shape == (10, 8) and a.dtype == np.float32 and np.isfinite(a).all()
+            assert a.shape == (16, 8) and a.dtype == np.float32 and np.isfinite(a).all()
             seen.add(a.tobytes())
             assert out["policy_timing"]["infer_ms"] > 0
             assert out["server_timing"]["infer_ms"] >= out["policy_timing"]["infer_ms"]
@@ -130,7 +132,7 @@ def test_aloha_layout_over_v1_openpi_with_chw_images(server):
         for i in range(5):
             a = policy.infer(aloha_observation(i))["actions"]
             assert a.shape == (meta["action_horizon"], 14) and np.isfinite(a).all()
-        # HWC images at another resolution are accepted too (resized with padding)
+        # HWC images at another resolution are accepted too (resized by the checkpoint's processor)
         obs = aloha_observation(9)
         obs["images"] = {k: np.ascontiguousarray(v.transpose(1, 2, 0)[:160]) for k, v in obs["images"].items()}
         assert policy.infer(obs)["actions"].shape == (meta["action_horizon"], 14)
@@ -281,7 +283,10 @@ def _droid(**change) -> dict:
 
 BAD_INPUT = {
     "wrong_image_dtype": (lambda: openpi_msgpack.packb(_droid(observation__wrist_image_left=np.zeros((224, 224, 3), np.int32))), "uint8"),
-    "wrong_image_shape": (lambda: openpi_msgpack.packb(_droid(observation__wrist_image_left=np.zeros((224, 224), np.uint8))), "expected an image"),
+    "wrong_image_shape": (lambda: openpi_msgpack.packb(_droid(observation__wrist_image_left=np.zeros((224, 224), np.uint8))), "expected an RGB image"),
+    "four_channel_image": (lambda: openpi_msgpack.packb(_droid(observation__wrist_image_left=np.zeros((224, 224, 4), np.uint8))), "expected an RGB image"),
+    "state_over_max_state_dim": (lambda: openpi_msgpack.packb(_droid(observation__joint_position=np.zeros(40))), "at most 32 state dims"),
+    "prompt_over_token_limit": (lambda: openpi_msgpack.packb(_droid(prompt="pick up the red cup and " * 20)), "at most 48 (max_prompt_tokens)"),
     "wrong_state_shape": (lambda: openpi_msgpack.packb(_droid(observation__joint_position=np.zeros(6))), "expected shape [7]"),
     "nan_state": (lambda: openpi_msgpack.packb(_droid(observation__joint_position=np.full(7, np.nan))), "NaN"),
     "missing_key": (lambda: openpi_msgpack.packb(_droid(observation__wrist_image_left=None)), "missing 'observation/wrist_image_left'"),

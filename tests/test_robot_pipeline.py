@@ -1,11 +1,18 @@
-"""The robot pipeline without a server: step-level batching on the torch engine,
-observation preparation (layouts, image forms), configuration errors."""
+"""The robot pipeline without a server: transformers' π0 at step granularity on the
+torch engine (== its own `sample_actions`, batched == one by one, tensors left on the
+device), observation preparation by the checkpoint's processor, normalisation from
+the checkpoint's statistics, lerobot's checkpoint format, configuration errors."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import re
 
 import numpy as np
 import pytest
@@ -57,14 +64,41 @@ async def test_torch_engine_batches_named_inputs_per_op_and_signature():
         await engine.stop()
 
 
-def _processor(models_dir, **args):
+async def test_torch_engine_gives_tensors_back_for_tensors_and_passes_a_batch_on_uncopied():
+    module = TwoOps()
+    engine = TorchEngine(lambda: module, name="two", max_batch=8, max_wait_ms=0.0)
+    await engine.start()
+    try:
+        rows = [torch.full((4,), float(i)) for i in range(3)]
+        out = await asyncio.gather(*(engine.run({"a": r}, op="both") for r in rows))
+        assert all(isinstance(o["twice"], torch.Tensor) and o["twice"].device == engine.device for o in out)
+        base = out[0]["twice"].data_ptr()
+        assert [o["twice"].data_ptr() for o in out] == [base + 16 * i for i in range(3)]  # rows of one batch output
+        seen: list[torch.Tensor] = []
+        module.both = lambda a: (seen.append(a), {"sum": a.sum(-1), "twice": a * 2})[1]  # type: ignore[method-assign]
+        again = await asyncio.gather(*(engine.run({"a": o["twice"]}, op="both") for o in out))
+        assert seen[0].data_ptr() == base and seen[0].shape == (3, 4)  # the same rows in order: the batch itself, not a copy
+        assert [float(o["sum"]) for o in again] == [0.0, 8.0, 16.0]
+        swapped = await asyncio.gather(*(engine.run({"a": o["twice"]}, op="both") for o in reversed(out)))
+        assert seen[1].data_ptr() != base and [float(o["sum"]) for o in swapped] == [16.0, 8.0, 0.0]
+        plain = await engine.run({"a": np.ones(4, np.float32)}, op="both")
+        assert isinstance(plain["twice"], np.ndarray)  # numpy in, numpy out
+    finally:
+        await engine.stop()
+
+
+def _spec(model_dir, **args):
     from omni_rt.specs import load_pipeline
     from pipelines import PIPELINE_DIR
-    from pipelines.robot import PolicyProcessor
 
     spec = load_pipeline(PIPELINE_DIR / "robot.yaml").profiles["default"].stages[0]
-    spec = spec.model_copy(update={"model": str(models_dir / "tiny-flow-policy"), "processor_args": {**spec.processor_args, **args}})
-    return PolicyProcessor(spec, _Steps(), {})
+    return spec.model_copy(update={"model": str(model_dir), "processor_args": {**spec.processor_args, **args}})
+
+
+def _processor(model_dir, engine=None, **args):
+    from pipelines.robot import PolicyProcessor
+
+    return PolicyProcessor(_spec(model_dir, **args), engine or _Steps(), {})
 
 
 class _Steps(Engine):
@@ -83,22 +117,32 @@ def _obs(arrays, text=None):
     return Payload(PayloadKind.OBSERVATION, Fence("s"), arrays=arrays, meta={"text": text or {}})
 
 
-def test_prepare_maps_a_layout_onto_the_padded_model_inputs(models_dir):
-    proc = _processor(models_dir)
+@pytest.fixture
+def pi0_dir(models_dir):
+    return models_dir / "tiny-pi0"
+
+
+def test_prepare_runs_the_checkpoints_processor_for_a_layout(pi0_dir):
+    proc = _processor(pi0_dir)
     rng = np.random.default_rng(0)
     chw = {f"images/cam_{c}": rng.integers(0, 256, (3, 224, 224), dtype=np.uint8) for c in ("high", "left_wrist", "right_wrist")}
     state = rng.standard_normal(14)
     x = proc.prepare(proc.layout("aloha"), _obs({**chw, "state": state}, {"prompt": "fold"}))
-    assert x["images"].shape == (3, 224, 224, 3) and x["images"].dtype == np.uint8
-    assert np.array_equal(x["images"][0], chw["images/cam_high"].transpose(1, 2, 0))
-    assert np.allclose(x["state"][:14], state) and not x["state"][14:].any()
-    assert bytes(x["prompt"][:4].astype(np.uint8)) == b"fold" and (x["prompt"][4:] == 256).all()
-    # droid: two cameras, the third slot stays empty; a smaller float image is scaled and padded
+    # three cameras of 256 tokens each, then BOS + prompt + newline padded to 48
+    assert x["pixel_values"].shape == (3, 3, 224, 224) and x["pixel_attention_mask"].all()
+    assert x["input_ids"].shape == (3 * 256 + 48,) and (x["input_ids"][:768] == proc.processor.image_token_id).all()
+    tok = proc.processor.tokenizer
+    assert tok.decode(x["input_ids"][768:][x["attention_mask"][768:].bool()]) == f"{tok.bos_token}fold\n"
+    # the image is the processor's: scaled to [-1, 1] (mean 0.5, std 0.5)
+    expect = chw["images/cam_high"].astype(np.float32) / 255.0 * 2.0 - 1.0
+    np.testing.assert_allclose(x["pixel_values"][0].numpy(), expect, atol=1e-5)
+    assert np.allclose(x["state"][:14].numpy(), state) and not x["state"][14:].any()
+    # droid: a smaller float HWC image is resized to the model's resolution
     small = rng.uniform(0, 1, (120, 160, 3)).astype(np.float32)
     droid = {"observation/exterior_image_1_left": small, "observation/wrist_image_left": np.zeros((224, 224, 3), np.uint8),
              "observation/joint_position": np.zeros(7), "observation/gripper_position": np.array(0.5)}
     x = proc.prepare(proc.layout(None), _obs(droid))
-    assert not x["images"][2].any() and x["images"][0][:10].sum() == 0 and x["images"][0][112].any()
+    assert x["pixel_values"].shape == (2, 3, 224, 224) and x["input_ids"].shape == (2 * 256 + 48,)
     assert x["state"][7] == 0.5
 
 
@@ -106,44 +150,56 @@ def test_prepare_maps_a_layout_onto_the_padded_model_inputs(models_dir):
     "change, message",
     [
         ({"state": np.zeros(13)}, "expected shape [14]"),
-        ({"images/cam_high": np.zeros((224, 224, 4), np.uint8)}, "expected an image"),
+        ({"state": np.zeros(40)}, "the policy takes at most 32 state dims"),
+        ({"images/cam_high": np.zeros((224, 224, 4), np.uint8)}, "expected an RGB image"),
+        ({"images/cam_high": np.zeros((1, 224, 224), np.uint8)}, "expected an RGB image"),
         ({"images/cam_high": np.zeros((3, 224, 224), np.int16)}, "uint8"),
         ({"images/cam_high": np.full((3, 8, 8), np.inf, np.float32)}, "NaN or infinite"),
         ({"images/cam_high": np.zeros((3, 5000, 8), np.uint8)}, "1..4096"),
     ],
 )
-def test_prepare_refuses_bad_observations(models_dir, change, message):
-    proc = _processor(models_dir)
+def test_prepare_refuses_bad_observations(pi0_dir, change, message):
+    proc = _processor(pi0_dir)
     arrays: dict[str, np.ndarray] = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
     arrays["state"] = np.zeros(14)
     arrays.update(change)
-    with pytest.raises(StageError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(StageError, match=re.escape(message)):
         proc.prepare(proc.layout("aloha"), _obs(arrays))
+
+
+def test_a_prompt_over_the_token_limit_is_refused_naming_the_limit(pi0_dir):
+    proc = _processor(pi0_dir, max_prompt_tokens=8)
+    arrays = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
+    arrays["state"] = np.zeros(14)
+    proc.prepare(proc.layout("aloha"), _obs(arrays, {"prompt": "fold"}))  # 6 tokens fit
+    with pytest.raises(StageError, match=r"the prompt is \d+ tokens .*at most 8 \(max_prompt_tokens\)"):
+        proc.prepare(proc.layout("aloha"), _obs(arrays, {"prompt": "fold the towel on the table twice"}))
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        ({"layouts": {"arm": {"action_dim": 40, "action_horizon": 4}}}, "action_dim must be in 1..32"),
-        ({"layouts": {"arm": {"action_dim": 4, "action_horizon": 99}}}, "action_horizon must be in 1..16"),
-        ({"layouts": {"arm": {"action_dim": 4}}}, "action_horizon missing"),
-        ({"layouts": {"arm": {"action_dim": 4, "action_horizon": 4, "cams": []}}}, "unknown keys"),
-        ({"layouts": {"arm": {"action_dim": 4, "action_horizon": 4, "state": ["s"], "state_dims": [40]}}}, "exceeds max_state_dim"),
+        ({"layouts": {"arm": {"images": ["c"], "action_dim": 40}}}, "action_dim must be in 1..32"),
+        ({"layouts": {"arm": {"images": ["c"], "action_dim": 4, "action_horizon": 99}}}, "action_horizon must be in 1..16"),
+        ({"layouts": {"arm": {"action_dim": 4}}}, "at least one camera"),
+        ({"layouts": {"arm": {"images": ["c"]}}}, "action_dim missing"),
+        ({"layouts": {"arm": {"images": ["c"], "action_dim": 4, "cams": []}}}, "unknown keys"),
+        ({"layouts": {"arm": {"images": ["c"], "action_dim": 4, "state": ["s"], "state_dims": [40]}}}, "exceeds the policy's max_state_dim 32"),
         ({"default_layout": "hexapod"}, "default_layout"),
         ({"smoothing": 1.0}, "smoothing"),
         ({"temperature": 1.0}, "unknown policy processor_args"),
     ],
 )
-def test_bad_policy_configuration_is_refused(models_dir, args, message):
+def test_bad_policy_configuration_is_refused(pi0_dir, args, message):
     with pytest.raises(ValueError, match=message):
-        _processor(models_dir, **args)
+        _processor(pi0_dir, **args)
 
 
 def test_omni_rt_check_names_a_bad_layout(models_dir, tmp_path):
     deploy = tmp_path / "d.yaml"
     deploy.write_text(yaml.safe_dump({
         "pipelines": {"tts": {"enabled": False}, "voice": {"enabled": False},
-                      "robot": {"stages": {"policy": {"processor_args": {"layouts": {"arm": {"action_dim": 0, "action_horizon": 4}}}}}}},
+                      "robot": {"stages": {"policy": {"processor_args": {"layouts": {"arm": {"images": ["c"], "action_dim": 0}}}}}}},
         "server": {"models_dir": str(models_dir)},
     }))
     proc = subprocess.run([sys.executable, "-m", "omni_rt.cli", "check", "--deploy", str(deploy)], cwd=REPO,
@@ -151,3 +207,214 @@ def test_omni_rt_check_names_a_bad_layout(models_dir, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "pipelines.robot.stages.policy.processor_args: layouts.arm: action_dim must be in 1..32" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---- the denoising loop on the engine ------------------------------------------------------
+
+
+def _droid(seed, prompt="pick up the cup"):
+    rng = np.random.default_rng(seed)
+    return _obs({"observation/exterior_image_1_left": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
+                 "observation/wrist_image_left": rng.integers(0, 256, (160, 200, 3), dtype=np.uint8),
+                 "observation/joint_position": rng.standard_normal(7), "observation/gripper_position": rng.uniform(0, 1, 1)},
+                {"prompt": prompt})
+
+
+class _Ctx:
+    """The slice of StageContext the policy uses: one observation in, the payload out."""
+
+    def __init__(self, obs, params):
+        self.params, self.fence, self._obs, self.out = params, Fence("s"), obs, []
+
+    async def input(self):
+        yield self._obs
+
+    def add_usage(self, **counts):
+        pass
+
+    async def emit(self, payload, last=False):
+        self.out.append(payload)
+
+
+async def _infer(proc, obs, seed=0, layout="droid"):
+    ctx = _Ctx(obs, {"layout": layout, "episode": proc.new_episode(seed)})
+    await proc.run(ctx)
+    return ctx.out[0].arrays["actions"]
+
+
+@pytest.fixture
+async def pi0_engine(pi0_dir):
+    from pipelines.robot import PolicyProcessor
+
+    engine = TorchEngine(PolicyProcessor.torch_module(str(pi0_dir), "main"), name="policy", max_batch=32, max_wait_ms=0.0)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+async def test_step_by_step_on_the_engine_equals_the_models_own_sample_actions(pi0_dir, pi0_engine):
+    proc = _processor(pi0_dir, pi0_engine, smoothing=0.0)
+    obs = _droid(3)
+    got = await _infer(proc, obs, seed=5)
+    lay = proc.layout("droid")
+    x = proc.prepare(lay, obs)
+    rng = np.random.default_rng([5, 0])  # the episode's seed and step, as the stage draws it
+    noise = torch.from_numpy(rng.standard_normal((16, 32), dtype=np.float32))[None]
+    model = pi0_engine.module.pi0
+    ref = model.sample_actions(state=x["state"][None], noise=noise, input_ids=x["input_ids"][None], pixel_values=x["pixel_values"][None],
+                               attention_mask=x["attention_mask"][None], pixel_attention_mask=x["pixel_attention_mask"][None], num_steps=10)
+    assert got.shape == (16, 8)
+    np.testing.assert_allclose(got, ref[0, :16, :8].numpy(), rtol=0, atol=1e-5)
+
+
+async def test_robots_at_different_steps_share_batches_and_get_what_they_get_alone(pi0_dir, pi0_engine):
+    proc = _processor(pi0_dir, pi0_engine)
+    observations = [_droid(10 + i, prompt=f"task {i}") for i in range(6)]
+    alone = [await _infer(proc, o, seed=i) for i, o in enumerate(observations)]
+    steps0, items0 = pi0_engine.steps, pi0_engine.items
+
+    async def late(i, o):
+        await asyncio.sleep(0.004 * i)  # staggered: robots join while others are mid-loop
+        return await _infer(proc, o, seed=i)
+
+    together = await asyncio.gather(*(late(i, o) for i, o in enumerate(observations)))
+    steps, items = pi0_engine.steps - steps0, pi0_engine.items - items0
+    assert items == 6 * 11 and steps < items, f"{steps} engine calls for {items} items: nothing was batched"
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+
+
+# ---- normalisation from the checkpoint --------------------------------------------------
+
+
+def _with_stats(pi0_dir, tmp_path, state_mode="MEAN_STD", action_mode="MEAN_STD", write_state_file=True):
+    """The tiny π0 with lerobot's normalizer files for an 8-dim state, 8-dim actions."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "pi0-droid"
+    shutil.copytree(pi0_dir, d)
+    rng = np.random.default_rng(1)
+    stats = {
+        "observation.state.mean": rng.standard_normal(8).astype(np.float32), "observation.state.std": rng.uniform(0.5, 2, 8).astype(np.float32),
+        "observation.state.min": -np.ones(8, np.float32), "observation.state.max": 3 * np.ones(8, np.float32),
+        "action.mean": rng.standard_normal(8).astype(np.float32), "action.std": rng.uniform(0.5, 2, 8).astype(np.float32),
+        "action.q01": -2 * np.ones(8, np.float32), "action.q99": np.linspace(1, 4, 8).astype(np.float32),
+    }
+    features = {"observation.state": {"type": "STATE", "shape": [8]}, "observation.images.base_0_rgb": {"type": "VISUAL", "shape": [3, 224, 224]},
+                "action": {"type": "ACTION", "shape": [8]}}
+    norm = {"eps": 1e-8, "features": features, "norm_map": {"VISUAL": "IDENTITY", "STATE": state_mode, "ACTION": action_mode}}
+    if write_state_file:
+        save_file(stats, str(d / "policy_preprocessor_step_3_normalizer_processor.safetensors"))
+        save_file({k: v for k, v in stats.items() if k.startswith("action.")}, str(d / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"))
+    (d / "policy_preprocessor.json").write_text(json.dumps({"name": "policy_preprocessor", "steps": [
+        {"registry_name": "rename_observations_processor", "config": {"rename_map": {}}},
+        {"registry_name": "normalizer_processor", "config": norm, "state_file": "policy_preprocessor_step_3_normalizer_processor.safetensors"}]}))
+    (d / "policy_postprocessor.json").write_text(json.dumps({"name": "policy_postprocessor", "steps": [
+        {"registry_name": "unnormalizer_processor", "config": norm, "state_file": "policy_postprocessor_step_0_unnormalizer_processor.safetensors"}]}))
+    return d, stats
+
+
+@pytest.mark.parametrize("state_mode, action_mode", [("MEAN_STD", "MEAN_STD"), ("MIN_MAX", "QUANTILES")])
+async def test_normalisation_round_trip_with_the_checkpoints_stats(pi0_dir, pi0_engine, tmp_path, state_mode, action_mode):
+    d, stats = _with_stats(pi0_dir, tmp_path, state_mode, action_mode)
+    layouts = {"droid": _spec(pi0_dir).processor_args["layouts"]["droid"]}
+    raw = _processor(pi0_dir, pi0_engine, smoothing=0.0, layouts=layouts)
+    normed = _processor(d, pi0_engine, smoothing=0.0, layouts=layouts)  # same weights, with stats
+    meta = normed.metadata(None)["normalization"]
+    assert meta["state"]["mode"] == state_mode and meta["actions"]["mode"] == action_mode and meta["actions"]["dims"] == 8
+    obs = _droid(4)
+    s = np.concatenate([obs.arrays["observation/joint_position"], obs.arrays["observation/gripper_position"]]).astype(np.float32)
+    if state_mode == "MEAN_STD":
+        s_norm = (s - stats["observation.state.mean"]) / (stats["observation.state.std"] + 1e-8)
+    else:
+        s_norm = 2 * (s + 1) / (4 + 1e-8) - 1
+    np.testing.assert_allclose(normed.prepare(normed.layout(None), obs)["state"][:8].numpy(), s_norm, rtol=1e-5, atol=1e-6)
+    # the raw policy given the normalised state by hand gives the normalised actions ...
+    by_hand = _droid(4)
+    by_hand.arrays["observation/joint_position"], by_hand.arrays["observation/gripper_position"] = s_norm[:7], s_norm[7:]
+    y = await _infer(raw, by_hand)
+    # ... which the normalised policy maps back with the action stats
+    got = await _infer(normed, obs)
+    if action_mode == "MEAN_STD":
+        expect = y * (stats["action.std"] + 1e-8) + stats["action.mean"]
+    else:
+        lo, hi = stats["action.q01"], stats["action.q99"]
+        expect = (y + 1) / 2 * (hi - lo + 1e-8) + lo
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, y)
+
+
+def test_a_layout_of_another_embodiment_than_the_stats_is_refused(pi0_dir, tmp_path):
+    d, _ = _with_stats(pi0_dir, tmp_path)
+    with pytest.raises(ValueError, match=r"layouts.aloha: state of 14 dims, but the checkpoint normalises observation.state with 8"):
+        _processor(d)
+
+
+def test_a_missing_stats_or_processor_file_refuses_the_policy_naming_the_file(pi0_dir, tmp_path):
+    d, _ = _with_stats(pi0_dir, tmp_path, write_state_file=False)
+    with pytest.raises(StageError, match="policy_preprocessor_step_3_normalizer_processor.safetensors, which is missing"):
+        _processor(d)
+    bare = tmp_path / "no-processor"
+    shutil.copytree(pi0_dir, bare)
+    (bare / "processor_config.json").unlink()
+    with pytest.raises(StageError, match="no image processor settings"):
+        _processor(bare)
+    no_tok = tmp_path / "no-tokenizer"
+    shutil.copytree(pi0_dir, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(StageError, match="no tokenizer files"):
+        _processor(no_tok)
+    # the processor files from another directory (PaliGemma's, for lerobot/pi0_base)
+    assert _processor(bare, processor=str(pi0_dir)).metadata(None)["image_resolution"] == [224, 224]
+
+
+def _lerobot_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' π0 parameter names -> lerobot's (the format of lerobot/pi0_base)."""
+    out = {}
+    for k, v in state.items():
+        if k == "model.vlm.language_model.embed_tokens.weight":
+            k = "paligemma_with_expert.paligemma.lm_head.weight"
+        elif k == "model.dit.embed_tokens.weight":
+            k = "paligemma_with_expert.gemma_expert.lm_head.weight"
+        elif k.startswith("model.vlm."):
+            k = "paligemma_with_expert.paligemma.model." + k[len("model.vlm."):]
+        elif k.startswith("model.dit."):
+            k = "paligemma_with_expert.gemma_expert.model." + k[len("model.dit."):]
+        elif k.startswith("embed_action_time."):
+            k = k[len("embed_action_time."):]
+        out[k] = v.contiguous()
+    return out
+
+
+def test_a_checkpoint_in_lerobots_format_loads_into_the_same_model(pi0_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from pipelines.robot import Pi0Steps
+
+    d = tmp_path / "lerobot-format"
+    shutil.copytree(pi0_dir, d)
+    theirs = load_file(str(pi0_dir / "model.safetensors"))
+    renamed = _lerobot_keys(theirs)
+    assert any(k.startswith("paligemma_with_expert.") for k in renamed) and not any(k.startswith("model.") for k in renamed)
+    save_file(renamed, str(d / "model.safetensors"))
+    loaded = Pi0Steps.load(str(d)).pi0.state_dict()
+    ref = Pi0Steps.load(str(pi0_dir)).pi0.state_dict()
+    assert set(loaded) == set(ref)
+    for k, v in ref.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_omni_rt_check_refuses_a_directory_that_is_not_pi0(pi0_dir, tmp_path):
+    from pipelines.robot import check_policy_dir
+
+    d = tmp_path / "other"
+    shutil.copytree(pi0_dir, d)
+    conf = json.loads((d / "config.json").read_text())
+    conf.update(model_type="paligemma", architectures=["PaliGemmaForConditionalGeneration"])
+    (d / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(StageError, match="describes PaliGemmaForConditionalGeneration, not π0"):
+        check_policy_dir(str(d))
+    # lerobot's config.json (type: pi0, no architectures) is a π0
+    (d / "config.json").write_text(json.dumps({"type": "pi0", "chunk_size": 50, "tokenizer_max_length": 48}))
+    assert check_policy_dir(str(d), str(pi0_dir))["type"] == "pi0"
+    assert Path(d).is_dir()

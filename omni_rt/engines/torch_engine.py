@@ -1,7 +1,7 @@
 """Torch generation engine: a batched step loop over an `nn.Module`.
 
-Requests submit one item each (a numpy array without the batch dimension, or a dict
-of them for a module method with several inputs: `op` names the method) with a
+Requests submit one item each (an array without the batch dimension, or a dict of
+them for a module method with several inputs: `op` names the method) with a
 priority (lower runs first; e.g. a stream's first chunk, which decides time to first
 audio, goes ahead of steady-state chunks). The loop takes whatever is queued, most
 urgent first (up to `max_batch`, waiting at most `max_wait_ms` for more once the first
@@ -9,6 +9,13 @@ item is there), stacks items of the same op, shapes and dtypes into one batch,
 runs the module on a dedicated thread (never on the event loop), and hands each
 request its slice of the result. New requests join at the next step: continuous
 batching across concurrent streams.
+
+Arrays are numpy arrays or torch tensors, and what goes in comes out: an item of numpy
+arrays gets numpy back (host memory), an item holding a torch tensor gets tensors back,
+left on the engine's device. A multi-step request (a denoising loop, a KV cache it
+keeps) therefore pays one host -> device copy when it starts and one device -> host
+copy when it ends, not one per step; items that are consecutive rows of one earlier
+batch output are passed on as that batch without being copied again.
 """
 
 from __future__ import annotations
@@ -41,9 +48,45 @@ class _Item:
 
     def signature(self) -> tuple[Any, ...]:
         if isinstance(self.x, dict):
-            return (self.op, tuple((k, v.shape, v.dtype.str) for k, v in sorted(self.x.items())))
-        return (self.op, self.x.shape, self.x.dtype.str)
+            return (self.op, tuple((k, *_sig(v)) for k, v in sorted(self.x.items())))
+        return (self.op, *_sig(self.x))
 
+    def on_device(self) -> bool:
+        """Whether the caller handed tensors (and so gets tensors back, not numpy)."""
+        if isinstance(self.x, dict):
+            return any(isinstance(v, torch.Tensor) for v in self.x.values())
+        return isinstance(self.x, torch.Tensor)
+
+
+def _sig(v: Any) -> tuple[Any, ...]:
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), str(v.dtype), str(v.device))
+    return ("numpy", v.shape, v.dtype.str)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a torch floating-point dtype (float32, bfloat16, float16)")
+    return dt
+
+
+def _stack(vals: list[Any], device: torch.device) -> torch.Tensor:
+    """One batch tensor on `device` from per-item arrays. Tensors that are exactly the
+    consecutive rows of one earlier batch output, in order, are read in place."""
+    if not isinstance(vals[0], torch.Tensor):
+        return torch.from_numpy(np.stack(vals)).to(device)
+    v0 = vals[0]
+    if v0.device == device and v0.is_contiguous():
+        row = v0.numel() * v0.element_size()
+        base = v0.untyped_storage().data_ptr()
+        if all(
+            v.shape == v0.shape and v.dtype == v0.dtype and v.is_contiguous()
+            and v.untyped_storage().data_ptr() == base and v.data_ptr() == v0.data_ptr() + i * row
+            for i, v in enumerate(vals)
+        ):
+            return torch.as_strided(v0, (len(vals), *v0.shape), (v0.numel(), *v0.stride()), v0.storage_offset())
+    return torch.stack(vals).to(device)
 
 
 class TorchEngine(Engine):
@@ -56,6 +99,7 @@ class TorchEngine(Engine):
         max_wait_ms: float = 2.0,
         threads: int | None = None,
         device: str = "cpu",
+        dtype: str | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -65,6 +109,7 @@ class TorchEngine(Engine):
         self.max_wait = max_wait_ms / 1000.0
         self.threads = threads
         self.device = torch.device(device)
+        self.dtype = None if dtype is None else _dtype(dtype)
         self.module: torch.nn.Module | None = None
         self._queue: asyncio.PriorityQueue[_Item] | None = None
         self._seq = itertools.count()
@@ -83,6 +128,8 @@ class TorchEngine(Engine):
                 torch.set_num_threads(self.threads)
             m = self._factory()
             m.to(self.device).eval()
+            if self.dtype is not None:
+                m.to(self.dtype)
             return m
 
         self.module = await loop.run_in_executor(self._executor, _load)
@@ -130,7 +177,7 @@ class TorchEngine(Engine):
         self.require_alive()
         if self._queue is None or self._loop_task is None or self._loop_task.done():
             raise EngineError(f"engine {self.name} is not running")
-        if not isinstance(x, (np.ndarray, dict)):
+        if not isinstance(x, (np.ndarray, torch.Tensor, dict)):
             raise EngineRequestError(f"engine {self.name} takes an array or a dict of arrays, not {type(x).__name__}")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(_Item(priority, next(self._seq), x, fut, op))
@@ -168,7 +215,9 @@ class TorchEngine(Engine):
             for items in sorted(groups.values(), key=lambda g: g[0]):
                 self._running = len(items)
                 try:
-                    out = await loop.run_in_executor(self._executor, self._forward, items[0].op, [it.x for it in items])
+                    out = await loop.run_in_executor(
+                        self._executor, self._forward, items[0].op, [it.x for it in items], items[0].on_device()
+                    )
                 except Exception as exc:  # noqa: BLE001 - reported to every caller of the batch
                     log.exception("engine %s step failed", self.name)
                     for it in items:
@@ -187,16 +236,16 @@ class TorchEngine(Engine):
                     if not it.future.done():
                         it.future.set_exception(EngineError(f"engine {self.name} returned {len(out)} rows for {len(items)} items"))
 
-    def _forward(self, op: str | None, xs: list[Any]) -> list[Any]:
+    def _forward(self, op: str | None, xs: list[Any], on_device: bool) -> list[Any]:
         assert self.module is not None
         fn = self.module if op is None else getattr(self.module, op)
         with torch.inference_mode():
             if isinstance(xs[0], dict):
-                y = fn(**{k: torch.from_numpy(np.stack([x[k] for x in xs])).to(self.device) for k in xs[0]})
+                y = fn(**{k: _stack([x[k] for x in xs], self.device) for k in xs[0]})
             else:
-                y = fn(torch.from_numpy(np.stack(xs)).to(self.device))
+                y = fn(_stack(xs, self.device))
             if isinstance(y, dict):
-                outs = {k: v.detach().cpu().numpy() for k, v in y.items()}
+                outs = {k: v.detach() if on_device else v.detach().cpu().numpy() for k, v in y.items()}
                 return [{k: v[i] for k, v in outs.items()} for i in range(len(xs))]
-            out = y.detach().cpu().numpy()
+            out = y.detach() if on_device else y.detach().cpu().numpy()
         return [out[i] for i in range(len(xs))]
