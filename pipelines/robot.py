@@ -289,7 +289,7 @@ def check_policy_dir(model_dir: str, processor_dir: str | None = None) -> dict[s
     arch = [str(a) for a in conf.get("architectures") or []]
     if kind != "pi0" or (arch and ARCHITECTURE not in arch):
         raise StageError(
-            f"policy {model_dir}: config.json describes {arch[0] if arch else kind!r}, not π0 "
+            f"policy {model_dir}: config.json describes {arch[0] if arch else repr(kind)}, not π0 "
             f"({ARCHITECTURE}: model_type or lerobot type 'pi0')"
         )
     image_processor_config(processor_dir or model_dir)
