@@ -40,6 +40,7 @@ transformers maps itself). Nothing of the network is written here: the engine mo
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -420,6 +421,10 @@ class PolicyProcessor(StageProcessor):
             raise ValueError("policy processor_args: num_steps >= 1, 0 <= smoothing < 1 and max_prompt_tokens >= 2")
         self.size = (int(self.processor.height), int(self.processor.width))
         self.image_tokens = int(self.processor.image_seq_length)
+        # One processor per layout: a fast tokenizer keeps its padding length as state
+        # that each call sets, so concurrent calls padding to different lengths (layouts
+        # with other camera counts) must not share one.
+        self._processors = {name: copy.deepcopy(self.processor) for name in self.layouts}
 
     def _check_against_stats(self, lay: Layout) -> None:
         for norm, dims, what in ((self.state_norm, sum(lay.state_dims), "state"), (self.action_norm, lay.action_dim, "action_dim")):
@@ -503,7 +508,7 @@ class PolicyProcessor(StageProcessor):
         images = [_image(key, arrays[key]) for key in lay.images]
         state = self.state_vector(lay, arrays)
         limit = len(images) * self.image_tokens + self.max_prompt_tokens
-        batch = self.processor(
+        batch = self._processors[lay.name](
             images=[images], text=[texts.get(lay.prompt, lay.default_prompt)], padding="max_length", max_length=limit, return_tensors="pt"
         )
         if batch["input_ids"].shape[1] > limit:

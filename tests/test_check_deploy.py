@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -36,7 +37,37 @@ CHECKPOINTS: dict[str, dict[str, str]] = {
     },
     "whisper-large-v3-turbo": {"config.json": json.dumps({"architectures": ["WhisperForConditionalGeneration"]})},
     "Llama-3.2-3B-Instruct": {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}), **TOKENIZER},
+    # π0: the policy dirs hold config + lerobot's normalizer files, PaliGemma's the
+    # tokenizer (the tiny π0's: its token ids must be the config's) and image settings
+    "pi0_base": {},
+    "pi0-droid": {},
+    "paligemma2-3b-mix-224": {
+        "preprocessor_config.json": json.dumps({"image_processor_type": "SiglipImageProcessor", "processor_class": "PaliGemmaProcessor",
+                                                "size": {"height": 224, "width": 224}, "resample": 3, "image_mean": [0.5] * 3,
+                                                "image_std": [0.5] * 3, "do_rescale": True, "rescale_factor": 1 / 255,
+                                                "image_seq_length": 256}),
+    },
 }
+DROID_NORMALIZER = {"eps": 1e-8, "norm_map": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},
+                    "features": {"observation.state": {"type": "STATE", "shape": [8]}, "action": {"type": "ACTION", "shape": [8]}}}
+
+
+def _pi0_files(ckpt: str, d: Path, tiny_pi0: Path) -> None:
+    """What a π0 directory holds besides its weights: the config (the tiny one's sizes,
+    so its token ids match the tokenizer the test gives PaliGemma's directory), and
+    for the DROID fine-tune lerobot's normalizer files with 8-dim statistics."""
+    from safetensors.numpy import save_file
+
+    if ckpt.startswith("pi0"):
+        shutil.copy(tiny_pi0 / "config.json", d / "config.json")
+    if ckpt == "pi0-droid":
+        stats = {f"{f}.{k}": np.full(8, v, np.float32) for f in ("observation.state", "action") for k, v in (("mean", 0.0), ("std", 1.0))}
+        save_file(stats, str(d / "normalizer.safetensors"))
+        for name, step in (("policy_preprocessor.json", "normalizer_processor"), ("policy_postprocessor.json", "unnormalizer_processor")):
+            (d / name).write_text(json.dumps({"steps": [{"registry_name": step, "config": DROID_NORMALIZER, "state_file": "normalizer.safetensors"}]}))
+    if ckpt.startswith("paligemma"):
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_pi0 / f, d / f)
 
 
 def _materialise(name: str, tmp: Path, models: Path, broken: dict[str, dict[str, str | None]] | None = None) -> Path:
@@ -49,6 +80,7 @@ def _materialise(name: str, tmp: Path, models: Path, broken: dict[str, dict[str,
     for ckpt, files in CHECKPOINTS.items():
         d = models / ckpt
         d.mkdir(parents=True, exist_ok=True)
+        _pi0_files(ckpt, d, Path(os.environ["OMNI_RT_MODELS_DIR"]) / "tiny-pi0")
         if ckpt.startswith("whisper"):
             for src in tiny_whisper.iterdir():
                 if src.suffix in (".json", ".txt") and src.name not in ("config.json", "generation_config.json"):
@@ -87,7 +119,22 @@ def test_documented_overlays_pass_the_check(name, profile, tmp_path, models_dir,
     assert tts["talker"]["model"] == stages["talker"]["model"]
 
 
+@pytest.mark.parametrize("name", ["pi0.yaml", "pi0-droid.yaml"])
+def test_documented_policy_overlays_pass_the_check(name, tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise(name, tmp_path, tmp_path / "models")
+    rc, out, err = _check(overlay, capsys)
+    assert rc == 0, err
+    policy = json.loads(out)["robot"]["stages"][0]
+    assert policy["model"] == yaml.safe_load(overlay.read_text())["pipelines"]["robot"]["stages"]["policy"]["model"]
+
+
 @pytest.mark.parametrize("name,ckpt,broken,says", [
+    ("pi0-droid.yaml", "pi0-droid", {"normalizer.safetensors": None}, "names the statistics file normalizer.safetensors, which is missing"),
+    ("pi0.yaml", "paligemma2-3b-mix-224", {"preprocessor_config.json": None}, "no image processor settings"),
+    ("pi0.yaml", "paligemma2-3b-mix-224", {"tokenizer.json": None}, "no tokenizer files"),
+    ("pi0.yaml", "pi0_base", {"config.json": json.dumps({"architectures": ["PaliGemmaForConditionalGeneration"], "model_type": "paligemma"})},
+     "describes PaliGemmaForConditionalGeneration, not π0"),
     ("qwen2.5-omni.yaml", "Qwen2.5-Omni-3B", {"preprocessor_config.json": None}, "processor files"),
     ("qwen2.5-omni.yaml", "Qwen2.5-Omni-3B", {"config.json": json.dumps({"architectures": ["Qwen2AudioForConditionalGeneration"]})},
      "Qwen2AudioForConditionalGeneration is neither a chat LM"),

@@ -178,10 +178,12 @@ def test_action_chunk_broker_loop(server):
             policy.reset()
 
     try:
-        broker = ActionChunkBroker(Counting(), action_horizon=policy.get_server_metadata()["action_horizon"])
-        steps = [broker.infer(droid_observation(i))["actions"] for i in range(25)]
+        horizon = policy.get_server_metadata()["action_horizon"]
+        assert horizon == 16
+        broker = ActionChunkBroker(Counting(), action_horizon=horizon)
+        steps = [broker.infer(droid_observation(i))["actions"] for i in range(40)]
         assert all(s.shape == (8,) for s in steps)
-        assert len(calls) == 3  # chunks of 10: calls at steps 0, 10 and 20
+        assert len(calls) == 3  # chunks of 16: calls at steps 0, 16 and 32
     finally:
         policy._ws.close()
 

@@ -167,6 +167,23 @@ def test_prepare_refuses_bad_observations(pi0_dir, change, message):
         proc.prepare(proc.layout("aloha"), _obs(arrays))
 
 
+def test_layouts_prepared_at_once_in_threads_keep_their_own_prompt_length(pi0_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc = _processor(pi0_dir)
+    aloha = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
+    aloha["state"] = np.zeros(14)
+    droid = _droid(0).arrays
+
+    def one(i):
+        lay, arrays = ("aloha", aloha) if i % 2 else ("droid", droid)
+        return lay, proc.prepare(proc.layout(lay), _obs(arrays, {"prompt": "pick up the red cup"}))["input_ids"].shape[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(one, range(64)))
+    assert {n for lay, n in got if lay == "aloha"} == {3 * 256 + 48} and {n for lay, n in got if lay == "droid"} == {2 * 256 + 48}
+
+
 def test_a_prompt_over_the_token_limit_is_refused_naming_the_limit(pi0_dir):
     proc = _processor(pi0_dir, max_prompt_tokens=8)
     arrays = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
