@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import re
 
 import numpy as np
 import pytest
