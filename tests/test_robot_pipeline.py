@@ -74,7 +74,12 @@ async def test_torch_engine_gives_tensors_back_for_tensors_and_passes_a_batch_on
         base = out[0]["twice"].data_ptr()
         assert [o["twice"].data_ptr() for o in out] == [base + 16 * i for i in range(3)]  # rows of one batch output
         seen: list[torch.Tensor] = []
-        module.both = lambda a: (seen.append(a), {"sum": a.sum(-1), "twice": a * 2})[1]  # type: ignore[method-assign]
+
+        def both(a: torch.Tensor) -> dict[str, torch.Tensor]:
+            seen.append(a)
+            return {"sum": a.sum(-1), "twice": a * 2}
+
+        module.both = both  # type: ignore[method-assign]
         again = await asyncio.gather(*(engine.run({"a": o["twice"]}, op="both") for o in out))
         assert seen[0].data_ptr() == base and seen[0].shape == (3, 4)  # the same rows in order: the batch itself, not a copy
         assert [float(o["sum"]) for o in again] == [0.0, 8.0, 16.0]
@@ -170,7 +175,7 @@ def test_layouts_prepared_at_once_in_threads_keep_their_own_prompt_length(pi0_di
     from concurrent.futures import ThreadPoolExecutor
 
     proc = _processor(pi0_dir)
-    aloha = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
+    aloha: dict[str, np.ndarray] = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
     aloha["state"] = np.zeros(14)
     droid = _droid(0).arrays
 
@@ -185,7 +190,7 @@ def test_layouts_prepared_at_once_in_threads_keep_their_own_prompt_length(pi0_di
 
 def test_a_prompt_over_the_token_limit_is_refused_naming_the_limit(pi0_dir):
     proc = _processor(pi0_dir, max_prompt_tokens=8)
-    arrays = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
+    arrays: dict[str, np.ndarray] = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
     arrays["state"] = np.zeros(14)
     proc.prepare(proc.layout("aloha"), _obs(arrays, {"prompt": "fold"}))  # 6 tokens fit
     with pytest.raises(StageError, match=r"the prompt is \d+ tokens .*at most 8 \(max_prompt_tokens\)"):
