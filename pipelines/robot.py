@@ -421,6 +421,13 @@ class PolicyProcessor(StageProcessor):
             raise ValueError("policy processor_args: num_steps >= 1, 0 <= smoothing < 1 and max_prompt_tokens >= 2")
         self.size = (int(self.processor.height), int(self.processor.width))
         self.image_tokens = int(self.processor.image_seq_length)
+        vision = vlm.vision_config
+        side = int(vision.image_size)
+        if self.size != (side, side) or self.image_tokens != (side // int(vision.patch_size)) ** 2:
+            raise ValueError(
+                f"policy processor {processor_dir}: its images are {self.size[0]}x{self.size[1]} of {self.image_tokens} tokens, the "
+                f"model's vision tower takes {side}x{side} of {(side // int(vision.patch_size)) ** 2} (a processor of another resolution?)"
+            )
         # One processor per layout: a fast tokenizer keeps its padding length as state
         # that each call sets, so concurrent calls padding to different lengths (layouts
         # with other camera counts) must not share one.

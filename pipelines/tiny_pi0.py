@@ -5,12 +5,12 @@ Writes a directory as transformers saves a π0 (`PI0ForConditionalGeneration` /
 ``PI0ForConditionalGeneration.from_pretrained`` and by the robot pipeline:
 
 * ``config.json`` + ``model.safetensors``: the real architecture — a PaliGemma prefix
-  (SigLIP vision tower, 14-pixel patches of 224x224 images, 256 tokens per camera; a
-  Gemma text model) and a Gemma action expert with the VLM's layer count, KV heads and
+  (SigLIP vision tower, 14-pixel patches of 112x112 images, 64 tokens per camera, where
+  the real one has 224x224 and 256; a Gemma text model) and a Gemma action expert with the VLM's layer count, KV heads and
   head size (it attends into the VLM's cache) — at tiny widths, random weights from a
   fixed seed; a 16-step chunk, state and actions padded to 32 dims, 10 flow steps;
 * the processor files ``PI0Processor`` writes: ``processor_config.json`` (the image
-  processor's settings: resize to 224x224, bicubic, scaled to [-1, 1]; 256 image
+  processor's settings: resize to 112x112, bicubic, scaled to [-1, 1]; 64 image
   tokens) and a byte-level BPE tokenizer trained here on `pipelines.tiny.CORPUS`, with
   PaliGemma's special tokens (``<pad>``, ``<eos>``, ``<bos>``, ``<unk>``, ``<image>``) and
   its 1024 ``<locNNNN>`` and 128 ``<segNNN>`` tokens, which the processor would add
@@ -30,7 +30,9 @@ from typing import Any
 SEED = 11
 TEXT_VOCAB = 512
 PALIGEMMA_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>", "<image>")
-IMAGE_SIZE = 224
+# Real π0 sees 224x224 (256 tokens a camera); the tiny one 112x112 (64 tokens), so that on
+# a CPU the prefix encode does not dwarf the denoising steps that robots share.
+IMAGE_SIZE = 112
 PATCH = 14
 PI0_SIZES: dict[str, Any] = {"chunk_size": 16, "max_state_dim": 32, "max_action_dim": 32, "num_inference_steps": 10}
 # The expert attends into the VLM's KV cache: same layers, KV heads and head size.

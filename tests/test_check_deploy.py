@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from omni_rt.cli import main
+from pipelines.tiny_pi0 import IMAGE_SIZE as TINY_SIDE
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "deploy"
@@ -43,9 +44,9 @@ CHECKPOINTS: dict[str, dict[str, str]] = {
     "pi0-droid": {},
     "paligemma2-3b-mix-224": {
         "preprocessor_config.json": json.dumps({"image_processor_type": "SiglipImageProcessor", "processor_class": "PaliGemmaProcessor",
-                                                "size": {"height": 224, "width": 224}, "resample": 3, "image_mean": [0.5] * 3,
+                                                "size": {"height": TINY_SIDE, "width": TINY_SIDE}, "resample": 3, "image_mean": [0.5] * 3,
                                                 "image_std": [0.5] * 3, "do_rescale": True, "rescale_factor": 1 / 255,
-                                                "image_seq_length": 256}),
+                                                "image_seq_length": (TINY_SIDE // 14) ** 2}),  # as PaliGemma-224's, at the tiny's size
     },
 }
 DROID_NORMALIZER = {"eps": 1e-8, "norm_map": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},

@@ -20,6 +20,7 @@ from openpi_client.action_chunk_broker import ActionChunkBroker
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from clients.openpi import PolicyClient, aloha_observation, droid_observation
+from pipelines.tiny_pi0 import IMAGE_SIZE
 from protocols.openpi import ProtocolError, flatten, packb, unpackb
 from tests.conftest import REPO
 from tests.harness import ADMIN_HEADERS, ALICE_KEY, http_client
@@ -105,7 +106,7 @@ def test_openpi_client_at_the_root_gets_metadata_then_actions(server):
         assert meta["architecture"] == "PI0ForConditionalGeneration" and meta["max_state_dim"] == 32
         assert meta["normalization"] == {"state": None, "actions": None}  # the tiny base policy carries no stats
         assert meta["image_keys"] == ["observation/exterior_image_1_left", "observation/wrist_image_left"]
-        assert meta["image_resolution"] == [224, 224] and "reset" in meta["extensions"]
+        assert meta["image_resolution"] == [IMAGE_SIZE, IMAGE_SIZE] and "reset" in meta["extensions"]  # observations are 224: resized
         assert {"aloha", "droid"} <= set(meta["layouts"])
         seen = set()
         for i in range(30):

@@ -22,6 +22,7 @@ from omni_rt.engines.base import Engine
 from omni_rt.engines.torch_engine import TorchEngine
 from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.stage import StageError
+from pipelines.tiny_pi0 import IMAGE_SIZE
 from tests.conftest import REPO
 
 
@@ -128,25 +129,27 @@ def pi0_dir(models_dir):
 
 def test_prepare_runs_the_checkpoints_processor_for_a_layout(pi0_dir):
     proc = _processor(pi0_dir)
+    side, n = proc.size[0], proc.image_tokens
+    assert (side, n) == (IMAGE_SIZE, (IMAGE_SIZE // 14) ** 2)  # the model's resolution, 14-pixel patches
     rng = np.random.default_rng(0)
-    chw = {f"images/cam_{c}": rng.integers(0, 256, (3, 224, 224), dtype=np.uint8) for c in ("high", "left_wrist", "right_wrist")}
+    chw = {f"images/cam_{c}": rng.integers(0, 256, (3, side, side), dtype=np.uint8) for c in ("high", "left_wrist", "right_wrist")}
     state = rng.standard_normal(14)
     x = proc.prepare(proc.layout("aloha"), _obs({**chw, "state": state}, {"prompt": "fold"}))
-    # three cameras of 256 tokens each, then BOS + prompt + newline padded to 48
-    assert x["pixel_values"].shape == (3, 3, 224, 224) and x["pixel_attention_mask"].all()
-    assert x["input_ids"].shape == (3 * 256 + 48,) and (x["input_ids"][:768] == proc.processor.image_token_id).all()
+    # three cameras of n tokens each, then BOS + prompt + newline padded to 48
+    assert x["pixel_values"].shape == (3, 3, side, side) and x["pixel_attention_mask"].all()
+    assert x["input_ids"].shape == (3 * n + 48,) and (x["input_ids"][: 3 * n] == proc.processor.image_token_id).all()
     tok = proc.processor.tokenizer
-    assert tok.decode(x["input_ids"][768:][x["attention_mask"][768:].bool()]) == f"{tok.bos_token}fold\n"
+    assert tok.decode(x["input_ids"][3 * n :][x["attention_mask"][3 * n :].bool()]) == f"{tok.bos_token}fold\n"
     # the image is the processor's: scaled to [-1, 1] (mean 0.5, std 0.5)
     expect = chw["images/cam_high"].astype(np.float32) / 255.0 * 2.0 - 1.0
     np.testing.assert_allclose(x["pixel_values"][0].numpy(), expect, atol=1e-5)
     assert np.allclose(x["state"][:14].numpy(), state) and not x["state"][14:].any()
-    # droid: a smaller float HWC image is resized to the model's resolution
+    # droid: float HWC images of other sizes are resized to the model's resolution
     small = rng.uniform(0, 1, (120, 160, 3)).astype(np.float32)
     droid = {"observation/exterior_image_1_left": small, "observation/wrist_image_left": np.zeros((224, 224, 3), np.uint8),
              "observation/joint_position": np.zeros(7), "observation/gripper_position": np.array(0.5)}
     x = proc.prepare(proc.layout(None), _obs(droid))
-    assert x["pixel_values"].shape == (2, 3, 224, 224) and x["input_ids"].shape == (2 * 256 + 48,)
+    assert x["pixel_values"].shape == (2, 3, side, side) and x["input_ids"].shape == (2 * n + 48,)
     assert x["state"][7] == 0.5
 
 
@@ -185,7 +188,8 @@ def test_layouts_prepared_at_once_in_threads_keep_their_own_prompt_length(pi0_di
 
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(one, range(64)))
-    assert {n for lay, n in got if lay == "aloha"} == {3 * 256 + 48} and {n for lay, n in got if lay == "droid"} == {2 * 256 + 48}
+    n = proc.image_tokens
+    assert {k for lay, k in got if lay == "aloha"} == {3 * n + 48} and {k for lay, k in got if lay == "droid"} == {2 * n + 48}
 
 
 def test_a_prompt_over_the_token_limit_is_refused_naming_the_limit(pi0_dir):
@@ -385,8 +389,16 @@ def test_a_missing_stats_or_processor_file_refuses_the_policy_naming_the_file(pi
     (no_tok / "tokenizer.json").unlink()
     with pytest.raises(StageError, match="no tokenizer files"):
         _processor(no_tok)
+    # a processor of another resolution than the vision tower's
+    other = tmp_path / "other-resolution"
+    shutil.copytree(pi0_dir, other)
+    conf = json.loads((other / "processor_config.json").read_text())
+    conf["image_processor"].update(size={"height": 224, "width": 224}, image_seq_length=256)
+    (other / "processor_config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=f"its images are 224x224 of 256 tokens, the model's vision tower takes {IMAGE_SIZE}x{IMAGE_SIZE}"):
+        _processor(other)
     # the processor files from another directory (PaliGemma's, for lerobot/pi0_base)
-    assert _processor(bare, processor=str(pi0_dir)).metadata(None)["image_resolution"] == [224, 224]
+    assert _processor(bare, processor=str(pi0_dir)).metadata(None)["image_resolution"] == [IMAGE_SIZE, IMAGE_SIZE]
 
 
 def _lerobot_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

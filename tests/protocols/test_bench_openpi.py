@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from latency_bench.openpi import run_level, targets
+from latency_bench.openpi import run_level, step_batching, targets
 from omni_rt.testing import serve
 
 
@@ -21,7 +21,8 @@ async def test_a_level_counts_calls_and_the_targets_follow_from_the_levels():
     base = {"ok": True, "round_trip_ms": {"p50": one["overhead_ms"]["p50"] * 2}}
     got = targets(base, [one, two])
     assert got["overhead_p50_vs_noop_round_trip"]["value"] == 0.5 and got["overhead_p50_vs_noop_round_trip"]["met"]
-    sb = got["step_batching"]
+    sb = step_batching([one, two])
+    assert sb is not None and step_batching([one]) is None
     assert sb["robots"] == 2 and sb["one_after_another_ms"] == round(2 * one["policy_infer_ms"]["p50"], 3)
     assert sb["saving"] == pytest.approx(2 * one["policy_infer_ms"]["p50"] / two["policy_infer_ms"]["p50"])
     assert "actions_per_s_16_over_1" not in got  # no 16-robot level in this run
