@@ -180,6 +180,9 @@ class PolicyConnection:
 
     async def serve(self) -> None:
         watcher = asyncio.ensure_future(self._watch())
+        # Requests whose actions went out wind down in the background: the robot's next
+        # observation is read while the last request is still being freed.
+        winding: set[asyncio.Task[None]] = set()
         try:
             while True:
                 t_wait = time.perf_counter()
@@ -201,9 +204,19 @@ class PolicyConnection:
                     self.prev_total_ms = (time.perf_counter() - t_wait) * 1000.0
                 finally:
                     if stream is not None:
-                        await self.finish(stream)
+                        task = asyncio.ensure_future(self.finish(stream))
+                        winding.add(task)
+                        task.add_done_callback(self._wound_down)
+                        task.add_done_callback(winding.discard)
         finally:
             watcher.cancel()
+            if winding:
+                await asyncio.gather(*winding, return_exceptions=True)
+
+    def _wound_down(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # its actions were delivered; what failed is the request's teardown
+            log.warning("openpi session %s: a request failed after its reply", self.session.id, exc_info=task.exception())
 
 
 async def serve(request: web.Request, sessions: SessionManager, pipeline: str, pol: Policy) -> web.StreamResponse:
