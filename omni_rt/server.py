@@ -3,6 +3,7 @@ every served pipeline names (`protocols.registry`) on an aiohttp application."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -175,6 +176,10 @@ def create_app(
         try:
             await runtime.start()
             metrics.STAGES.runtimes.add(runtime)
+            # What start-up loaded (models, tokenizers, modules) lives as long as the
+            # server: out of the collector's generations, full collections stay short.
+            gc.collect()
+            gc.freeze()
             log.info(
                 "omni-rt ready: pipelines %s; sessions: store %s, max_total %d",
                 ", ".join(profiles) or "(none)",
