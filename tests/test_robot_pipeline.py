@@ -292,6 +292,28 @@ async def test_step_by_step_on_the_engine_equals_the_models_own_sample_actions(p
     np.testing.assert_allclose(got, ref[0, :16, :8].numpy(), rtol=0, atol=1e-5)
 
 
+async def test_the_prefix_kv_state_and_noisy_actions_stay_tensors_on_the_engine_between_steps(pi0_dir, pi0_engine):
+    seen: list[tuple[str | None, dict[str, str]]] = []
+    run = pi0_engine.run
+
+    async def recording(x, priority=1, op=None):
+        seen.append((op, {k: type(v).__name__ for k, v in x.items()}))
+        y = await run(x, priority, op)
+        if op == "denoise":
+            assert isinstance(y, torch.Tensor) and y.device == pi0_engine.device
+        return y
+
+    pi0_engine.run = recording
+    try:
+        await _infer(_processor(pi0_dir, pi0_engine), _droid(2))
+    finally:
+        del pi0_engine.run
+    assert [op for op, _ in seen] == ["encode"] + ["denoise"] * 10
+    for _op, types in seen[1:]:
+        # only the step's own time goes up from the host each step
+        assert {k: v for k, v in types.items() if k not in ("t", "dt")} == dict.fromkeys(("kv", "attention_mask", "state", "x"), "Tensor")
+
+
 async def test_robots_at_different_steps_share_batches_and_get_what_they_get_alone(pi0_dir, pi0_engine):
     proc = _processor(pi0_dir, pi0_engine)
     observations = [_droid(10 + i, prompt=f"task {i}") for i in range(6)]
