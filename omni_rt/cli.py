@@ -102,7 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=overlay.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from aiohttp import web
 
-    from omni_rt.server import create_app, runner_options
+    from omni_rt.server import create_app, freeze_startup_objects, runner_options
 
     # Take the port before anything starts: a port in use fails in a second, not after
     # the engines have loaded, and no engine process can take it in the meantime.
@@ -114,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"omni-rt: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     app = create_app(overlay, source)
+    app.on_startup.append(freeze_startup_objects)  # after the engines started (cleanup_ctx runs first)
     options = runner_options(overlay)
     logging.getLogger("omni_rt.server").info("serving on http://%s:%d", host, port)
     # SIGINT / SIGTERM stop the server gracefully (the app's cleanup stops the engines)

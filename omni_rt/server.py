@@ -107,6 +107,16 @@ def share_stage_overrides(overlay: DeployOverlay, specs: Mapping[str, PipelineSp
     return overlay.model_copy(update={"pipelines": pipelines})
 
 
+async def freeze_startup_objects(app: web.Application) -> None:
+    """An `on_startup` hook for a serving process (after the engines started): what
+    start-up loaded (models, tokenizers, modules) lives as long as the server, so it
+    leaves the collector's generations and full collections on the request path stay
+    short. Not for apps made and dropped in one process (tests), whose frozen cycles
+    would never be collected."""
+    gc.collect()
+    gc.freeze()
+
+
 def runner_options(overlay: DeployOverlay) -> dict[str, Any]:
     """aiohttp server settings: a connection that has not sent a whole request within
     `header_timeout_s` (of opening, or of its last reply) is closed; handlers are never
@@ -176,10 +186,6 @@ def create_app(
         try:
             await runtime.start()
             metrics.STAGES.runtimes.add(runtime)
-            # What start-up loaded (models, tokenizers, modules) lives as long as the
-            # server: out of the collector's generations, full collections stay short.
-            gc.collect()
-            gc.freeze()
             log.info(
                 "omni-rt ready: pipelines %s; sessions: store %s, max_total %d",
                 ", ".join(profiles) or "(none)",
