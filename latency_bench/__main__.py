@@ -7,6 +7,15 @@ import importlib
 import sys
 
 
+def _server_target(p: argparse.ArgumentParser, url: str, port: int) -> None:
+    """The arguments of a bench that runs against a server it starts (or one at --url)."""
+    p.add_argument("--url", help=f"{url} of a running server (default: start one)")
+    p.add_argument("--api-key")
+    p.add_argument("--port", type=int, default=port, help=f"port of the server the bench starts (default {port})")
+    p.add_argument("--deploy", help="deploy overlay for the server the bench starts")
+    p.add_argument("--json", help="write results here (JSON)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from latency_bench.connectors import BACKENDS, DEFAULT_SIZES
     from latency_bench.tts import DEFAULT_TEXT, DEFAULT_VARIANTS
@@ -88,12 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup", type=int, default=1, help="uncounted turns before the first level (default 1)")
     r.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech, else noise")
     r.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
-    r.add_argument("--url", help="ws://host:port/v1/realtime of a running server (default: start one)")
-    r.add_argument("--api-key")
-    r.add_argument("--port", type=int, default=8200, help="port of the server the bench starts (default 8200)")
-    r.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     r.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (server VAD; default 0)")
-    r.add_argument("--json", help="write results here (JSON)")
+    _server_target(r, "ws://host:port/v1/realtime", 8200)
 
     d = sub.add_parser(
         "duplex",
@@ -107,12 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--turns", type=int, default=2, help="turns per session (default 2)")
     d.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech, else noise")
     d.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
-    d.add_argument("--url", help="http://host:port of a running server (default: start one)")
-    d.add_argument("--api-key")
-    d.add_argument("--port", type=int, default=8400, help="port of the server the bench starts (default 8400)")
-    d.add_argument("--deploy", help="deploy overlay for the server the bench starts")
     d.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (default 0)")
-    d.add_argument("--json", help="write results here (JSON)")
+    _server_target(d, "http://host:port", 8400)
 
     o = sub.add_parser(
         "text-overhead",
@@ -137,12 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--robots", "-r", default="1,4,16", help="comma-separated robot levels (default 1,4,16)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds of calls per robot per level (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="uncounted calls per robot before each level (default 3)")
-    p.add_argument("--url", help="ws://host:port of a running server (default: start one)")
-    p.add_argument("--api-key")
-    p.add_argument("--port", type=int, default=8500, help="port of the server the bench starts (default 8500)")
     p.add_argument("--noop-port", type=int, default=8501, help="port of the no-op baseline server (default 8501)")
-    p.add_argument("--deploy", help="deploy overlay for the server the bench starts")
-    p.add_argument("--json", help="write results here (JSON)")
+    _server_target(p, "ws://host:port", 8500)
     im = sub.add_parser(
         "image",
         help="concurrent /v1/images/generations callers: requests/s, latency, step batching",
@@ -153,11 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("--warmup", type=int, default=2, help="uncounted requests first (default 2)")
     im.add_argument("--size", help="image size (default: the pipeline's)")
     im.add_argument("--steps", type=int, help="denoising steps (default: the pipeline's)")
-    im.add_argument("--url", help="http://host:port of a running server (default: start one)")
-    im.add_argument("--api-key")
-    im.add_argument("--port", type=int, default=8600, help="port of the server the bench starts (default 8600)")
-    im.add_argument("--deploy", help="deploy overlay for the server the bench starts")
-    im.add_argument("--json", help="write results here (JSON)")
+    _server_target(im, "http://host:port", 8600)
     tr = sub.add_parser(
         "transcriptions",
         help="concurrent /v1/audio/transcriptions callers: requests/s, latency (asr batching)",
@@ -166,11 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--concurrency", "-c", default="1,8", help="comma-separated levels (default 1,8)")
     tr.add_argument("--duration", type=float, default=10.0, help="seconds per level (default 10)")
     tr.add_argument("--warmup", type=int, default=2, help="uncounted requests first (default 2)")
-    tr.add_argument("--url", help="http://host:port of a running server (default: start one)")
-    tr.add_argument("--api-key")
-    tr.add_argument("--port", type=int, default=8900, help="port of the server the bench starts (default 8900)")
-    tr.add_argument("--deploy", help="deploy overlay for the server the bench starts")
-    tr.add_argument("--json", help="write results here (JSON)")
+    _server_target(tr, "http://host:port", 8900)
     w = sub.add_parser(
         "world",
         help="concurrent /v1/world rollouts: step latency, frames/s per session",
@@ -180,22 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--duration", type=float, default=8.0, help="seconds per level (default 8)")
     w.add_argument("--size", type=int, default=64, help="frame side in pixels (default 64)")
     w.add_argument("--steps", type=int, help="denoising steps per frame (default: the pipeline's)")
-    w.add_argument("--url", help="ws://host:port/v1/world of a running server (default: start one)")
-    w.add_argument("--api-key")
-    w.add_argument("--port", type=int, default=8700, help="port of the server the bench starts (default 8700)")
-    w.add_argument("--deploy", help="deploy overlay for the server the bench starts")
-    w.add_argument("--json", help="write results here (JSON)")
+    _server_target(w, "ws://host:port/v1/world", 8700)
     v = sub.add_parser("video-edit", help="live video editing: prompt edit -> first frame under the new prompt")
     v.add_argument("--trials", type=int, default=10, help="generations, one edit each (default 10)")
     v.add_argument("--size", type=int, default=64, help="frame side in pixels (default 64)")
     v.add_argument("--steps", type=int, help="denoising steps per frame (default: the pipeline's)")
     v.add_argument("--chunk-frames", type=int, default=4, help="frames per chunk (default 4)")
     v.add_argument("--edit-after", type=int, default=5, help="edit when this frame arrives (default 5)")
-    v.add_argument("--url", help="ws://host:port/v1/realtime/video of a running server (default: start one)")
-    v.add_argument("--api-key")
-    v.add_argument("--port", type=int, default=8800, help="port of the server the bench starts (default 8800)")
-    v.add_argument("--deploy", help="deploy overlay for the server the bench starts")
-    v.add_argument("--json", help="write results here (JSON)")
+    _server_target(v, "ws://host:port/v1/realtime/video", 8800)
     z = sub.add_parser(
         "fuzz",
         help="seeded mutation fuzzer over every mounted wire: 0 5xx, 0 closes instead of error events, 0 leaked sessions",
