@@ -18,7 +18,7 @@ import httpx
 
 from clients.images import ImageClient, ImageError
 from latency_bench import finish, machine_info, utc_now
-from latency_bench.stats import ratio, summarize
+from latency_bench.stats import scaling_target, summarize
 
 SCHEMA = "omni-rt.latency_bench.image/1"
 
@@ -74,10 +74,7 @@ def run(base_url: str, api_key: str | None, levels: list[int], duration: float, 
 
     lv = asyncio.run(go())
     by = {x["concurrency"]: x for x in lv}
-    targets: dict[str, Any] = {}
-    if 1 in by and 4 in by:
-        r = ratio(by[4]["requests_per_s"], by[1]["requests_per_s"])
-        targets["requests_per_s_4_over_1"] = {"goal": ">= 1.9", "value": r, "met": r is not None and r >= 1.9}
+    targets = scaling_target(by, "requests_per_s", 4, 1, 1.9)
     return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": base_url, "request": fields,
             "duration_s": duration, "levels": lv, "targets": targets}
 

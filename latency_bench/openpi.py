@@ -29,7 +29,7 @@ from typing import Any
 
 from clients.openpi import OpenPIError, PolicyClient, droid_observation
 from latency_bench import finish, machine_info, utc_now
-from latency_bench.stats import ratio, summarize
+from latency_bench.stats import ratio, scaling_target, summarize
 
 SCHEMA = "omni-rt.latency_bench.openpi/1"
 
@@ -156,9 +156,7 @@ def targets(base: dict[str, Any] | None, levels: list[dict[str, Any]]) -> dict[s
         r = ratio(outside, floor)
         out["outside_policy_p50_vs_noop_round_trip"] = {"goal": "<= 1.25", "value": r, "outside_policy_ms": outside,
                                                              "noop_ms": floor, "met": r is not None and r <= 1.25}
-    if 1 in by and 16 in by:
-        r = ratio(by[16]["actions_per_s"], by[1]["actions_per_s"])
-        out["actions_per_s_16_over_1"] = {"goal": ">= 3", "value": r, "met": r is not None and r >= 3}
+    out.update(scaling_target(by, "actions_per_s", 16, 1, 3))
     return out
 
 

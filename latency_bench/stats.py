@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 def _clean(values: Iterable[float | None]) -> list[float]:
@@ -71,3 +72,12 @@ def ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den == 0:
         return None
     return num / den
+
+
+def scaling_target(by: dict[int, dict[str, Any]], key: str, hi: int, lo: int, at_least: float) -> dict[str, dict[str, Any]]:
+    """`{"<key>_<hi>_over_<lo>": {goal, value, met}}`: the levels' `key` at `hi` over at
+    `lo` against a floor; empty when the run lacks either level."""
+    if hi not in by or lo not in by:
+        return {}
+    r = ratio(by[hi][key], by[lo][key])
+    return {f"{key}_{hi}_over_{lo}": {"goal": f">= {at_least:g}", "value": r, "met": r is not None and r >= at_least}}

@@ -19,7 +19,7 @@ import httpx
 from clients.realtime import write_wav_pcm16
 from latency_bench import finish, machine_info, utc_now
 from latency_bench.realtime import utterance as realtime_utterance
-from latency_bench.stats import ratio, summarize
+from latency_bench.stats import scaling_target, summarize
 
 SCHEMA = "omni-rt.latency_bench.transcriptions/1"
 TEXT = "Hello, can you tell me what the weather is like today?"
@@ -81,10 +81,7 @@ def run(base_url: str, api_key: str | None, levels: list[int], duration: float, 
 
     lv = asyncio.run(go())
     by = {x["concurrency"]: x for x in lv}
-    targets: dict[str, Any] = {}
-    if 1 in by and 8 in by:
-        r = ratio(by[8]["requests_per_s"], by[1]["requests_per_s"])
-        targets["requests_per_s_8_over_1"] = {"goal": ">= 3", "value": r, "met": r is not None and r >= 3}
+    targets = scaling_target(by, "requests_per_s", 8, 1, 3)
     return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": base_url, "audio": what,
             "duration_s": duration, "warmup": warmup, "levels": lv, "targets": targets}
 
