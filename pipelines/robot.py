@@ -280,9 +280,8 @@ def load_processor(processor_dir: str) -> Any:
     return PI0Processor(image_processor=Pi0ImageProcessor(**conf), tokenizer=AutoTokenizer.from_pretrained(processor_dir), **kwargs)
 
 
-def check_policy_dir(model_dir: str, processor_dir: str | None = None) -> dict[str, Any]:
-    """Refuse a directory that is not a π0 this stage can load, from its config and
-    processor files alone; returns its config.json."""
+def pi0_config(model_dir: str) -> dict[str, Any]:
+    """config.json of a π0 directory (transformers' or lerobot's), refused if it is not one."""
     conf = checkpoint.config(model_dir)
     if not conf:
         raise StageError(f"policy {model_dir}: config.json missing")
@@ -293,11 +292,16 @@ def check_policy_dir(model_dir: str, processor_dir: str | None = None) -> dict[s
             f"policy {model_dir}: config.json describes {arch[0] if arch else repr(kind)}, not π0 "
             f"({ARCHITECTURE}: model_type or lerobot type 'pi0')"
         )
+    return conf
+
+
+def check_policy_dir(model_dir: str, processor_dir: str | None = None) -> dict[str, Any]:
+    """Refuse a directory that is not a π0 this stage can load, from its config,
+    processor and statistics files alone (no weights); returns its config.json."""
+    conf = pi0_config(model_dir)
     image_processor_config(processor_dir or model_dir)
     checkpoint.check_tokenizer_files(processor_dir or model_dir, "policy processor")
-    for name in (PREPROCESSOR, POSTPROCESSOR):
-        if (Path(model_dir) / name).is_file():
-            load_normalization(model_dir, {})  # names a missing statistics file
+    load_normalization(model_dir, {})  # names a missing statistics file
     return conf
 
 
@@ -392,7 +396,7 @@ class PolicyProcessor(StageProcessor):
         if bad:
             raise ValueError(f"unknown policy processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
         processor_dir = str(args.get("processor") or spec.model)
-        raw = check_policy_dir(spec.model, processor_dir)
+        raw = pi0_config(spec.model)  # the loads below refuse missing processor and statistics files
         self.config = PI0Config.from_pretrained(spec.model)
         self.name = str(raw.get("name") or raw.get("_name_or_path") or Path(spec.model).name)
         self.processor = load_processor(processor_dir)
