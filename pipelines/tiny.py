@@ -427,7 +427,7 @@ def _fill_flux(out: Path, seed: int) -> None:
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
     chars = sorted(ByteLevel.alphabet())
@@ -436,8 +436,7 @@ def _fill_flux(out: Path, seed: int) -> None:
     bos, eos = len(vocab), len(vocab) + 1
     vocab.update({"<|startoftext|>": bos, "<|endoftext|>": eos})
     CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(str(out / "tokenizer"))
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)] + [(chr(i), -2.0) for i in range(32, 127)]
-    t5_tok = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+    t5_tok = _t5_character_tokenizer()
     t5_tok.save_pretrained(str(out / "tokenizer_2"))
     clip = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                           max_position_embeddings=77, projection_dim=32, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
@@ -464,11 +463,49 @@ def _fill_flux(out: Path, seed: int) -> None:
     (out / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", **components}, indent=2) + "\n")
 
 
+def _t5_character_tokenizer() -> Any:
+    """A T5 (unigram) tokenizer over printable ASCII characters, made here."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)] + [(chr(i), -2.0) for i in range(32, 127)]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def _fill_wan(out: Path) -> None:
+    """A WanPipeline directory (Wan 2.1 text-to-video layout; loads with
+    `WanPipeline.from_pretrained`): a UMT5 encoder (1 layer, width 32) with a character
+    tokenizer made here, a Wan transformer (2 layers, 2 heads x 12, 1x2x2 patches), a
+    narrow Wan VAE (8x spatial, 4x temporal, 16 latent channels) and UniPC with flow
+    sigmas, as the published checkpoints ship it."""
+    import torch
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(SEED + 7)
+    tok = _t5_character_tokenizer()
+    tok.save_pretrained(str(out / "tokenizer"))
+    UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                                relative_attention_num_buckets=8)).save_pretrained(str(out / "text_encoder"))
+    WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=32,
+                          freq_dim=32, ffn_dim=32, num_layers=2).save_pretrained(str(out / "transformer"))
+    AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]).save_pretrained(str(out / "vae"))
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000).save_pretrained(str(out / "scheduler"))
+    components = {
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+    }
+    (out / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", **components}, indent=2) + "\n")
+
+
 THINKER_DIRNAME = "tiny-qwen2-thinker"
 AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
 WORLD_DIRNAME = "tiny-flux-world"
 POLICY_DIRNAME = "tiny-pi0"
+VIDEO_DIRNAME = "tiny-wan"
 
 
 def _fill_omni(out: Path) -> None:
@@ -497,6 +534,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "policy": (POLICY_DIRNAME, _fill_pi0),
     "image": (IMAGE_DIRNAME, _fill_image),
     "world": (WORLD_DIRNAME, _fill_world),
+    "video": (VIDEO_DIRNAME, _fill_wan),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
     "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
 }

@@ -16,8 +16,11 @@ scheduler settings) are used directly; the engine owns the loop:
   progress after every step, intermediate latents every `preview_every` steps.
 - Everything heavy runs on the engine's own thread, never on the event loop.
 
-Supported pipeline classes: `FluxPipeline` (flow matching, packed latents, optional
-true classifier-free guidance with a negative prompt).
+How each family encodes prompts, draws noise, steps and decodes lives in
+`omni_rt.engines.diffusion_families`: `FluxPipeline` (images: flow matching, packed
+latents, optional true classifier-free guidance with a negative prompt) and
+`WanPipeline` (text to video, `frames` = 4k+1; a scheduler copy per request). Image
+jobs end with an `image` event, video jobs with a `video` event (all frames).
 """
 
 from __future__ import annotations
@@ -36,15 +39,17 @@ import torch
 
 from omni_rt import metrics
 from omni_rt.engines.base import Engine, EngineError, EngineRequestError
+from omni_rt.engines.diffusion_families import FAMILIES, Family
 
 log = logging.getLogger("omni_rt.engines.diffusers")
 
-SUPPORTED = ("FluxPipeline",)
+SUPPORTED = tuple(FAMILIES)
 
 
 @dataclass(eq=False)  # jobs are compared by identity (their fields hold tensors)
 class DiffusionJob:
-    """One image (or frame) to denoise. `height`/`width` in pixels."""
+    """One image, or one clip of `frames` frames (video families), to denoise.
+    `height`/`width` in pixels."""
 
     prompt: str
     height: int
@@ -52,6 +57,7 @@ class DiffusionJob:
     steps: int
     seed: int
     guidance_scale: float = 1.0
+    frames: int = 1
     negative_prompt: str | None = None
     preview_every: int = 0
     # Extra conditioning (e.g. a world model's history and action): tokens appended to
@@ -64,10 +70,10 @@ class DiffusionJob:
     step: int = 0
     cancelled: bool = False
     events: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
-    latents: torch.Tensor | None = None  # packed [tokens, channels]
-    sigmas: list[float] = field(default_factory=list)
-    cond: tuple[torch.Tensor, torch.Tensor] | None = None  # (text embeds [L, D], pooled [P])
-    uncond: tuple[torch.Tensor, torch.Tensor] | None = None
+    latents: torch.Tensor | None = None  # the family's layout (Flux: packed [tokens, channels])
+    cond: tuple[torch.Tensor, ...] | None = None  # the family's text conditioning (Flux: embeds [L, D], pooled [P])
+    uncond: tuple[torch.Tensor, ...] | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # the family's per-job state (schedule, scheduler copy)
 
     @property
     def cfg(self) -> bool:
@@ -98,6 +104,7 @@ class DiffusersEngine(Engine):
         self.device = torch.device(device)
         self.max_sequence_length = max_sequence_length
         self.pipe: Any = None
+        self.family: Family | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"diffusers-{name}")
         self._new: asyncio.Queue[DiffusionJob] | None = None
         self._active: list[DiffusionJob] = []
@@ -110,6 +117,7 @@ class DiffusersEngine(Engine):
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.pipe = await loop.run_in_executor(self._executor, self._load)
+        self.family = FAMILIES[type(self.pipe).__name__](self.pipe, self.device, self.max_sequence_length)
         self._new = asyncio.Queue()
         self._task = loop.create_task(self._loop(), name=f"diffusers-engine-{self.name}")
 
@@ -150,26 +158,31 @@ class DiffusersEngine(Engine):
 
     # ---- what the pipeline offers --------------------------------------------------------
     @property
-    def vae_scale_factor(self) -> int:
-        return int(self.pipe.vae_scale_factor)
+    def size_multiple(self) -> int:
+        # before the pipeline is loaded, Flux's and Wan's (8x VAE, 2x2 patches)
+        return self.family.size_multiple if self.family is not None else 16
 
     @property
-    def size_multiple(self) -> int:
-        # latents are packed 2x2; before the pipeline is loaded, Flux's (8x VAE)
-        return 2 * self.vae_scale_factor if self.pipe is not None else 16
+    def video(self) -> bool:
+        """The pipeline makes clips (`frames` per job) rather than single images."""
+        return self.family is not None and self.family.video
+
+    @property
+    def frame_multiple(self) -> int:
+        """Clips are `frame_multiple`·k + 1 frames long (1 for image families)."""
+        return int(getattr(self.family, "frame_multiple", 1))
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, job: DiffusionJob) -> AsyncIterator[dict[str, Any]]:
         """Events of one job: `progress {step, steps}` after each step, `latents
         {step, latents}` every `preview_every` steps, then `image {image: uint8 HWC,
-        latents: the final packed latents}`.
+        latents: the final latents}` (image families) or `video {frames: uint8
+        [frames, H, W, 3], latents}` (video families).
         Leaving the iteration early cancels the job at the next step boundary."""
         self.require_alive()
-        if self._new is None or self._task is None or self._task.done():
+        if self._new is None or self._task is None or self._task.done() or self.family is None:
             raise EngineError(f"engine {self.name} is not running")
-        m = self.size_multiple
-        if job.height % m or job.width % m or job.height < m or job.width < m:
-            raise EngineRequestError(f"height and width must be positive multiples of {m}, got {job.width}x{job.height}")
+        self.family.check(job)
         if job.steps < 1:
             raise EngineRequestError("steps must be >= 1")
         job.id = next(self._ids)
@@ -181,7 +194,7 @@ class DiffusersEngine(Engine):
                 if ev["type"] == "error":
                     raise EngineError(ev["error"])
                 yield ev
-                if ev["type"] == "image":
+                if ev["type"] in ("image", "video"):
                     return
         finally:
             job.cancelled = True  # a no-op once it finished
@@ -245,10 +258,15 @@ class DiffusersEngine(Engine):
                     log.exception("engine %s: decoding failed", self.name)
                     self._fail(done, exc)
                     continue
-                for j, img in zip(done, images, strict=True):
+                for j, out in zip(done, images, strict=True):
                     assert j.latents is not None
-                    j.events.put_nowait({"type": "image", "image": img, "latents": j.latents.detach().cpu().numpy().copy()})
+                    latents = j.latents.detach().cpu().numpy().copy()
+                    if self.video:
+                        j.events.put_nowait({"type": "video", "frames": out, "latents": latents})
+                    else:
+                        j.events.put_nowait({"type": "image", "image": out, "latents": latents})
                     j.latents = None
+                    j.state.clear()
                 self._active = [j for j in self._active if j not in done]
             # let the consumers run (and cancel) before the next step
             await asyncio.sleep(0)
@@ -263,113 +281,33 @@ class DiffusersEngine(Engine):
         ready = sorted((j for j in self._active if j.latents is not None and not j.cancelled), key=lambda j: j.arrived)
         if not ready:
             return []
-        key = self._shape(ready[0])
+        assert self.family is not None
+        key = self.family.key(ready[0])
         batch: list[DiffusionJob] = []
         rows = 0
         for j in ready:
-            if self._shape(j) == key and (rows + j.rows <= self.max_batch or not batch):
+            if self.family.key(j) == key and (rows + j.rows <= self.max_batch or not batch):
                 batch.append(j)
                 rows += j.rows
         return batch
 
-    @staticmethod
-    def _shape(j: DiffusionJob) -> tuple[int, int, bool, int]:
-        return (j.height, j.width, j.cfg, 0 if j.context is None else int(j.context.shape[0]))
-
     # ---- on the engine thread ----------------------------------------------------------------
-    def _encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        with torch.inference_mode():
-            embeds, pooled, _ids = self.pipe.encode_prompt(
-                prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
-            )
-        return [(embeds[i], pooled[i]) for i in range(len(prompts))]
-
     def _prepare(self, jobs: list[DiffusionJob]) -> None:
-        """Text embeddings, starting noise and the sigma schedule of new jobs."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        pipe = self.pipe
-        conds = self._encode([j.prompt for j in jobs])
+        """Text conditioning, starting noise and the schedule of new jobs."""
+        fam = self.family
+        assert fam is not None
+        conds = fam.encode([j.prompt for j in jobs])
         cfg_jobs = [j for j in jobs if j.guidance_scale > 1.0]
-        unconds = dict(zip((j.id for j in cfg_jobs), self._encode([j.negative_prompt or "" for j in cfg_jobs]), strict=True)) if cfg_jobs else {}
-        channels = pipe.transformer.config.in_channels // 4
-        cfg = pipe.scheduler.config
+        unconds = dict(zip((j.id for j in cfg_jobs), fam.encode([j.negative_prompt or "" for j in cfg_jobs]), strict=True)) if cfg_jobs else {}
         for j, cond in zip(jobs, conds, strict=True):
-            j.cond = self._condition(j, cond)
-            j.uncond = self._condition(j, unconds[j.id]) if j.id in unconds else None
-            h = 2 * (j.height // self.size_multiple)
-            w = 2 * (j.width // self.size_multiple)
-            gen = torch.Generator(device="cpu").manual_seed(j.seed)
-            noise = torch.randn((1, channels, h, w), generator=gen, dtype=torch.float32)
-            j.latents = pipe._pack_latents(noise, 1, channels, h, w)[0].to(self.device)
-            seq = j.latents.shape[0]
-            mu = calculate_shift(
-                seq, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
-            )
-            sigmas = np.linspace(1.0, 1 / j.steps, j.steps)
-            pipe.scheduler.set_timesteps(j.steps, device="cpu", sigmas=sigmas, mu=mu)
-            j.sigmas = [float(s) for s in pipe.scheduler.sigmas]  # steps + 1, ending at 0
-
-    @staticmethod
-    def _condition(j: DiffusionJob, cond: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        embeds, pooled = cond
-        if j.context is not None:
-            embeds = torch.cat([embeds, j.context.to(embeds.device, embeds.dtype)], dim=0)
-        if j.pooled_bias is not None:
-            pooled = pooled + j.pooled_bias.to(pooled.device, pooled.dtype)
-        return embeds, pooled
+            j.cond = cond
+            j.uncond = unconds.get(j.id)
+            fam.prepare(j)
 
     def _step(self, batch: list[DiffusionJob]) -> None:
-        pipe = self.pipe
-        first = batch[0]
-        h = 2 * (first.height // self.size_multiple)
-        w = 2 * (first.width // self.size_multiple)
-        rows: list[tuple[DiffusionJob, bool]] = [(j, False) for j in batch] + [(j, True) for j in batch if j.cfg]
-        latents = torch.stack([j.latents for j, _ in rows])
-        sigma = torch.tensor([j.sigmas[j.step] for j, _ in rows], dtype=torch.float32)
-        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows])  # type: ignore[index]
-        pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows])  # type: ignore[index]
-        img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, torch.float32)
-        txt_ids = torch.zeros(embeds.shape[1], 3, dtype=torch.float32, device=self.device)
-        guidance = None
-        if pipe.transformer.config.guidance_embeds:
-            guidance = torch.tensor([j.guidance_scale for j, _ in rows], dtype=torch.float32, device=self.device)
-        with torch.inference_mode():
-            v = pipe.transformer(
-                hidden_states=latents,
-                timestep=sigma.to(self.device),  # the pipeline passes timestep / 1000 = sigma
-                guidance=guidance,
-                pooled_projections=pooled,
-                encoder_hidden_states=embeds,
-                txt_ids=txt_ids,
-                img_ids=img_ids,
-                return_dict=False,
-            )[0]
-        n = len(batch)
-        for i, j in enumerate(batch):
-            vi = v[i]
-            if j.cfg:
-                k = n + [b for b in batch if b.cfg].index(j)
-                vi = v[k] + j.guidance_scale * (vi - v[k])
-            # flow-matching Euler step, as FlowMatchEulerDiscreteScheduler.step
-            j.latents = j.latents + (j.sigmas[j.step + 1] - j.sigmas[j.step]) * vi
-            j.step += 1
+        assert self.family is not None
+        self.family.step(batch)
 
     def _decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
-        pipe = self.pipe
-        out: list[np.ndarray] = []
-        by_size: dict[tuple[int, int], list[int]] = {}
-        for i, j in enumerate(jobs):
-            by_size.setdefault((j.height, j.width), []).append(i)
-        images: dict[int, np.ndarray] = {}
-        for (height, width), idx in by_size.items():
-            lat = torch.stack([jobs[i].latents for i in idx])
-            lat = pipe._unpack_latents(lat, height, width, self.vae_scale_factor)
-            lat = lat / pipe.vae.config.scaling_factor + (pipe.vae.config.shift_factor or 0.0)
-            with torch.inference_mode():
-                pixels = pipe.vae.decode(lat, return_dict=False)[0]
-            arr = pipe.image_processor.postprocess(pixels, output_type="np")
-            for i, a in zip(idx, arr, strict=True):
-                images[i] = (a * 255).round().astype(np.uint8)
-        out = [images[i] for i in range(len(jobs))]
-        return out
+        assert self.family is not None
+        return self.family.decode(jobs)

@@ -1,0 +1,267 @@
+"""What the diffusers step engine needs to know about each pipeline family.
+
+The engine owns the denoising loop (continuous batching between steps, per-request
+seeds, cancel between steps); a family adapter says how one family does each part of
+its own pipeline's `__call__`, using that pipeline's components and helpers:
+
+- `encode(prompts)`: text conditioning, one tuple of tensors per prompt;
+- `prepare(job)`: the starting noise from the job's own generator (as the pipeline's
+  `prepare_latents` draws it) and the job's schedule;
+- `key(job)`: jobs with equal keys share a transformer forward;
+- `step(batch)`: one transformer forward over every row of the batch (a timestep per
+  row; classifier-free guidance rows appended), then each job's scheduler step;
+- `decode(jobs)`: latents to uint8 pixels, `[H, W, 3]` (image families) or
+  `[frames, H, W, 3]` (video families).
+
+Families: `FluxPipeline` (images; flow-matching Euler on packed latents, optional true
+CFG, extra conditioning tokens for the world model) and `WanPipeline` (Wan 2.1-style
+text-to-video: UMT5 text, 3-D latents, the scheduler of the directory — UniPC with
+flow sigmas in the published checkpoints — one scheduler copy per request because
+multistep schedulers keep state across steps).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from omni_rt.engines.base import EngineError, EngineRequestError
+
+if TYPE_CHECKING:
+    from omni_rt.engines.diffusers_engine import DiffusionJob
+
+
+class Family:
+    """One pipeline family's parts of the denoising loop (see the module docstring)."""
+
+    video = False  # decode gives [frames, H, W, 3]
+
+    def __init__(self, pipe: Any, device: torch.device, max_sequence_length: int) -> None:
+        self.pipe = pipe
+        self.device = device
+        self.max_sequence_length = max_sequence_length
+
+    @property
+    def size_multiple(self) -> int:
+        raise NotImplementedError
+
+    def check(self, job: DiffusionJob) -> None:
+        """Refuse (EngineRequestError) what this family cannot produce."""
+        m = self.size_multiple
+        if job.height % m or job.width % m or job.height < m or job.width < m:
+            raise EngineRequestError(f"height and width must be positive multiples of {m}, got {job.width}x{job.height}")
+        if job.frames != 1 and not self.video:
+            raise EngineRequestError(f"{type(self.pipe).__name__} makes single images, not {job.frames} frames")
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        raise NotImplementedError
+
+    def prepare(self, job: DiffusionJob) -> None:
+        raise NotImplementedError
+
+    def key(self, job: DiffusionJob) -> tuple[Any, ...]:
+        return (job.frames, job.height, job.width, job.cfg)
+
+    def step(self, batch: list[DiffusionJob]) -> None:
+        raise NotImplementedError
+
+    def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    @staticmethod
+    def guided(batch: list[DiffusionJob], out: torch.Tensor) -> list[torch.Tensor]:
+        """Each job's prediction from the rows of one forward: rows are the batch in
+        order, then the unconditional rows of the jobs with guidance in the same order."""
+        n = len(batch)
+        cfg_rows = {id(j): n + k for k, j in enumerate(b for b in batch if b.cfg)}
+        preds = []
+        for i, j in enumerate(batch):
+            v = out[i]
+            if j.cfg:
+                u = out[cfg_rows[id(j)]]
+                v = u + j.guidance_scale * (v - u)
+            preds.append(v)
+        return preds
+
+    @staticmethod
+    def rows(batch: list[DiffusionJob]) -> list[tuple[DiffusionJob, bool]]:
+        """(job, unconditional) per row of one forward."""
+        return [(j, False) for j in batch] + [(j, True) for j in batch if j.cfg]
+
+
+class FluxFamily(Family):
+    @property
+    def size_multiple(self) -> int:
+        return 2 * int(self.pipe.vae_scale_factor)  # latents are packed 2x2
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        with torch.inference_mode():
+            embeds, pooled, _ids = self.pipe.encode_prompt(
+                prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+        return [(embeds[i], pooled[i]) for i in range(len(prompts))]
+
+    def condition(self, job: DiffusionJob, cond: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        embeds, pooled = cond
+        if job.context is not None:
+            embeds = torch.cat([embeds, job.context.to(embeds.device, embeds.dtype)], dim=0)
+        if job.pooled_bias is not None:
+            pooled = pooled + job.pooled_bias.to(pooled.device, pooled.dtype)
+        return embeds, pooled
+
+    def prepare(self, job: DiffusionJob) -> None:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        pipe = self.pipe
+        assert job.cond is not None
+        job.cond = self.condition(job, job.cond)
+        job.uncond = self.condition(job, job.uncond) if job.uncond is not None else None
+        channels = pipe.transformer.config.in_channels // 4
+        h = 2 * (job.height // self.size_multiple)
+        w = 2 * (job.width // self.size_multiple)
+        gen = torch.Generator(device="cpu").manual_seed(job.seed)
+        noise = torch.randn((1, channels, h, w), generator=gen, dtype=torch.float32)
+        job.latents = pipe._pack_latents(noise, 1, channels, h, w)[0].to(self.device)
+        cfg = pipe.scheduler.config
+        mu = calculate_shift(
+            job.latents.shape[0], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        )
+        pipe.scheduler.set_timesteps(job.steps, device="cpu", sigmas=np.linspace(1.0, 1 / job.steps, job.steps), mu=mu)
+        job.state["sigmas"] = [float(s) for s in pipe.scheduler.sigmas]  # steps + 1, ending at 0
+
+    def key(self, job: DiffusionJob) -> tuple[Any, ...]:
+        return (*super().key(job), 0 if job.context is None else int(job.context.shape[0]))
+
+    def step(self, batch: list[DiffusionJob]) -> None:
+        pipe = self.pipe
+        first = batch[0]
+        h = 2 * (first.height // self.size_multiple)
+        w = 2 * (first.width // self.size_multiple)
+        rows = self.rows(batch)
+        latents = torch.stack([j.latents for j, _ in rows])
+        sigma = torch.tensor([j.state["sigmas"][j.step] for j, _ in rows], dtype=torch.float32)
+        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows])  # type: ignore[index]
+        pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows])  # type: ignore[index]
+        img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, torch.float32)
+        txt_ids = torch.zeros(embeds.shape[1], 3, dtype=torch.float32, device=self.device)
+        guidance = None
+        if pipe.transformer.config.guidance_embeds:
+            guidance = torch.tensor([j.guidance_scale for j, _ in rows], dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            v = pipe.transformer(
+                hidden_states=latents,
+                timestep=sigma.to(self.device),  # the pipeline passes timestep / 1000 = sigma
+                guidance=guidance,
+                pooled_projections=pooled,
+                encoder_hidden_states=embeds,
+                txt_ids=txt_ids,
+                img_ids=img_ids,
+                return_dict=False,
+            )[0]
+        for j, vi in zip(batch, self.guided(batch, v), strict=True):
+            # flow-matching Euler step, as FlowMatchEulerDiscreteScheduler.step
+            sig = j.state["sigmas"]
+            j.latents = j.latents + (sig[j.step + 1] - sig[j.step]) * vi
+            j.step += 1
+
+    def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
+        pipe = self.pipe
+        images: dict[int, np.ndarray] = {}
+        for (height, width), idx in _groups(jobs, lambda j: (j.height, j.width)).items():
+            lat = torch.stack([jobs[i].latents for i in idx])
+            lat = pipe._unpack_latents(lat, height, width, pipe.vae_scale_factor)
+            lat = lat / pipe.vae.config.scaling_factor + (pipe.vae.config.shift_factor or 0.0)
+            with torch.inference_mode():
+                pixels = pipe.vae.decode(lat, return_dict=False)[0]
+            arr = pipe.image_processor.postprocess(pixels, output_type="np")
+            for i, a in zip(idx, arr, strict=True):
+                images[i] = (a * 255).round().astype(np.uint8)
+        return [images[i] for i in range(len(jobs))]
+
+
+class WanFamily(Family):
+    video = True
+
+    def __init__(self, pipe: Any, device: torch.device, max_sequence_length: int) -> None:
+        super().__init__(pipe, device, max_sequence_length)
+        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
+            raise EngineError("two-expert Wan 2.2 directories (transformer_2, boundary_ratio) are not supported by the step engine yet")
+        if pipe.config.get("expand_timesteps"):
+            raise EngineError("Wan directories with expand_timesteps (Wan 2.2 TI2V) are not supported by the step engine yet")
+
+    @property
+    def frame_multiple(self) -> int:
+        return int(self.pipe.vae_scale_factor_temporal)
+
+    @property
+    def size_multiple(self) -> int:
+        return int(self.pipe.vae_scale_factor_spatial) * int(self.pipe.transformer.config.patch_size[1])
+
+    def check(self, job: DiffusionJob) -> None:
+        super().check(job)
+        t = self.frame_multiple
+        if job.frames < 1 or (job.frames - 1) % t:
+            raise EngineRequestError(f"this model makes {t}k+1 frames (1, {t + 1}, {2 * t + 1}, …), got {job.frames}")
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        with torch.inference_mode():
+            embeds, _neg = self.pipe.encode_prompt(
+                prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length, device=self.device
+            )
+        return [(embeds[i],) for i in range(len(prompts))]
+
+    def prepare(self, job: DiffusionJob) -> None:
+        pipe = self.pipe
+        gen = torch.Generator(device="cpu").manual_seed(job.seed)
+        channels = pipe.transformer.config.in_channels
+        lat = pipe.prepare_latents(1, channels, job.height, job.width, job.frames, torch.float32, torch.device("cpu"), gen)
+        job.latents = lat[0].to(self.device)
+        sched = copy.deepcopy(pipe.scheduler)  # multistep schedulers keep state per request
+        sched.set_timesteps(job.steps, device=self.device)
+        sched.set_begin_index(0)
+        job.state["scheduler"] = sched
+        job.state["timesteps"] = list(sched.timesteps)
+
+    def step(self, batch: list[DiffusionJob]) -> None:
+        tf = self.pipe.transformer
+        rows = self.rows(batch)
+        latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
+        timestep = torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
+        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
+        with torch.inference_mode():
+            v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
+        for j, vi in zip(batch, self.guided(batch, v), strict=True):
+            sched = j.state["scheduler"]
+            with torch.inference_mode():
+                j.latents = sched.step(vi[None], j.state["timesteps"][j.step], j.latents[None], return_dict=False)[0][0]  # type: ignore[index]
+            j.step += 1
+
+    def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
+        pipe = self.pipe
+        vae = pipe.vae
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+        out: dict[int, np.ndarray] = {}
+        for _shape, idx in _groups(jobs, lambda j: (j.frames, j.height, j.width)).items():
+            lat = torch.stack([jobs[i].latents for i in idx]).to(self.device, vae.dtype)
+            lat = lat * std.to(lat) + mean.to(lat)  # the pipeline's latents / (1 / std) + mean
+            with torch.inference_mode():
+                video = vae.decode(lat, return_dict=False)[0]
+            arr = pipe.video_processor.postprocess_video(video, output_type="np")  # [B, F, H, W, 3] in [0, 1]
+            for i, a in zip(idx, arr, strict=True):
+                out[i] = (np.asarray(a) * 255).round().astype(np.uint8)
+        return [out[i] for i in range(len(jobs))]
+
+
+def _groups(jobs: list[DiffusionJob], key: Any) -> dict[Any, list[int]]:
+    by: dict[Any, list[int]] = {}
+    for i, j in enumerate(jobs):
+        by.setdefault(key(j), []).append(i)
+    return by
+
+
+FAMILIES: dict[str, type[Family]] = {"FluxPipeline": FluxFamily, "WanPipeline": WanFamily}
