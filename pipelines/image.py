@@ -19,6 +19,7 @@ from typing import Any
 
 from omni_rt.engines.base import DiffusionEngine, Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
+from omni_rt.errors import StageError
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageProcessor
@@ -42,6 +43,17 @@ class ImageProcessor(StageProcessor):
         self.guidance_scale = float(args.get("guidance_scale", 1.0))
         if not (1 <= self.default_steps <= self.max_steps and self.max_n >= 1 and self.max_side >= 64):
             raise ValueError("image processor_args: 1 <= default_steps <= max_steps, max_n >= 1, max_side >= 64")
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        from omni_rt.engines.diffusion_families import FAMILIES
+        from pipelines.video import diffusers_class
+
+        name = diffusers_class(model_dir)
+        family = FAMILIES.get(name)
+        if family is None or family.video:
+            images = sorted(k for k, f in FAMILIES.items() if not f.video)
+            raise StageError(f"{model_dir}: model_index.json names {name}, not an image pipeline this server runs ({', '.join(images)})")
 
     def limits(self) -> dict[str, Any]:
         """What the HTTP adapter validates requests against."""

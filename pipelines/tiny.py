@@ -500,6 +500,36 @@ def _fill_wan(out: Path) -> None:
     (out / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", **components}, indent=2) + "\n")
 
 
+def _fill_ltx(out: Path) -> None:
+    """An LTXPipeline directory (LTX-Video layout; loads with `LTXPipeline.from_pretrained`):
+    a T5 encoder (1 layer, width 32) with a character tokenizer made here, an LTX
+    transformer (1 layer, 2 heads x 8), a narrow LTX VAE (32x spatial, 8x temporal, 16
+    latent channels) and flow-matching Euler."""
+    import torch
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(SEED + 8)
+    tok = _t5_character_tokenizer()
+    tok.save_pretrained(str(out / "tokenizer"))
+    T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                            relative_attention_num_buckets=8)).save_pretrained(str(out / "text_encoder"))
+    LTXVideoTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16, num_layers=1,
+                               caption_channels=32).save_pretrained(str(out / "transformer"))
+    AutoencoderKLLTXVideo(latent_channels=16, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                          decoder_layers_per_block=(1, 1, 1, 1, 1)).save_pretrained(str(out / "vae"))
+    FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+                                    max_image_seq_len=4096).save_pretrained(str(out / "scheduler"))
+    components = {
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "LTXVideoTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLLTXVideo"],
+    }
+    (out / "model_index.json").write_text(json.dumps({"_class_name": "LTXPipeline", **components}, indent=2) + "\n")
+
+
 THINKER_DIRNAME = "tiny-qwen2-thinker"
 AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
@@ -535,6 +565,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "image": (IMAGE_DIRNAME, _fill_image),
     "world": (WORLD_DIRNAME, _fill_world),
     "video": (VIDEO_DIRNAME, _fill_wan),
+    "ltx": ("tiny-ltx", _fill_ltx),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
     "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
 }

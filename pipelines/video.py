@@ -1,5 +1,11 @@
-"""The `video_edit` pipeline: video as an autoregressive rollout of the world model
-with no action — each frame conditioned on the prompt and the frames before it.
+"""Video stages.
+
+`ClipProcessor` (the `video` pipeline, `/v1/videos` jobs): text to video on a real
+diffusers video family (Wan), a whole clip per request.
+
+`VideoProcessor` (the `video_edit` pipeline, live editing): video as an autoregressive
+rollout of the world model with no action — each frame conditioned on the prompt and
+the frames before it.
 
 A request renders `frames` frames from `start_frame` on (`params["history"]`: the
 latents of the frames before it), emitting each frame as soon as it is decoded, with
@@ -10,9 +16,18 @@ chunk is cancelled, at the next frame); jobs render the whole clip in one reques
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
-from omni_rt.stage import StageContext
+from omni_rt.engines.base import DiffusionEngine, Engine
+from omni_rt.engines.diffusers_engine import DiffusionJob
+from omni_rt.errors import StageError
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.specs import StageSpec
+from omni_rt.stage import StageContext, StageProcessor
+from pipelines.checkpoint import config
 from pipelines.world import WorldProcessor
 
 
@@ -28,3 +43,95 @@ class VideoProcessor(WorldProcessor):
             latents = await self.render(ctx, job, start + k, k * steps, frames * steps, last=k == frames - 1)
             history = (history + [latents])[-self.history_frames :]
         ctx.add_usage(frames=frames, steps=frames * steps)
+
+
+def diffusers_class(model_dir: str) -> str:
+    """`_class_name` of a diffusers pipeline directory's model_index.json."""
+    index = config(model_dir, "model_index.json")
+    if not index:
+        raise StageError(f"{model_dir}: no model_index.json (a diffusers pipeline directory)")
+    return str(index.get("_class_name"))
+
+
+class ClipProcessor(StageProcessor):
+    """Text to video on a video family of the diffusers step engine (Wan): a request
+    renders a whole clip in one engine job. `frames` is what the caller asked for; the
+    model makes `frame_multiple`·k + 1 frames, so the job asks for the smallest such
+    count at or above it and the first `frames` are emitted (IMAGE payloads with
+    `frame_index`, progress in between). Clips of the same size and length share every
+    denoising step with those of other requests."""
+
+    ARGS = {"default_size", "default_steps", "max_steps", "max_frames", "guidance_scale", "negative_prompt"}
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        self.dit = self.engine_as(DiffusionEngine)
+        args = dict(spec.processor_args)
+        bad = set(args) - self.ARGS
+        if bad:
+            raise ValueError(f"unknown video processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
+        self.default_size = int(args.get("default_size", 128))
+        self.default_steps = int(args.get("default_steps", 8))
+        self.max_steps = int(args.get("max_steps", 50))
+        self.max_frames = int(args.get("max_frames", 81))
+        self.guidance_scale = float(args.get("guidance_scale", 1.0))
+        self.negative_prompt = args.get("negative_prompt")
+        if not (1 <= self.default_steps <= self.max_steps and self.max_frames >= 1 and self.default_size >= 16):
+            raise ValueError("video processor_args: 1 <= default_steps <= max_steps, max_frames >= 1, default_size >= 16")
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        from omni_rt.engines.diffusion_families import FAMILIES
+
+        name = diffusers_class(model_dir)
+        family = FAMILIES.get(name)
+        if family is None or not family.video:
+            video = sorted(k for k, f in FAMILIES.items() if f.video)
+            raise StageError(f"{model_dir}: model_index.json names {name}, not a video pipeline this server runs ({', '.join(video)})")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "default_size": self.default_size,
+            "default_steps": self.default_steps,
+            "max_steps": self.max_steps,
+            "max_frames": self.max_frames,
+            "frame_multiple": self.frame_multiple,
+            "size_multiple": self.dit.size_multiple,
+        }
+
+    @property
+    def frame_multiple(self) -> int:
+        return int(getattr(self.dit, "frame_multiple", 1))
+
+    def clip_frames(self, frames: int) -> int:
+        """The model's frame count for a request of `frames` frames."""
+        m = self.frame_multiple
+        return frames if m <= 1 else 1 + -(-(frames - 1) // m) * m
+
+    async def run(self, ctx: StageContext) -> None:
+        p = ctx.params
+        frames = int(p["frames"])
+        if not 1 <= frames <= self.max_frames:
+            raise StageError(f"this model makes clips of 1 to {self.max_frames} frames, asked for {frames}")
+        steps = int(p.get("steps") or self.default_steps)
+        job = DiffusionJob(
+            prompt=str(p.get("prompt") or ""),
+            height=int(p["height"]),
+            width=int(p["width"]),
+            steps=steps,
+            seed=int(p.get("seed", 0)),
+            frames=self.clip_frames(frames),
+            fps=float(p.get("fps") or 25),
+            guidance_scale=float(self.guidance_scale if p.get("guidance_scale") is None else p["guidance_scale"]),
+            negative_prompt=p.get("negative_prompt", self.negative_prompt),
+        )
+        async for ev in self.dit.generate(job):
+            if ev["type"] == "progress":
+                await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, meta={"progress": ev["step"], "total": steps}))
+            elif ev["type"] == "video":
+                clip = ev["frames"]
+                for k in range(frames):
+                    await ctx.emit(Payload(PayloadKind.IMAGE, ctx.fence, arrays={"image": clip[k]}, meta={"frame_index": k}), last=k == frames - 1)
+                ctx.add_usage(frames=frames, steps=steps)
+                return
+        raise StageError("the engine returned no clip")

@@ -30,6 +30,7 @@ WIRES: dict[str, str] = {
     "images": "protocols.images:mount",
     "world": "protocols.world:mount",
     "videos": "protocols.videos:mount",
+    "video_live": "protocols.videos:mount_live",
     "openpi": "protocols.openpi:mount",
 }
 

@@ -27,7 +27,7 @@ def cascade_server(models_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("cascade")
     deploy = tmp / "deploy.yaml"
-    off = {name: {"enabled": False} for name in ("tts", "robot", "image", "world", "video_edit")}
+    off = {name: {"enabled": False} for name in ("tts", "robot", "image", "world", "video", "video_edit")}
     deploy.write_text(yaml.safe_dump({"pipelines": {**off, "voice": {"profile": "cascade"}}}))
     proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=tmp / "server.log", cwd=REPO,
                          env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))

@@ -49,6 +49,11 @@ CHECKPOINTS: dict[str, dict[str, str]] = {
                                                 "image_seq_length": (TINY_SIDE // 14) ** 2}),  # as PaliGemma-224's, at the tiny's size
     },
 }
+WAN_INDEX = {"_class_name": "WanPipeline", "_diffusers_version": "0.33.0", "boundary_ratio": None,
+             "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
+             "vae": ["diffusers", "AutoencoderKLWan"]}
+CHECKPOINTS["Wan2.1-T2V-1.3B-Diffusers"] = {"model_index.json": json.dumps(WAN_INDEX)}
 DROID_NORMALIZER = {"eps": 1e-8, "norm_map": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},
                     "features": {"observation.state": {"type": "STATE", "shape": [8]}, "action": {"type": "ACTION", "shape": [8]}}}
 
@@ -130,7 +135,18 @@ def test_documented_policy_overlays_pass_the_check(name, tmp_path, models_dir, m
     assert policy["model"] == yaml.safe_load(overlay.read_text())["pipelines"]["robot"]["stages"]["policy"]["model"]
 
 
+def test_the_wan_overlay_passes_the_check(tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise("wan2.1-t2v.yaml", tmp_path, tmp_path / "models")
+    rc, out, err = _check(overlay, capsys)
+    assert rc == 0, err
+    assert json.loads(out)["video"]["stages"][0]["model"].endswith("Wan2.1-T2V-1.3B-Diffusers")
+
+
 @pytest.mark.parametrize("name,ckpt,broken,says", [
+    ("wan2.1-t2v.yaml", "Wan2.1-T2V-1.3B-Diffusers", {"model_index.json": json.dumps({**WAN_INDEX, "_class_name": "FluxPipeline"})},
+     "model_index.json names FluxPipeline, not a video pipeline this server runs (LTXPipeline, WanPipeline)"),
+    ("wan2.1-t2v.yaml", "Wan2.1-T2V-1.3B-Diffusers", {"model_index.json": None}, "no model_index.json"),
     ("pi0-droid.yaml", "pi0-droid", {"normalizer.safetensors": None}, "names the statistics file normalizer.safetensors, which is missing"),
     ("pi0.yaml", "paligemma2-3b-mix-224", {"preprocessor_config.json": None}, "no image processor settings"),
     ("pi0.yaml", "paligemma2-3b-mix-224", {"tokenizer.json": None}, "no tokenizer files"),

@@ -257,7 +257,7 @@ def failure_report(result: dict[str, Any]) -> str:
 async def _in_process(args: Any, names: list[str] | None) -> dict[str, Any]:
     from omni_rt.testing import Speeds, serve
 
-    async with serve(["voice", "tts", "image", "world", "video_edit", "robot"], speeds=Speeds(token_s=0.0)) as h:
+    async with serve(["voice", "tts", "image", "world", "video", "video_edit", "robot"], speeds=Speeds(token_s=0.0)) as h:
         return await run_fuzz(h.url(""), per_protocol=args.per_protocol, seed=args.seed, protocols=names, timeout=args.timeout,
                               harness=h, concurrent=not args.sequential, robot_hz=args.robot_hz, robot_before_s=args.robot_before,
                               leak_wait_s=2.0, grace_s=float(h.sessions.spec.disconnect_grace_s))

@@ -58,6 +58,7 @@ class DiffusionJob:
     seed: int
     guidance_scale: float = 1.0
     frames: int = 1
+    fps: float = 25.0  # the frame rate the clip is made for (LTX scales its rope by it)
     negative_prompt: str | None = None
     preview_every: int = 0
     # Extra conditioning (e.g. a world model's history and action): tokens appended to
@@ -93,6 +94,7 @@ class DiffusersEngine(Engine):
         max_batch: int = 8,
         threads: int | None = None,
         device: str = "cpu",
+        dtype: str = "float32",
         max_sequence_length: int = 128,
     ) -> None:
         if max_batch < 1:
@@ -102,6 +104,11 @@ class DiffusersEngine(Engine):
         self.max_batch = max_batch
         self.threads = threads
         self.device = torch.device(device)
+        # the transformer's and text encoders' dtype (bfloat16 on a GPU); the VAE, the
+        # noise and the scheduler stay float32, as the pipelines recommend
+        self.dtype = getattr(torch, dtype, None)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"dtype must be a torch floating dtype name (float32, bfloat16, float16), got {dtype!r}")
         self.max_sequence_length = max_sequence_length
         self.pipe: Any = None
         self.family: Family | None = None
@@ -135,6 +142,10 @@ class DiffusersEngine(Engine):
         pipe = getattr(diffusers, cls_name).from_pretrained(self.model_dir, local_files_only=True)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(self.device)
+        for name in ("transformer", "text_encoder", "text_encoder_2"):
+            module = getattr(pipe, name, None)
+            if module is not None:
+                module.to(self.dtype)
         return pipe
 
     async def stop(self) -> None:

@@ -17,7 +17,8 @@ Families: `FluxPipeline` (images; flow-matching Euler on packed latents, optiona
 CFG, extra conditioning tokens for the world model) and `WanPipeline` (Wan 2.1-style
 text-to-video: UMT5 text, 3-D latents, the scheduler of the directory — UniPC with
 flow sigmas in the published checkpoints — one scheduler copy per request because
-multistep schedulers keep state across steps).
+multistep schedulers keep state across steps) and `LTXPipeline` (LTX-Video: packed
+video latents, flow-matching Euler, rope scaled by the job's frame rate).
 """
 
 from __future__ import annotations
@@ -141,10 +142,11 @@ class FluxFamily(Family):
         h = 2 * (first.height // self.size_multiple)
         w = 2 * (first.width // self.size_multiple)
         rows = self.rows(batch)
-        latents = torch.stack([j.latents for j, _ in rows])
+        dt = pipe.transformer.dtype
+        latents = torch.stack([j.latents for j, _ in rows]).to(dt)
         sigma = torch.tensor([j.state["sigmas"][j.step] for j, _ in rows], dtype=torch.float32)
-        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows])  # type: ignore[index]
-        pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows])  # type: ignore[index]
+        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(dt)  # type: ignore[index]
+        pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows]).to(dt)  # type: ignore[index]
         img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, torch.float32)
         txt_ids = torch.zeros(embeds.shape[1], 3, dtype=torch.float32, device=self.device)
         guidance = None
@@ -153,14 +155,14 @@ class FluxFamily(Family):
         with torch.inference_mode():
             v = pipe.transformer(
                 hidden_states=latents,
-                timestep=sigma.to(self.device),  # the pipeline passes timestep / 1000 = sigma
+                timestep=sigma.to(self.device, dt),  # the pipeline passes timestep / 1000 = sigma
                 guidance=guidance,
                 pooled_projections=pooled,
                 encoder_hidden_states=embeds,
                 txt_ids=txt_ids,
                 img_ids=img_ids,
                 return_dict=False,
-            )[0]
+            )[0].float()
         for j, vi in zip(batch, self.guided(batch, v), strict=True):
             # flow-matching Euler step, as FlowMatchEulerDiscreteScheduler.step
             sig = j.state["sigmas"]
@@ -232,7 +234,7 @@ class WanFamily(Family):
         timestep = torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
         embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
         with torch.inference_mode():
-            v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0]
+            v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0].float()
         for j, vi in zip(batch, self.guided(batch, v), strict=True):
             sched = j.state["scheduler"]
             with torch.inference_mode():
@@ -257,6 +259,94 @@ class WanFamily(Family):
         return [out[i] for i in range(len(jobs))]
 
 
+class LtxFamily(Family):
+    """`LTXPipeline` (LTX-Video): T5 text with its attention mask, packed video latents
+    `[tokens, channels]`, flow-matching Euler (a scheduler copy per job: it counts its
+    steps), rope scaled by the job's frame rate, the VAE's own latent statistics."""
+
+    video = True
+
+    @property
+    def frame_multiple(self) -> int:
+        return int(self.pipe.vae_temporal_compression_ratio)
+
+    @property
+    def size_multiple(self) -> int:
+        return int(self.pipe.vae_spatial_compression_ratio) * int(self.pipe.transformer_spatial_patch_size)
+
+    def check(self, job: DiffusionJob) -> None:
+        super().check(job)
+        t = self.frame_multiple
+        if job.frames < 1 or (job.frames - 1) % t:
+            raise EngineRequestError(f"this model makes {t}k+1 frames (1, {t + 1}, {2 * t + 1}, …), got {job.frames}")
+
+    def latent_shape(self, job: DiffusionJob) -> tuple[int, int, int]:
+        pipe = self.pipe
+        s = pipe.vae_spatial_compression_ratio
+        return (job.frames - 1) // pipe.vae_temporal_compression_ratio + 1, job.height // s, job.width // s
+
+    def key(self, job: DiffusionJob) -> tuple[Any, ...]:
+        return (*super().key(job), job.fps)
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        with torch.inference_mode():
+            embeds, mask, _neg, _neg_mask = self.pipe.encode_prompt(
+                prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.max_sequence_length, device=self.device
+            )
+        return [(embeds[i], mask[i]) for i in range(len(prompts))]
+
+    def prepare(self, job: DiffusionJob) -> None:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        pipe = self.pipe
+        gen = torch.Generator(device="cpu").manual_seed(job.seed)
+        lat = pipe.prepare_latents(1, pipe.transformer.config.in_channels, job.height, job.width, job.frames, torch.float32, torch.device("cpu"), gen)
+        job.latents = lat[0].to(self.device)
+        f, h, w = self.latent_shape(job)
+        cfg = pipe.scheduler.config
+        mu = calculate_shift(f * h * w, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        sched = copy.deepcopy(pipe.scheduler)
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / job.steps, job.steps), device=self.device, mu=mu)
+        job.state["scheduler"] = sched
+        job.state["timesteps"] = list(sched.timesteps)
+
+    def step(self, batch: list[DiffusionJob]) -> None:
+        pipe = self.pipe
+        tf = pipe.transformer
+        rows = self.rows(batch)
+        f, h, w = self.latent_shape(batch[0])
+        latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
+        timestep = torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
+        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
+        mask = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows])  # type: ignore[index]
+        scale = (pipe.vae_temporal_compression_ratio / batch[0].fps, pipe.vae_spatial_compression_ratio, pipe.vae_spatial_compression_ratio)
+        with torch.inference_mode():
+            v = tf(hidden_states=latents, encoder_hidden_states=embeds, timestep=timestep, encoder_attention_mask=mask,
+                   num_frames=f, height=h, width=w, rope_interpolation_scale=scale, return_dict=False)[0].float()
+        for j, vi in zip(batch, self.guided(batch, v), strict=True):
+            with torch.inference_mode():
+                j.latents = j.state["scheduler"].step(vi[None], j.state["timesteps"][j.step], j.latents[None], return_dict=False)[0][0]  # type: ignore[index]
+            j.step += 1
+
+    def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
+        pipe = self.pipe
+        vae = pipe.vae
+        out: dict[int, np.ndarray] = {}
+        for _shape, idx in _groups(jobs, lambda j: (j.frames, j.height, j.width)).items():
+            f, h, w = self.latent_shape(jobs[idx[0]])
+            lat = torch.stack([jobs[i].latents for i in idx])
+            lat = pipe._unpack_latents(lat, f, h, w, pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
+            lat = pipe._denormalize_latents(lat, vae.latents_mean, vae.latents_std, vae.config.scaling_factor).to(vae.dtype)
+            # a timestep-conditioned VAE decodes at the pipeline's default decode_timestep, 0 (no noise mixed in)
+            timestep = torch.zeros(len(idx), device=self.device, dtype=lat.dtype) if vae.config.timestep_conditioning else None
+            with torch.inference_mode():
+                video = vae.decode(lat, timestep, return_dict=False)[0]
+            arr = pipe.video_processor.postprocess_video(video, output_type="np")
+            for i, a in zip(idx, arr, strict=True):
+                out[i] = (np.asarray(a) * 255).round().astype(np.uint8)
+        return [out[i] for i in range(len(jobs))]
+
+
 def _groups(jobs: list[DiffusionJob], key: Any) -> dict[Any, list[int]]:
     by: dict[Any, list[int]] = {}
     for i, j in enumerate(jobs):
@@ -264,4 +354,4 @@ def _groups(jobs: list[DiffusionJob], key: Any) -> dict[Any, list[int]]:
     return by
 
 
-FAMILIES: dict[str, type[Family]] = {"FluxPipeline": FluxFamily, "WanPipeline": WanFamily}
+FAMILIES: dict[str, type[Family]] = {"FluxPipeline": FluxFamily, "WanPipeline": WanFamily, "LTXPipeline": LtxFamily}

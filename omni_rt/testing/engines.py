@@ -152,3 +152,25 @@ class FakeDiffusionEngine(Engine):
             self.active -= 1
             if not done:
                 self.cancelled += 1
+
+
+class FakeVideoDiffusionEngine(FakeDiffusionEngine):
+    """A video-family diffusion engine: clips of `frame_multiple`·k + 1 frames;
+    `generate(job)` yields `progress` after each step, then `video` (uint8 [frames, H,
+    W, 3], frame i a colour from the job's seed, prompt and i) with its latents."""
+
+    video = True
+    frame_multiple = 4
+
+    async def generate(self, job: Any) -> AsyncIterator[dict[str, Any]]:
+        self.require_alive()
+        if int(job.frames) < 1 or (int(job.frames) - 1) % self.frame_multiple:
+            raise EngineRequestError(f"this model makes {self.frame_multiple}k+1 frames, got {job.frames}")
+        async for ev in super().generate(job):
+            if ev["type"] != "image":
+                yield ev
+                continue
+            rng = np.random.default_rng([int(job.seed) & 0xFFFFFFFF, len(str(job.prompt))])
+            colours = rng.integers(0, 256, (int(job.frames), 1, 1, 3), dtype=np.uint8)
+            frames = np.broadcast_to(colours, (int(job.frames), job.height, job.width, 3)).copy()
+            yield {"type": "video", "frames": frames, "latents": ev["latents"]}

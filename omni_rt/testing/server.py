@@ -27,7 +27,7 @@ from omni_rt.runtime import Runtime, import_processor
 from omni_rt.specs import ProfileSpec, SpecError, StageSpec, parse_overlay
 from omni_rt.stage import StageProcessor
 from omni_rt.testing.clock import FakeClock
-from omni_rt.testing.engines import FakeArEngine, FakeDiffusionEngine, FakeStepEngine
+from omni_rt.testing.engines import FakeArEngine, FakeDiffusionEngine, FakeStepEngine, FakeVideoDiffusionEngine
 from omni_rt.testing.stages import code2wav_fn, encode_fn
 from omni_rt.testing.vad import energy_vad
 
@@ -64,6 +64,7 @@ FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] 
     "pipelines.image:ImageProcessor": (None, {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.world:WorldProcessor": (
         "omni_rt.testing.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
+    "pipelines.video:ClipProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:VideoProcessor": (
         "omni_rt.testing.stages:FakeVideo", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
 }

@@ -1,9 +1,11 @@
-"""Video on the `video_edit` pipeline: asynchronous jobs (`/v1/videos`, OpenAI's Videos
-API) and live generation with prompt edits (`/v1/realtime/video`).
+"""Video: asynchronous jobs (`/v1/videos`, OpenAI's Videos API; wire `videos`, the
+`video` pipeline) and live generation with prompt edits (`/v1/realtime/video`; wire
+`video_live`, the `video_edit` pipeline).
 
 Jobs. `POST /v1/videos` (JSON, or multipart form fields as the openai SDK sends them):
 `prompt` (required), `model`, `seconds` ("1".."12", default "4"), `size` (`WxH`,
 multiples of 16 up to 512; default 128x128), plus `fps` (default 8), `seed`, `steps`.
+The clip has `seconds` × `fps` frames, at most the model's `max_frames` (400 above).
 → the video object `{id, object: "video", model, status: queued|in_progress|completed|
 failed, progress (0-100), created_at, completed_at, size, seconds, prompt, error}`.
 Each job is a `video` session (429 `session_limit` over a cap) that ends, freeing its
@@ -35,15 +37,15 @@ from omni_rt.errors import ClientError
 from protocols.auth import principal_of
 from protocols.http import json_response, read_json
 from protocols.registry import Mount
-from protocols.videos.jobs import VideoJobs
+from protocols.videos.jobs import VideoJobs, VideoModel
 from protocols.videos.live import VideoConnection
-from protocols.world import WorldModel
 from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import SessionError
 
 
 def mount(m: Mount) -> None:
-    sessions, pipeline, model = m.sessions, m.pipeline, m.processor(WorldModel)
+    """OpenAI's Videos API: `/v1/videos` jobs on this pipeline."""
+    sessions, pipeline, model = m.sessions, m.pipeline, m.processor(VideoModel)
     jobs = VideoJobs(sessions, pipeline, model.describe)
 
     async def create(request: web.Request) -> web.StreamResponse:
@@ -86,6 +88,17 @@ def mount(m: Mount) -> None:
         await jobs.delete(job)
         return json_response({"id": job.id, "object": "video.deleted", "deleted": True})
 
+    m.route("POST", "/v1/videos", create, "video jobs (OpenAI); GET/DELETE /v1/videos/{id}, …/content")
+    m.route("GET", "/v1/videos", list_videos)
+    m.route("GET", "/v1/videos/{video_id}", get_video)
+    m.route("GET", "/v1/videos/{video_id}/content", content)
+    m.route("DELETE", "/v1/videos/{video_id}", delete)
+
+
+def mount_live(m: Mount) -> None:
+    """`/v1/realtime/video`: live generation with prompt edits on this pipeline."""
+    sessions, pipeline, model = m.sessions, m.pipeline, m.processor(VideoModel)
+
     async def live(request: web.Request) -> web.StreamResponse:
         try:
             session = await sessions.open("video", pipeline.name, principal=principal_of(request).name)
@@ -111,9 +124,4 @@ def mount(m: Mount) -> None:
         await close_attachment(sock, session, why)
         return sock.ws
 
-    m.route("POST", "/v1/videos", create, "video jobs (OpenAI); GET/DELETE /v1/videos/{id}, …/content")
-    m.route("GET", "/v1/videos", list_videos)
-    m.route("GET", "/v1/videos/{video_id}", get_video)
-    m.route("GET", "/v1/videos/{video_id}/content", content)
-    m.route("DELETE", "/v1/videos/{video_id}", delete)
     m.websocket("/v1/realtime/video", live, "live video generation with prompt edits")

@@ -1,6 +1,6 @@
-"""Video jobs (`/v1/videos`, OpenAI's Videos API) on the `video_edit` pipeline: each
-job is a `video` session that renders the whole clip in one request, then encodes it
-as H.264 MP4 (PyAV)."""
+"""Video jobs (`/v1/videos`, OpenAI's Videos API) on the `video` pipeline: each job is a
+`video` session that renders the whole clip in one request, then encodes it as H.264
+MP4 (PyAV)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -59,6 +59,15 @@ def _int(raw: Any, name: str, lo: int, hi: int) -> int:
     if not lo <= v <= hi:
         raise ClientError(f"Invalid '{name}': {v}; it must be between {lo} and {hi}.", param=name, code="invalid_value")
     return v
+
+
+@runtime_checkable
+class VideoModel(Protocol):
+    """What the video wires need from the pipeline's entry stage: `describe()` gives
+    `default_size`, `size_multiple`, `max_steps` and, where the model bounds a clip,
+    `max_frames`."""
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 @dataclass(eq=False)
@@ -116,6 +125,13 @@ class VideoJobs:
         fps = _int(raw.get("fps", 8), "fps", 1, 30)
         seed = _int(raw["seed"], "seed", 0, 2**31 - 1) if raw.get("seed") is not None else secrets.randbelow(2**31)
         steps = _int(raw["steps"], "steps", 1, int(d["max_steps"])) if raw.get("steps") is not None else None
+        if d.get("max_frames") is not None and seconds * fps > int(d["max_frames"]):
+            raise ClientError(
+                f"This model makes at most {d['max_frames']} frames per clip; {seconds} seconds at {fps} fps is {seconds * fps}. "
+                "Ask for fewer seconds or a lower fps.",
+                param="seconds",
+                code="invalid_value",
+            )
         session = await self.sessions.open("video", self.pipeline.name, principal=principal)
         job = VideoJob(f"video_{secrets.token_hex(12)}", principal, model, prompt, width, height, seconds, fps, seed, steps, session=session)
         self.jobs[job.id] = job
@@ -131,7 +147,7 @@ class VideoJobs:
         try:
             job.status = "in_progress"
             stream = session.submit({"prompt": job.prompt, "width": job.width, "height": job.height, "frames": total,
-                                     "seed": job.seed, "steps": job.steps})
+                                     "fps": job.fps, "seed": job.seed, "steps": job.steps})
             stream.end_input()
             async with stream:
                 async for _stage, p, _last in stream.payloads():

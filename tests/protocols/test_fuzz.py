@@ -25,7 +25,7 @@ from omni_rt.testing import Speeds, serve
 
 PER_PROTOCOL = 1000
 SEED = 20240601
-PIPELINES = ["voice", "tts", "image", "world", "video_edit", "robot"]
+PIPELINES = ["voice", "tts", "image", "world", "video", "video_edit", "robot"]
 
 
 @pytest.fixture(scope="module")

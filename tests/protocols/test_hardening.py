@@ -26,7 +26,7 @@ HTTP_JSON = ["/v1/audio/speech", "/v1/chat/completions", "/v1/images/generations
 @pytest.fixture
 async def h():
     overlay = {"server": {"max_body_bytes": 64 << 10, "max_upload_bytes": 1 << 20, "header_timeout_s": 0.5}}
-    async with serve(["voice", "tts", "image", "world", "video_edit", "robot"], overlay, speeds=Speeds(diffusion_step_s=0.001)) as harness:
+    async with serve(["voice", "tts", "image", "world", "video", "video_edit", "robot"], overlay, speeds=Speeds(diffusion_step_s=0.001)) as harness:
         yield harness
 
 

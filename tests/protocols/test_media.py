@@ -27,7 +27,7 @@ A = [[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
 async def h():
     # a denoising step of the fake engine takes 1 ms: a 50-step frame is still running
     # when the test cancels or edits
-    async with serve(["world", "video_edit", "robot", "voice"], {"sessions": {"principal_caps": {"anonymous": 2}}},
+    async with serve(["world", "video", "video_edit", "robot", "voice"], {"sessions": {"principal_caps": {"anonymous": 2}}},
                      speeds=Speeds(diffusion_step_s=0.001)) as harness:
         yield harness
 
@@ -174,16 +174,19 @@ async def test_deleting_a_running_job_stops_it_and_frees_its_slot(h):
     assert r.status == 409 and (await r.json())["error"]["code"] == "video_not_ready"
     for j in jobs:
         assert (await c.videos.delete(j.id)).deleted
-    assert h.runtime.pools["video_dit"].load() == 0
+    assert h.runtime.pools["t2v"].load() == 0
     with pytest.raises(openai.NotFoundError):
         await c.videos.retrieve(jobs[0].id)
     ok = await c.videos.create(prompt="the slot came back", seconds="1", size="64x64", extra_body={"fps": 2, "steps": 1})
     await c.videos.delete(ok.id)
     for body, param in (({"prompt": "x", "size": "100x100"}, "size"), ({"prompt": "x", "seconds": "40"}, "seconds"),
                         ({"prompt": "x", "fps": 0}, "fps"), ({"prompt": "x", "model": "nope"}, "model"),
-                        ({"prompt": "x", "colour": "red"}, "colour"), ({"seconds": "1"}, "prompt")):
+                        ({"prompt": "x", "colour": "red"}, "colour"), ({"seconds": "1"}, "prompt"),
+                        ({"prompt": "x", "seconds": "12", "fps": 30}, "seconds")):  # 360 frames: over the model's 97
         r = await h.client.post("/v1/videos", json=body)
         assert r.status == 400 and (await r.json())["error"]["param"] == param
+        if body.get("fps") == 30:
+            assert "at most 97 frames" in (await r.json())["error"]["message"]
     await c.close()
 
 

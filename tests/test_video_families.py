@@ -1,0 +1,107 @@
+"""The diffusers step engine on the tiny video families (a WanPipeline directory, Wan
+2.1's layout, and an LTXPipeline directory, LTX-Video's): equal to the pipeline's own
+__call__, batched == unbatched for the same seeds (jobs started at different steps
+share forwards), progress, cancel between steps, and the clips a family cannot make
+refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from omni_rt.engines.base import EngineError
+from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
+
+# directory, the size multiple, frames are multiple·k + 1, a valid clip, an invalid frame count
+FAMILIES = {
+    "wan": ("tiny-wan", 16, 4, (64, 96, 9), 8),
+    "ltx": ("tiny-ltx", 32, 8, (64, 96, 17), 12),
+}
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+async def engine(request, models_dir):
+    d = FAMILIES[request.param]
+    eng = DiffusersEngine(str(models_dir / d[0]), name=request.param, max_batch=8, max_sequence_length=32)
+    await eng.start()
+    eng.case = d  # type: ignore[attr-defined]
+    yield eng
+    await eng.stop()
+
+
+async def clip_of(eng: DiffusersEngine, job: DiffusionJob) -> tuple[np.ndarray, list[dict]]:
+    events = []
+    async for ev in eng.generate(job):
+        events.append(ev)
+        if ev["type"] == "video":
+            return ev["frames"], events
+    raise AssertionError("no clip")
+
+
+def _diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+async def test_a_clip_equals_the_pipelines_own_call(engine):
+    _dir, mult, fmult, (h, w, f), _bad = engine.case
+    assert engine.video and engine.size_multiple == mult and engine.frame_multiple == fmult
+    clip, _ = await clip_of(engine, DiffusionJob("a red cup", h, w, 5, seed=7, frames=f, fps=24))
+    assert clip.shape == (f, h, w, 3) and clip.dtype == np.uint8
+    extra = {"frame_rate": 24} if engine.name == "ltx" else {}
+    ref = await asyncio.to_thread(
+        lambda: engine.pipe("a red cup", height=h, width=w, num_frames=f, num_inference_steps=5, guidance_scale=1.0, max_sequence_length=32,
+                            generator=torch.Generator().manual_seed(7), output_type="np", **extra).frames[0]
+    )
+    assert _diff((ref * 255).round(), clip) <= 1
+    # classifier-free guidance with a negative prompt, as the pipeline does it
+    clip2, _ = await clip_of(engine, DiffusionJob("a red cup", h, h, 4, seed=3, frames=1 + fmult, guidance_scale=4.0, negative_prompt="blurry"))
+    ref2 = await asyncio.to_thread(
+        lambda: engine.pipe("a red cup", negative_prompt="blurry", height=h, width=h, num_frames=1 + fmult, num_inference_steps=4, guidance_scale=4.0,
+                            max_sequence_length=32, generator=torch.Generator().manual_seed(3), output_type="np").frames[0]
+    )
+    assert _diff((ref2 * 255).round(), clip2) <= 1
+
+
+async def test_batched_equals_unbatched_and_late_jobs_join_running_steps(engine):
+    jobs = [("a red cup", 1), ("a blue sea", 2), ("a red cup", 3)]
+    f = 1 + engine.case[2]
+    alone = [(await clip_of(engine, DiffusionJob(p, 64, 64, 6, seed=s, frames=f)))[0] for p, s in jobs]
+    steps0, rows0 = engine.steps, engine.rows
+
+    async def late(i: int, p: str, s: int) -> np.ndarray:
+        await asyncio.sleep(0.01 * i)  # started a step or two apart: each scheduler keeps its own state
+        return (await clip_of(engine, DiffusionJob(p, 64, 64, 6, seed=s, frames=f)))[0]
+
+    together = await asyncio.gather(*(late(i, p, s) for i, (p, s) in enumerate(jobs)))
+    assert engine.rows - rows0 > engine.steps - steps0, "no forward carried more than one job"
+    for a, b in zip(alone, together, strict=True):
+        assert _diff(a, b) <= 1
+    assert _diff(alone[0], alone[2]) > 10  # seeds matter
+
+
+async def test_progress_is_monotonic_and_cancel_stops_between_steps(engine):
+    _, events = await clip_of(engine, DiffusionJob("x", 64, 64, 4, seed=0, frames=1 + engine.case[2]))
+    assert [e["step"] for e in events if e["type"] == "progress"] == [1, 2, 3, 4]
+    job = DiffusionJob("a long one", 64, 64, 200, seed=0, frames=1 + 2 * engine.case[2])
+    gen = engine.generate(job)
+    async for ev in gen:
+        if ev["type"] == "progress" and ev["step"] >= 2:
+            break
+    await gen.aclose()
+    await asyncio.sleep(0.3)
+    stopped_at = job.step
+    await asyncio.sleep(0.3)
+    assert job.step == stopped_at < 200 and engine.load() == 0
+
+
+async def test_clips_the_family_cannot_make_are_refused(engine):
+    _dir, mult, fmult, _ok, bad = engine.case
+    with pytest.raises(EngineError, match=rf"{fmult}k\+1 frames"):
+        await clip_of(engine, DiffusionJob("x", 64, 64, 2, seed=0, frames=bad))
+    with pytest.raises(EngineError, match=f"multiples of {mult}"):
+        await clip_of(engine, DiffusionJob("x", mult + 8, 64, 2, seed=0, frames=1))
+    clip, _ = await clip_of(engine, DiffusionJob("still serving", 64, 64, 2, seed=0, frames=1))
+    assert clip.shape == (1, 64, 64, 3)
