@@ -65,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="custom server command template with {python} {host} {port} {deploy} placeholders "
                    "(default: {python} -m omni_rt.cli serve --host {host} --port {port} --deploy {deploy})")
 
+    sc = sub.add_parser("step-cache", help="diffusers' first-block step cache on the tiny video model: speed-up and output difference")
+    sc.add_argument("--model", help="a diffusers pipeline directory (default: the tiny Wan, built if missing)")
+    sc.add_argument("--size", type=int, default=128, help="frame side in pixels (default 128)")
+    sc.add_argument("--frames", type=int, default=17, help="frames per clip (default 17)")
+    sc.add_argument("--steps", type=int, default=30, help="denoising steps (default 30)")
+    sc.add_argument("--threshold", type=float, default=0.2, help="FirstBlockCacheConfig threshold (default 0.2)")
+    sc.add_argument("--repeat", type=int, default=5, help="timed clips per mode, after one warm-up each (default 5)")
+    sc.add_argument("--json", help="write results here (JSON)")
+
     k = sub.add_parser("connectors", help="connector put+get vs memcpy throughput")
     k.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated sizes (default {DEFAULT_SIZES})")
     k.add_argument("--repeat", type=int, default=10, help="timed rounds per size; medians are reported (default 10)")
@@ -203,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 # subcommand -> module latency_bench.<module>, whose main_<module>(args) runs it
 COMMANDS = {"tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
-            "fuzz": "fuzz", "transcriptions": "transcriptions"}
+            "fuzz": "fuzz", "transcriptions": "transcriptions",
+            "step-cache": "step_cache"}
 
 
 def main(argv: list[str] | None = None) -> int:

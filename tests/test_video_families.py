@@ -105,3 +105,29 @@ async def test_clips_the_family_cannot_make_are_refused(engine):
         await clip_of(engine, DiffusionJob("x", mult + 8, 64, 2, seed=0, frames=1))
     clip, _ = await clip_of(engine, DiffusionJob("still serving", 64, 64, 2, seed=0, frames=1))
     assert clip.shape == (1, 64, 64, 3)
+
+
+async def test_diffusers_first_block_cache_as_an_engine_arg(models_dir):
+    """threshold 0 never skips (the same clip as without the cache); a huge one skips
+    every forward after the first (a different clip); jobs joining and leaving a cached
+    batch restart it from a full forward instead of failing on a stale cache."""
+    clips = {}
+    for threshold in (None, 0.0, 1e9):
+        cache = None if threshold is None else {"type": "first_block", "threshold": threshold}
+        eng = DiffusersEngine(str(models_dir / "tiny-wan"), name="wan", max_sequence_length=32, cache=cache)
+        await eng.start()
+        try:
+            clips[threshold] = (await clip_of(eng, DiffusionJob("a red cup", 64, 64, 8, seed=5, frames=5)))[0]
+            if threshold == 1e9:
+                async def late(i: int) -> np.ndarray:
+                    await asyncio.sleep(0.005 * i)
+                    return (await clip_of(eng, DiffusionJob("a cup", 64, 64 + 16 * (i % 2), 6, seed=i, frames=5)))[0]
+
+                got = await asyncio.gather(*(late(i) for i in range(4)))
+                assert [g.shape for g in got] == [(5, 64, 64 + 16 * (i % 2), 3) for i in range(4)]
+        finally:
+            await eng.stop()
+    assert _diff(clips[None], clips[0.0]) == 0
+    assert _diff(clips[None], clips[1e9]) > 0
+    with pytest.raises(ValueError, match="cache.type"):
+        DiffusersEngine(str(models_dir / "tiny-wan"), cache={"type": "teacache"})

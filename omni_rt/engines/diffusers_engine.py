@@ -15,6 +15,9 @@ scheduler settings) are used directly; the engine owns the loop:
 - Cancel between steps (the consumer of `generate` goes away or calls `cancel`),
   progress after every step, intermediate latents every `preview_every` steps.
 - Everything heavy runs on the engine's own thread, never on the event loop.
+- Step caches are diffusers' own hooks (`engine_args.cache: {type: first_block,
+  threshold}`), applied to the transformer; a batch whose rows changed starts from a
+  full forward.
 
 How each family encodes prompts, draws noise, steps and decodes lives in
 `omni_rt.engines.diffusion_families`: `FluxPipeline` (images: flow matching, packed
@@ -30,7 +33,7 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +45,26 @@ from omni_rt.engines.base import Engine, EngineError, EngineRequestError
 from omni_rt.engines.diffusion_families import FAMILIES, Family
 
 log = logging.getLogger("omni_rt.engines.diffusers")
+
+CACHES = ("first_block",)
+
+
+def _cache_config(cache: Mapping[str, Any] | None) -> Any:
+    """`engine_args.cache` -> the diffusers cache config: `{type: first_block,
+    threshold: 0.05}` (diffusers' FirstBlockCacheConfig: the rest of the transformer is
+    skipped while the first block's residual changes less than `threshold`)."""
+    if not cache:
+        return None
+    args = dict(cache)
+    kind = args.pop("type", None)
+    if kind not in CACHES:
+        raise ValueError(f"engine_args.cache.type must be one of {', '.join(CACHES)}, got {kind!r}")
+    from diffusers import FirstBlockCacheConfig
+
+    bad = set(args) - {"threshold"}
+    if bad:
+        raise ValueError(f"unknown engine_args.cache keys {sorted(bad)} for first_block; known: ['threshold', 'type']")
+    return FirstBlockCacheConfig(threshold=float(args.get("threshold", 0.05)))
 
 SUPPORTED = tuple(FAMILIES)
 
@@ -96,6 +119,7 @@ class DiffusersEngine(Engine):
         device: str = "cpu",
         dtype: str = "float32",
         max_sequence_length: int = 128,
+        cache: Mapping[str, Any] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -110,6 +134,8 @@ class DiffusersEngine(Engine):
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"dtype must be a torch floating dtype name (float32, bfloat16, float16), got {dtype!r}")
         self.max_sequence_length = max_sequence_length
+        self.cache = _cache_config(cache)
+        self._cached_batch: tuple[tuple[int, bool], ...] | None = None
         self.pipe: Any = None
         self.family: Family | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"diffusers-{name}")
@@ -146,6 +172,10 @@ class DiffusersEngine(Engine):
             module = getattr(pipe, name, None)
             if module is not None:
                 module.to(self.dtype)
+        if self.cache is not None:
+            if not hasattr(pipe.transformer, "enable_cache"):
+                raise EngineError(f"{type(pipe.transformer).__name__} has no diffusers cache hooks; drop engine_args.cache")
+            pipe.transformer.enable_cache(self.cache)
         return pipe
 
     async def stop(self) -> None:
@@ -317,7 +347,19 @@ class DiffusersEngine(Engine):
 
     def _step(self, batch: list[DiffusionJob]) -> None:
         assert self.family is not None
-        self.family.step(batch)
+        if self.cache is None:
+            self.family.step(batch)
+            return
+        # diffusers' cache hooks compare each forward with the previous one of the same
+        # rows: a batch whose jobs changed (one joined, left, or another shape ran in
+        # between) starts from a full forward
+        rows = tuple((j.id, j.cfg) for j in batch)
+        tf = self.pipe.transformer
+        if rows != self._cached_batch:
+            tf._reset_stateful_cache()
+            self._cached_batch = rows
+        with tf.cache_context("batch"):
+            self.family.step(batch)
 
     def _decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
         assert self.family is not None
