@@ -119,7 +119,7 @@ async def test_diffusers_first_block_cache_as_an_engine_arg(models_dir):
         try:
             clips[threshold] = (await clip_of(eng, DiffusionJob("a red cup", 64, 64, 8, seed=5, frames=5)))[0]
             if threshold == 1e9:
-                async def late(i: int) -> np.ndarray:
+                async def late(i: int, eng: DiffusersEngine = eng) -> np.ndarray:
                     await asyncio.sleep(0.005 * i)
                     return (await clip_of(eng, DiffusionJob("a cup", 64, 64 + 16 * (i % 2), 6, seed=i, frames=5)))[0]
 
