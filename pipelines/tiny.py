@@ -471,33 +471,43 @@ def _t5_character_tokenizer() -> Any:
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
 
 
-def _fill_wan(out: Path) -> None:
+def _fill_forcing(out: Path) -> None:
+    """A SkyReelsV2DiffusionForcingPipeline directory (SkyReels-V2 DF layout; loads with
+    `SkyReelsV2DiffusionForcingPipeline.from_pretrained`): the tiny Wan's text encoder
+    and VAE sizes, a SkyReels-V2 transformer (2 layers, 2 heads x 12; without the fps
+    embedding, `inject_sample_info`, which diffusers can add to one row only) and UniPC
+    with flow sigmas (shift 8)."""
+    _fill_wan(out, transformer="SkyReelsV2Transformer3DModel", pipeline="SkyReelsV2DiffusionForcingPipeline", seed=SEED + 9, shift=8.0)
+
+
+def _fill_wan(out: Path, transformer: str = "WanTransformer3DModel", pipeline: str = "WanPipeline", seed: int = SEED + 7, shift: float = 3.0) -> None:
     """A WanPipeline directory (Wan 2.1 text-to-video layout; loads with
     `WanPipeline.from_pretrained`): a UMT5 encoder (1 layer, width 32) with a character
     tokenizer made here, a Wan transformer (2 layers, 2 heads x 12, 1x2x2 patches), a
     narrow Wan VAE (8x spatial, 4x temporal, 16 latent channels) and UniPC with flow
     sigmas, as the published checkpoints ship it."""
+    import diffusers
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
-    torch.manual_seed(SEED + 7)
+    torch.manual_seed(seed)
     tok = _t5_character_tokenizer()
     tok.save_pretrained(str(out / "tokenizer"))
     UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
                                 relative_attention_num_buckets=8)).save_pretrained(str(out / "text_encoder"))
-    WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=32,
-                          freq_dim=32, ffn_dim=32, num_layers=2).save_pretrained(str(out / "transformer"))
+    getattr(diffusers, transformer)(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=32,
+                                    freq_dim=32, ffn_dim=32, num_layers=2).save_pretrained(str(out / "transformer"))
     AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]).save_pretrained(str(out / "vae"))
-    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000).save_pretrained(str(out / "scheduler"))
+    UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift, num_train_timesteps=1000).save_pretrained(str(out / "scheduler"))
     components = {
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer": ["diffusers", transformer],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    (out / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", **components}, indent=2) + "\n")
+    (out / "model_index.json").write_text(json.dumps({"_class_name": pipeline, **components}, indent=2) + "\n")
 
 
 def _fill_ltx(out: Path) -> None:
@@ -566,6 +576,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "world": (WORLD_DIRNAME, _fill_world),
     "video": (VIDEO_DIRNAME, _fill_wan),
     "ltx": ("tiny-ltx", _fill_ltx),
+    "forcing": ("tiny-skyreels-df", _fill_forcing),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
     "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
 }

@@ -68,14 +68,21 @@ async def test_a_clip_equals_the_pipelines_own_call(engine):
 async def test_batched_equals_unbatched_and_late_jobs_join_running_steps(engine):
     jobs = [("a red cup", 1), ("a blue sea", 2), ("a red cup", 3)]
     f = 1 + engine.case[2]
-    alone = [(await clip_of(engine, DiffusionJob(p, 64, 64, 6, seed=s, frames=f)))[0] for p, s in jobs]
+    alone = [(await clip_of(engine, DiffusionJob(p, 64, 64, 12, seed=s, frames=f)))[0] for p, s in jobs]
     steps0, rows0 = engine.steps, engine.rows
+    started = [asyncio.Event() for _ in jobs]  # job i+1 starts once job i has run a step
 
-    async def late(i: int, p: str, s: int) -> np.ndarray:
-        await asyncio.sleep(0.01 * i)  # started a step or two apart: each scheduler keeps its own state
-        return (await clip_of(engine, DiffusionJob(p, 64, 64, 6, seed=s, frames=f)))[0]
+    async def run(i: int, p: str, s: int) -> np.ndarray:
+        if i:
+            await started[i - 1].wait()
+        async for ev in engine.generate(DiffusionJob(p, 64, 64, 12, seed=s, frames=f)):
+            if ev["type"] == "progress":
+                started[i].set()
+            elif ev["type"] == "video":
+                return ev["frames"]
+        raise AssertionError("no clip")
 
-    together = await asyncio.gather(*(late(i, p, s) for i, (p, s) in enumerate(jobs)))
+    together = await asyncio.gather(*(run(i, p, s) for i, (p, s) in enumerate(jobs)))
     assert engine.rows - rows0 > engine.steps - steps0, "no forward carried more than one job"
     for a, b in zip(alone, together, strict=True):
         assert _diff(a, b) <= 1

@@ -82,6 +82,8 @@ class DiffusionJob:
     guidance_scale: float = 1.0
     frames: int = 1
     fps: float = 25.0  # the frame rate the clip is made for (LTX scales its rope by it)
+    # diffusion forcing: the clean latents [C, P, h, w] of the frames before this chunk
+    prefix: torch.Tensor | None = None
     negative_prompt: str | None = None
     preview_every: int = 0
     # Extra conditioning (e.g. a world model's history and action): tokens appended to
@@ -165,13 +167,12 @@ class DiffusersEngine(Engine):
             raise EngineError(f"{self.model_dir} is not a diffusers pipeline directory: {exc}") from None
         if cls_name not in SUPPORTED:
             raise EngineError(f"pipeline class {cls_name} is not supported by the step engine; supported: {', '.join(SUPPORTED)}")
-        pipe = getattr(diffusers, cls_name).from_pretrained(self.model_dir, local_files_only=True)
+        # the transformer and text encoders in the engine's dtype (each model's own
+        # float32 modules kept, as from_pretrained keeps them); the rest float32
+        dtypes = {name: self.dtype for name in ("transformer", "text_encoder", "text_encoder_2")}
+        pipe = getattr(diffusers, cls_name).from_pretrained(self.model_dir, local_files_only=True, dtype={**dtypes, "default": torch.float32})
         pipe.set_progress_bar_config(disable=True)
         pipe.to(self.device)
-        for name in ("transformer", "text_encoder", "text_encoder_2"):
-            module = getattr(pipe, name, None)
-            if module is not None:
-                module.to(self.dtype)
         if self.cache is not None:
             if not hasattr(pipe.transformer, "enable_cache"):
                 raise EngineError(f"{type(pipe.transformer).__name__} has no diffusers cache hooks; drop engine_args.cache")

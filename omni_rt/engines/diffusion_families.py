@@ -17,8 +17,10 @@ Families: `FluxPipeline` (images; flow-matching Euler on packed latents, optiona
 CFG, extra conditioning tokens for the world model) and `WanPipeline` (Wan 2.1-style
 text-to-video: UMT5 text, 3-D latents, the scheduler of the directory — UniPC with
 flow sigmas in the published checkpoints — one scheduler copy per request because
-multistep schedulers keep state across steps) and `LTXPipeline` (LTX-Video: packed
-video latents, flow-matching Euler, rope scaled by the job's frame rate).
+multistep schedulers keep state across steps), `LTXPipeline` (LTX-Video: packed
+video latents, flow-matching Euler, rope scaled by the job's frame rate) and
+`SkyReelsV2DiffusionForcingPipeline` (diffusion forcing: a long video chunk by chunk,
+each chunk's frames conditioned on the clean latents of the frames before it).
 """
 
 from __future__ import annotations
@@ -259,6 +261,107 @@ class WanFamily(Family):
         return [out[i] for i in range(len(jobs))]
 
 
+class ForcingFamily(WanFamily):
+    """`SkyReelsV2DiffusionForcingPipeline` (SkyReels-V2 DF): Wan's parts plus a
+    timestep per latent frame. A job is one chunk of a long video: `prefix` (latents
+    `[C, P, h, w]` of the frames before it, clean, never updated) followed by the new
+    latent frames, which the pipeline's own `generate_timestep_matrix` schedules (one
+    scheduler copy per latent frame, as the pipeline keeps them). A job without a
+    prefix makes `4k+1` frames (the start of a video); with one, `4k` new frames, and
+    decoding returns only those. Its `latents` (all of the chunk's, prefix first) are
+    what the next chunk takes its prefix from."""
+
+    def check(self, job: DiffusionJob) -> None:
+        Family.check(self, job)
+        t = self.frame_multiple
+        if job.prefix is None:
+            if job.frames < 1 or (job.frames - 1) % t:
+                raise EngineRequestError(f"the first chunk of a video is {t}k+1 frames (1, {t + 1}, {2 * t + 1}, …), got {job.frames}")
+        else:
+            if job.frames < t or job.frames % t:
+                raise EngineRequestError(f"a chunk after the first is {t}k frames ({t}, {2 * t}, …), got {job.frames}")
+            c, _p, h, w = job.prefix.shape
+            s = int(self.pipe.vae_scale_factor_spatial)
+            if (c, h, w) != (self.pipe.transformer.config.in_channels, job.height // s, job.width // s):
+                raise EngineRequestError(f"the prefix latents {list(job.prefix.shape)} do not fit a {job.width}x{job.height} clip")
+
+    def new_latent_frames(self, job: DiffusionJob) -> int:
+        t = self.frame_multiple
+        return job.frames // t if job.prefix is not None else (job.frames - 1) // t + 1
+
+    def prefix_frames(self, job: DiffusionJob) -> int:
+        return 0 if job.prefix is None else int(job.prefix.shape[1])
+
+    def key(self, job: DiffusionJob) -> tuple[Any, ...]:
+        start, end = job.state["intervals"][job.step] if "intervals" in job.state else (0, 0)
+        return (*Family.key(self, job), end - start, 0 if job.fps == 16 else 1)
+
+    def prepare(self, job: DiffusionJob) -> None:
+        pipe = self.pipe
+        p = self.prefix_frames(job)
+        frames = p + self.new_latent_frames(job)
+        s = int(pipe.vae_scale_factor_spatial)
+        gen = torch.Generator(device="cpu").manual_seed(job.seed)
+        shape = (1, pipe.transformer.config.in_channels, frames, job.height // s, job.width // s)
+        lat = torch.randn(shape, generator=gen, dtype=torch.float32)[0]  # as prepare_latents draws it (randn_tensor)
+        if job.prefix is not None:
+            lat[:, :p] = job.prefix.to(lat)
+        job.latents = lat.to(self.device)
+        sched = copy.deepcopy(pipe.scheduler)
+        sched.set_timesteps(job.steps, device=self.device)
+        schedulers = []
+        for _ in range(frames):
+            f = copy.deepcopy(pipe.scheduler)
+            f.set_timesteps(job.steps, device=self.device)
+            schedulers.append(f)
+        block = int(pipe.transformer.config.num_frame_per_block)
+        matrix, _index, update, intervals = pipe.generate_timestep_matrix(frames, sched.timesteps, frames, 0, p, block)
+        job.state.update(schedulers=schedulers, matrix=matrix, update=update, intervals=intervals)
+        job.steps = len(matrix)
+
+    def step(self, batch: list[DiffusionJob]) -> None:
+        tf = self.pipe.transformer
+        rows = self.rows(batch)
+        start, end = batch[0].state["intervals"][batch[0].step]
+        for j in batch:
+            assert tuple(j.state["intervals"][j.step]) == (start, end)  # the batch key holds the window's length
+        windows = []
+        steps = []
+        for j, _ in rows:
+            s, e = j.state["intervals"][j.step]
+            windows.append(j.latents[:, s:e])  # type: ignore[index]
+            steps.append(j.state["matrix"][j.step][s:e])
+        latents = torch.stack(windows).to(tf.dtype)
+        timestep = torch.stack(steps).to(self.device)
+        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
+        fps = [0 if j.fps == 16 else 1 for j, _ in rows]
+        with torch.inference_mode():
+            if tf.config.get("inject_sample_info") and len(rows) > 1:
+                # diffusers' SkyReels-V2 transformer adds its fps embedding for one row
+                # only in diffusion-forcing mode (its broadcast fails for a batch): such
+                # a checkpoint runs the batch's rows one forward each
+                v = torch.cat([tf(hidden_states=latents[i : i + 1], timestep=timestep[i : i + 1], encoder_hidden_states=embeds[i : i + 1],
+                                  enable_diffusion_forcing=True, fps=fps[i : i + 1], return_dict=False)[0] for i in range(len(rows))]).float()
+            else:
+                v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, enable_diffusion_forcing=True, fps=fps,
+                       return_dict=False)[0].float()
+        for j, vi in zip(batch, self.guided(batch, v), strict=True):
+            s, e = j.state["intervals"][j.step]
+            t, update = j.state["matrix"][j.step], j.state["update"][j.step]
+            lat = j.latents
+            assert lat is not None
+            with torch.inference_mode():
+                for idx in range(s, e):
+                    if bool(update[idx]):
+                        lat[:, idx] = j.state["schedulers"][idx].step(vi[:, idx - s][None], t[idx], lat[:, idx][None], return_dict=False)[0][0]
+            j.step += 1
+
+    def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
+        clips = super().decode(jobs)
+        # a chunk after the first: its prefix decodes to frames the video has shown already
+        return [c[-j.frames :] if j.prefix is not None else c for j, c in zip(jobs, clips, strict=True)]
+
+
 class LtxFamily(Family):
     """`LTXPipeline` (LTX-Video): T5 text with its attention mask, packed video latents
     `[tokens, channels]`, flow-matching Euler (a scheduler copy per job: it counts its
@@ -354,4 +457,9 @@ def _groups(jobs: list[DiffusionJob], key: Any) -> dict[Any, list[int]]:
     return by
 
 
-FAMILIES: dict[str, type[Family]] = {"FluxPipeline": FluxFamily, "WanPipeline": WanFamily, "LTXPipeline": LtxFamily}
+FAMILIES: dict[str, type[Family]] = {
+    "FluxPipeline": FluxFamily,
+    "WanPipeline": WanFamily,
+    "LTXPipeline": LtxFamily,
+    "SkyReelsV2DiffusionForcingPipeline": ForcingFamily,
+}

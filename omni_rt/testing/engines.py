@@ -155,22 +155,33 @@ class FakeDiffusionEngine(Engine):
 
 
 class FakeVideoDiffusionEngine(FakeDiffusionEngine):
-    """A video-family diffusion engine: clips of `frame_multiple`·k + 1 frames;
-    `generate(job)` yields `progress` after each step, then `video` (uint8 [frames, H,
-    W, 3], frame i a colour from the job's seed, prompt and i) with its latents."""
+    """A video-family diffusion engine: clips of `frame_multiple`·k + 1 frames, or, for
+    a diffusion-forcing chunk (`job.prefix`: latents [C, P, h, w]), `frame_multiple`·k
+    new frames; `generate(job)` yields `progress` after each step, then `video` (uint8
+    [frames, H, W, 3], frame i a colour from the job's seed, prompt and i) with latents
+    [4, latent frames, h, w] (a chunk's prefix first, unchanged)."""
 
     video = True
     frame_multiple = 4
 
     async def generate(self, job: Any) -> AsyncIterator[dict[str, Any]]:
         self.require_alive()
-        if int(job.frames) < 1 or (int(job.frames) - 1) % self.frame_multiple:
-            raise EngineRequestError(f"this model makes {self.frame_multiple}k+1 frames, got {job.frames}")
+        m, f = self.frame_multiple, int(job.frames)
+        prefix = getattr(job, "prefix", None)
+        if prefix is None and (f < 1 or (f - 1) % m):
+            raise EngineRequestError(f"this model makes {m}k+1 frames, got {f}")
+        if prefix is not None and (f < m or f % m):
+            raise EngineRequestError(f"a chunk after the first is {m}k frames, got {f}")
         async for ev in super().generate(job):
             if ev["type"] != "image":
                 yield ev
                 continue
             rng = np.random.default_rng([int(job.seed) & 0xFFFFFFFF, len(str(job.prompt))])
-            colours = rng.integers(0, 256, (int(job.frames), 1, 1, 3), dtype=np.uint8)
-            frames = np.broadcast_to(colours, (int(job.frames), job.height, job.width, 3)).copy()
-            yield {"type": "video", "frames": frames, "latents": ev["latents"]}
+            colours = rng.integers(0, 256, (f, 1, 1, 3), dtype=np.uint8)
+            frames = np.broadcast_to(colours, (f, job.height, job.width, 3)).copy()
+            new = f // m if prefix is not None else (f - 1) // m + 1
+            s = self.size_multiple // 2
+            latents = rng.standard_normal((4, new, job.height // s, job.width // s), dtype=np.float32)
+            if prefix is not None:
+                latents = np.concatenate([np.asarray(prefix, np.float32), latents], axis=1)
+            yield {"type": "video", "frames": frames, "latents": latents}

@@ -65,6 +65,7 @@ FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] 
     "pipelines.world:WorldProcessor": (
         "omni_rt.testing.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:ClipProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
+    "pipelines.video:ForcingProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:VideoProcessor": (
         "omni_rt.testing.stages:FakeVideo", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
 }

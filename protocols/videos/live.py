@@ -114,7 +114,9 @@ class VideoConnection(JsonEvents):
     async def _generate(self, gen_id: str) -> None:
         while self.next_frame < self.total:
             n = min(int(self.cfg["chunk_frames"]), self.total - self.next_frame)
-            params = {**self.cfg, "frames": n, "start_frame": self.next_frame, "history": list(self.history)}
+            # frames_left: a model that makes frames in groups may show more than n (never past the end)
+            params = {**self.cfg, "frames": n, "frames_left": self.total - self.next_frame, "start_frame": self.next_frame,
+                      "history": list(self.history)}
             version = self.version
             stream = self.session.submit(params)
             stream.end_input()
