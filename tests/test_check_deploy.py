@@ -54,6 +54,11 @@ WAN_INDEX = {"_class_name": "WanPipeline", "_diffusers_version": "0.33.0", "boun
              "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
              "vae": ["diffusers", "AutoencoderKLWan"]}
 CHECKPOINTS["Wan2.1-T2V-1.3B-Diffusers"] = {"model_index.json": json.dumps(WAN_INDEX)}
+CHECKPOINTS["SkyReels-V2-DF-1.3B-540P-Diffusers"] = {
+    "model_index.json": json.dumps({**WAN_INDEX, "_class_name": "SkyReelsV2DiffusionForcingPipeline", "transformer": ["diffusers", "SkyReelsV2Transformer3DModel"]})}
+CHECKPOINTS["LTX-Video"] = {"model_index.json": json.dumps({
+    "_class_name": "LTXPipeline", "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "T5EncoderModel"],
+    "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "LTXVideoTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLLTXVideo"]})}
 DROID_NORMALIZER = {"eps": 1e-8, "norm_map": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},
                     "features": {"observation.state": {"type": "STATE", "shape": [8]}, "action": {"type": "ACTION", "shape": [8]}}}
 
@@ -135,18 +140,22 @@ def test_documented_policy_overlays_pass_the_check(name, tmp_path, models_dir, m
     assert policy["model"] == yaml.safe_load(overlay.read_text())["pipelines"]["robot"]["stages"]["policy"]["model"]
 
 
-def test_the_wan_overlay_passes_the_check(tmp_path, models_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("name,pipeline,ckpt", [("wan2.1-t2v.yaml", "video", "Wan2.1-T2V-1.3B-Diffusers"), ("ltx-video.yaml", "video", "LTX-Video"),
+                                                ("skyreels-v2-df.yaml", "video_edit", "SkyReels-V2-DF-1.3B-540P-Diffusers")])
+def test_the_video_overlays_pass_the_check(name, pipeline, ckpt, tmp_path, models_dir, monkeypatch, capsys):
     monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
-    overlay = _materialise("wan2.1-t2v.yaml", tmp_path, tmp_path / "models")
+    overlay = _materialise(name, tmp_path, tmp_path / "models")
     rc, out, err = _check(overlay, capsys)
     assert rc == 0, err
-    assert json.loads(out)["video"]["stages"][0]["model"].endswith("Wan2.1-T2V-1.3B-Diffusers")
+    assert json.loads(out)[pipeline]["stages"][0]["model"].endswith(ckpt)
 
 
 @pytest.mark.parametrize("name,ckpt,broken,says", [
     ("wan2.1-t2v.yaml", "Wan2.1-T2V-1.3B-Diffusers", {"model_index.json": json.dumps({**WAN_INDEX, "_class_name": "FluxPipeline"})},
-     "model_index.json names FluxPipeline, not a video pipeline this server runs (LTXPipeline, WanPipeline)"),
+     "model_index.json names FluxPipeline, not a video pipeline this server runs (LTXPipeline, SkyReelsV2DiffusionForcingPipeline, WanPipeline)"),
     ("wan2.1-t2v.yaml", "Wan2.1-T2V-1.3B-Diffusers", {"model_index.json": None}, "no model_index.json"),
+    ("skyreels-v2-df.yaml", "SkyReels-V2-DF-1.3B-540P-Diffusers", {"model_index.json": json.dumps(WAN_INDEX)},
+     "names WanPipeline, not a diffusion-forcing pipeline"),
     ("pi0-droid.yaml", "pi0-droid", {"normalizer.safetensors": None}, "names the statistics file normalizer.safetensors, which is missing"),
     ("pi0.yaml", "paligemma2-3b-mix-224", {"preprocessor_config.json": None}, "no image processor settings"),
     ("pi0.yaml", "paligemma2-3b-mix-224", {"tokenizer.json": None}, "no tokenizer files"),
