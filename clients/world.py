@@ -77,10 +77,18 @@ class WorldClient:
         return ev
 
     async def step(self, action: list[float], seen: list[dict[str, Any]] | None = None) -> np.ndarray:
+        """Send one action; the step's last frame (a model may render several frames a
+        step, `session["frames_per_step"]`: `step_frames` returns them all)."""
+        return (await self.step_frames(action, seen))[-1]
+
+    async def step_frames(self, action: list[float], seen: list[dict[str, Any]] | None = None) -> list[np.ndarray]:
         await self.send("world.step", action=action)
-        ev = await self.until("world.frame", seen)
-        await self.until("world.step.done", seen)
-        return decode_frame(ev)
+        frames: list[np.ndarray] = []
+        while True:
+            ev = await self.until({"world.frame", "world.step.done"}, seen)
+            if ev["type"] == "world.step.done":
+                return frames
+            frames.append(decode_frame(ev))
 
     async def close(self) -> None:
         await self.ws.close()

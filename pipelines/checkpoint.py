@@ -52,3 +52,12 @@ def check_architecture(model_dir: str, what: str, accepted: str, ok: Any) -> lis
     if not any(ok(a) for a in arch):
         raise StageError(f"{what} {model_dir}: architecture {arch[0]} is not {accepted}")
     return arch
+
+
+def diffusers_class(model_dir: str) -> str:
+    """`_class_name` of a diffusers pipeline directory's model_index.json."""
+    index = config(model_dir, "model_index.json")
+    if not index:
+        raise StageError(f"{model_dir}: no model_index.json (a diffusers pipeline directory)")
+    return str(index.get("_class_name"))
+

@@ -47,7 +47,7 @@ class ImageProcessor(StageProcessor):
     @classmethod
     def check_model(cls, model_dir: str) -> None:
         from omni_rt.engines.diffusion_families import FAMILIES
-        from pipelines.video import diffusers_class
+        from pipelines.checkpoint import diffusers_class
 
         name = diffusers_class(model_dir)
         family = FAMILIES.get(name)

@@ -480,6 +480,25 @@ def _fill_forcing(out: Path) -> None:
     _fill_wan(out, transformer="SkyReelsV2Transformer3DModel", pipeline="SkyReelsV2DiffusionForcingPipeline", seed=SEED + 9, shift=8.0)
 
 
+ACTION_CONFIG = {"action_dim": 4, "tokens": 4, "text_dim": 32}
+
+
+def _fill_world_forcing(out: Path) -> None:
+    """The world model on a diffusion-forcing backbone: the tiny SkyReels-V2 DF
+    directory plus an action module (`action.json`, `action_encoder.safetensors`: 4
+    action dims -> 4 tokens in the text encoder's 32-wide space)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipelines.world import ActionEncoder
+
+    _fill_wan(out, transformer="SkyReelsV2Transformer3DModel", pipeline="SkyReelsV2DiffusionForcingPipeline", seed=SEED + 10, shift=8.0)
+    torch.manual_seed(SEED + 11)
+    enc = ActionEncoder(ACTION_CONFIG).eval()
+    (out / "action.json").write_text(json.dumps(ACTION_CONFIG, indent=2) + "\n")
+    save_file({k: v.detach().contiguous() for k, v in enc.state_dict().items()}, str(out / "action_encoder.safetensors"))
+
+
 def _fill_wan(out: Path, transformer: str = "WanTransformer3DModel", pipeline: str = "WanPipeline", seed: int = SEED + 7, shift: float = 3.0) -> None:
     """A WanPipeline directory (Wan 2.1 text-to-video layout; loads with
     `WanPipeline.from_pretrained`): a UMT5 encoder (1 layer, width 32) with a character
@@ -577,6 +596,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "video": (VIDEO_DIRNAME, _fill_wan),
     "ltx": ("tiny-ltx", _fill_ltx),
     "forcing": ("tiny-skyreels-df", _fill_forcing),
+    "world_forcing": ("tiny-skyreels-world", _fill_world_forcing),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
     "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
 }

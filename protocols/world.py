@@ -4,11 +4,13 @@ style of the realtime API).
 Client events (each may carry an `event_id`, echoed on errors):
 - `session.update {session: {prompt, width, height, steps, seed, image_format}}` —
   any subset; a new size starts the history over. → `session.updated`.
-- `world.step {action: [numbers]}` — denoise the next frame conditioned on the
+- `world.step {action: [numbers]}` — denoise the next frames conditioned on the
   session's latent history and the action. → `world.step.started {step_id,
-  frame_index}`, `world.step.progress {step_id, step, steps}`…, `world.frame {step_id,
-  frame_index, format, width, height, image: base64}`, `world.step.done {step_id,
-  frame_index}`. A step sent while one runs supersedes it.
+  frame_index}`, `world.step.progress {step_id, step, steps}`…, then per frame
+  `world.frame {step_id, frame_index, format, width, height, image: base64}` (the
+  model's `frames_per_step`: 4 on diffusion forcing, the rollout's first step 1), and
+  `world.step.done {step_id, frame_index: the last}`. A step sent while one runs
+  supersedes it.
 - `world.cancel` — stop the running step. → `world.step.cancelled {step_id, reason}`.
   Cancelled or superseded steps are fenced: none of their frames or progress arrive
   after the `world.step.cancelled`, and the history does not take their frame.
@@ -99,6 +101,7 @@ class WorldConnection(JsonEvents):
             "id": self.session.id, "object": "world.session", "prompt": st["prompt"], "width": st["width"], "height": st["height"],
             "steps": st["steps"], "seed": st["seed"], "image_format": st["image_format"], "frame_index": st["frame_index"],
             "action_dim": self.model["action_dim"], "history_frames": self.model["history_frames"],
+            "frames_per_step": int(self.model.get("frames_per_step", 1)),
         }
 
     def emit(self, type: str, fence: Fence | None = None, **data: Any) -> None:
@@ -200,7 +203,7 @@ class WorldConnection(JsonEvents):
     async def _run(self, stream: Any, step_id: str, fence: Fence) -> None:
         try:
             async with stream:
-                async for _stage, p, _last in stream.payloads():
+                async for _stage, p, last in stream.payloads():
                     if "progress" in p.meta:
                         self.emit("world.step.progress", fence, step_id=step_id, step=p.meta["progress"], steps=p.meta["total"])
                         continue
@@ -218,7 +221,8 @@ class WorldConnection(JsonEvents):
                     # committed: sent even if a cancel follows (it was fenced just above)
                     self.emit("world.frame", step_id=step_id, frame_index=frame, format=st["image_format"], width=w, height=h,
                               image=base64.b64encode(data).decode())
-                    self.emit("world.step.done", step_id=step_id, frame_index=frame)
+                    if last:  # a step may render several frames (the model's frames_per_step)
+                        self.emit("world.step.done", step_id=step_id, frame_index=frame)
         except RequestAborted:
             pass
         except Exception as exc:  # noqa: BLE001 - this session only; it hears why

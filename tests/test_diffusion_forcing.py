@@ -86,7 +86,7 @@ class _Ctx:
 async def test_the_live_processor_conditions_each_chunk_on_the_frames_shown(engine, monkeypatch):
     from omni_rt.specs import load_pipeline
     from pipelines import PIPELINE_DIR
-    from pipelines.video import ForcingProcessor
+    from pipelines.forcing import ForcingProcessor
 
     spec = load_pipeline(PIPELINE_DIR / "video_edit.yaml").profiles["default"].stages[0]
     proc = ForcingProcessor(spec, engine, {})
@@ -119,7 +119,45 @@ async def test_the_live_processor_conditions_each_chunk_on_the_frames_shown(engi
 
 async def test_the_live_processor_refuses_a_directory_that_is_not_diffusion_forcing(models_dir):
     from omni_rt.errors import StageError
-    from pipelines.video import ForcingProcessor
+    from pipelines.forcing import ForcingProcessor
 
     with pytest.raises(StageError, match="names WanPipeline, not a diffusion-forcing pipeline"):
         ForcingProcessor.check_model(str(models_dir / "tiny-wan"))
+
+
+async def test_the_world_model_steps_on_the_forcing_backbone_with_its_action_module(models_dir):
+    from omni_rt.errors import StageError
+    from omni_rt.specs import load_pipeline
+    from pipelines import PIPELINE_DIR
+    from pipelines.world import ForcingWorldProcessor
+
+    d = models_dir / "tiny-skyreels-world"
+    spec = load_pipeline(PIPELINE_DIR / "world.yaml").profiles["default"].stages[0].model_copy(update={"model": str(d)})
+    ForcingWorldProcessor.check_model(str(d))
+    with pytest.raises(StageError, match="no action.json"):
+        ForcingWorldProcessor.check_model(str(models_dir / "tiny-skyreels-df"))
+    eng = DiffusersEngine(str(d), name="world", max_sequence_length=32)
+    await eng.start()
+    try:
+        proc = ForcingWorldProcessor(spec, eng, {})
+        desc = proc.describe()
+        assert desc["action_dim"] == 4 and desc["frames_per_step"] == 4 and desc["history_frames"] == 8
+        base = {"prompt": "a forest path", "width": 64, "height": 64, "steps": 3, "seed": 2}
+        first = _Ctx({**base, "frame_index": 0, "history": [], "action": [1.0, 0.0, 0.0, 0.0]})
+        await proc.run(first)  # type: ignore[arg-type]
+        assert [f for f, _, _ in first.frames] == [0]  # the rollout's first frame
+        history = [lat for _, _, lat in first.frames]
+        outs = []
+        for action in ([0.0, 1.0, 0.0, 0.0], [0.0, -1.0, 3.0, 0.0], [0.0, 1.0, 0.0, 0.0]):
+            ctx = _Ctx({**base, "frame_index": 1, "history": history, "action": action})
+            await proc.run(ctx)  # type: ignore[arg-type]
+            assert [f for f, _, _ in ctx.frames] == [1, 2, 3, 4]
+            # the step's latents: the history's frame first (the prefix), then the new one
+            assert all(np.array_equal(lat, ctx.frames[0][2]) for _, _, lat in ctx.frames)
+            outs.append(np.stack([img for _, img, _ in ctx.frames]))
+        assert _diff(outs[0], outs[2]) == 0  # reproducible from seed, history and action
+        assert _diff(outs[0], outs[1]) > 0  # the action enters the backbone
+        with pytest.raises(StageError, match="action must be 4"):
+            await proc.run(_Ctx({**base, "frame_index": 0, "history": [], "action": [1.0]}))  # type: ignore[arg-type]
+    finally:
+        await eng.stop()

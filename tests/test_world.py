@@ -67,7 +67,8 @@ async def test_a_resumed_session_continues_from_its_buffer(server):
     drop(w.ws)  # dropped (no close frame): the session is detached, its buffer kept
     w2 = await WorldClient.connect(url(server), ADMIN_KEY, session_id=sid, resume_token=token)
     async with w2:
-        assert w2.first["type"] == "session.resumed" and w2.session["frame_index"] == 2
+        # the rollout's first step renders 1 frame, every later one frames_per_step (4 on diffusion forcing)
+        assert w2.first["type"] == "session.resumed" and w2.session["frame_index"] == 1 + w2.session["frames_per_step"] == 5
         third = await w2.step(ACTIONS_A[2])
     assert all(close(x, y) for x, y in zip(straight, first + [third], strict=True))
 

@@ -269,7 +269,8 @@ class ForcingFamily(WanFamily):
     scheduler copy per latent frame, as the pipeline keeps them). A job without a
     prefix makes `4k+1` frames (the start of a video); with one, `4k` new frames, and
     decoding returns only those. Its `latents` (all of the chunk's, prefix first) are
-    what the next chunk takes its prefix from."""
+    what the next chunk takes its prefix from. `context` tokens `[T, text_dim]` (a
+    world model's action) join the text tokens."""
 
     def check(self, job: DiffusionJob) -> None:
         Family.check(self, job)
@@ -294,10 +295,16 @@ class ForcingFamily(WanFamily):
 
     def key(self, job: DiffusionJob) -> tuple[Any, ...]:
         start, end = job.state["intervals"][job.step] if "intervals" in job.state else (0, 0)
-        return (*Family.key(self, job), end - start, 0 if job.fps == 16 else 1)
+        extra = 0 if job.context is None else int(job.context.shape[0])
+        return (*Family.key(self, job), end - start, 0 if job.fps == 16 else 1, extra)
 
     def prepare(self, job: DiffusionJob) -> None:
         pipe = self.pipe
+        if job.context is not None:  # extra conditioning tokens (a world model's action) beside the text's
+            assert job.cond is not None
+            job.cond = (torch.cat([job.cond[0], job.context.to(job.cond[0])], dim=0),)
+            if job.uncond is not None:
+                job.uncond = (torch.cat([job.uncond[0], job.context.to(job.uncond[0])], dim=0),)
         p = self.prefix_frames(job)
         frames = p + self.new_latent_frames(job)
         s = int(pipe.vae_scale_factor_spatial)

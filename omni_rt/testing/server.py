@@ -62,10 +62,12 @@ FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] 
     "pipelines.robot:PolicyProcessor": (
         "omni_rt.testing.stages:FakePolicy", {"main": lambda n, sp: FakeStepEngine(_velocity, n, sp.step_s)}),
     "pipelines.image:ImageProcessor": (None, {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
+    "pipelines.world:ForcingWorldProcessor": (
+        "omni_rt.testing.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.world:WorldProcessor": (
         "omni_rt.testing.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:ClipProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
-    "pipelines.video:ForcingProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
+    "pipelines.forcing:ForcingProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:VideoProcessor": (
         "omni_rt.testing.stages:FakeVideo", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
 }
