@@ -74,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--repeat", type=int, default=5, help="timed clips per mode, after one warm-up each (default 5)")
     sc.add_argument("--json", help="write results here (JSON)")
 
+    ds = sub.add_parser("diffusion-steps", help="the diffusers step engine's step and decode time by rows and size, in process")
+    ds.add_argument("--model", help="a diffusers pipeline directory (default: the tiny Flux image model, built if missing)")
+    ds.add_argument("--sizes", default="64,128,256", help="square frame sides (default 64,128,256)")
+    ds.add_argument("--rows", default="1,2,4", help="rows per step (default 1,2,4)")
+    ds.add_argument("--repeat", type=int, default=15, help="timed steps per point (default 15)")
+    ds.add_argument("--json", help="write results here (JSON)")
+
     k = sub.add_parser("connectors", help="connector put+get vs memcpy throughput")
     k.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated sizes (default {DEFAULT_SIZES})")
     k.add_argument("--repeat", type=int, default=10, help="timed rounds per size; medians are reported (default 10)")
@@ -213,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
             "fuzz": "fuzz", "transcriptions": "transcriptions",
-            "step-cache": "step_cache"}
+            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,3 +83,4 @@ def main_step_cache(args: Any) -> int:
           f"difference max {d['max_abs']} mean {d['mean_abs']:.2f} levels, {100 * d['over_8_levels']:.1f}% of pixels > 8")
     finish(args.json, result)
     return 0
+

@@ -268,7 +268,8 @@ class ForcingFamily(WanFamily):
     latent frames, which the pipeline's own `generate_timestep_matrix` schedules (one
     scheduler copy per latent frame, as the pipeline keeps them). A job without a
     prefix makes `4k+1` frames (the start of a video); with one, `4k` new frames, and
-    decoding returns only those. Its `latents` (all of the chunk's, prefix first) are
+    decoding returns only those (decoded after the prefix's last `decode_context`
+    latent frames rather than the whole prefix). Its `latents` (all of the chunk's, prefix first) are
     what the next chunk takes its prefix from. `context` tokens `[T, text_dim]` (a
     world model's action) join the text tokens."""
 
@@ -363,9 +364,22 @@ class ForcingFamily(WanFamily):
                         lat[:, idx] = j.state["schedulers"][idx].step(vi[:, idx - s][None], t[idx], lat[:, idx][None], return_dict=False)[0][0]
             j.step += 1
 
+    # latent frames of the prefix decoded with a chunk (the VAE decodes causally in time:
+    # the new frames are decoded after this much of what came before them)
+    decode_context = 1
+
     def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
-        clips = super().decode(jobs)
-        # a chunk after the first: its prefix decodes to frames the video has shown already
+        full: dict[int, torch.Tensor] = {}
+        for j in jobs:  # a chunk after the first: its prefix decodes to frames already shown
+            if j.prefix is not None and j.latents is not None:
+                full[id(j)] = j.latents
+                j.latents = j.latents[:, max(0, self.prefix_frames(j) - self.decode_context) :]
+        try:
+            clips = super().decode(jobs)
+        finally:
+            for j in jobs:
+                if id(j) in full:
+                    j.latents = full[id(j)]
         return [c[-j.frames :] if j.prefix is not None else c for j, c in zip(jobs, clips, strict=True)]
 
 
