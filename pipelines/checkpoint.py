@@ -61,3 +61,15 @@ def diffusers_class(model_dir: str) -> str:
         raise StageError(f"{model_dir}: no model_index.json (a diffusers pipeline directory)")
     return str(index.get("_class_name"))
 
+
+def check_diffusers_family(model_dir: str, video: bool) -> str:
+    """The class a diffusers directory's model_index.json names, refused unless the
+    step engine runs it as a video (or, `video` False, an image) family."""
+    from omni_rt.engines.diffusion_families import FAMILIES
+
+    name = diffusers_class(model_dir)
+    family = FAMILIES.get(name)
+    if family is None or family.video != video:
+        fits = sorted(k for k, f in FAMILIES.items() if f.video == video)
+        raise StageError(f"{model_dir}: model_index.json names {name}, not {'a video' if video else 'an image'} pipeline this server runs ({', '.join(fits)})")
+    return name

@@ -16,7 +16,7 @@ from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.errors import StageError
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageProcessor
+from omni_rt.stage import StageContext, StageProcessor, check_processor_args
 from pipelines.checkpoint import diffusers_class
 
 
@@ -38,9 +38,7 @@ class ForcingProcessor(StageProcessor):
         super().__init__(spec, engine, aux)
         self.dit = self.engine_as(DiffusionEngine)
         args = dict(spec.processor_args)
-        bad = set(args) - self.ARGS
-        if bad:
-            raise ValueError(f"unknown forcing processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
+        check_processor_args(args, self.ARGS, "forcing")
         self.default_size = int(args.get("default_size", 64))
         self.default_steps = int(args.get("default_steps", 6))
         self.max_steps = int(args.get("max_steps", 50))

@@ -19,10 +19,10 @@ from typing import Any
 
 from omni_rt.engines.base import DiffusionEngine, Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
-from omni_rt.errors import StageError
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageProcessor
+from pipelines.checkpoint import check_diffusers_family
 
 
 class ImageProcessor(StageProcessor):
@@ -46,14 +46,7 @@ class ImageProcessor(StageProcessor):
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
-        from omni_rt.engines.diffusion_families import FAMILIES
-        from pipelines.checkpoint import diffusers_class
-
-        name = diffusers_class(model_dir)
-        family = FAMILIES.get(name)
-        if family is None or family.video:
-            images = sorted(k for k, f in FAMILIES.items() if not f.video)
-            raise StageError(f"{model_dir}: model_index.json names {name}, not an image pipeline this server runs ({', '.join(images)})")
+        check_diffusers_family(model_dir, video=False)
 
     def limits(self) -> dict[str, Any]:
         """What the HTTP adapter validates requests against."""

@@ -26,8 +26,8 @@ from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.errors import StageError
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageProcessor
-from pipelines.checkpoint import diffusers_class
+from omni_rt.stage import StageContext, StageProcessor, check_processor_args
+from pipelines.checkpoint import check_diffusers_family
 from pipelines.world import WorldProcessor
 
 
@@ -59,9 +59,7 @@ class ClipProcessor(StageProcessor):
         super().__init__(spec, engine, aux)
         self.dit = self.engine_as(DiffusionEngine)
         args = dict(spec.processor_args)
-        bad = set(args) - self.ARGS
-        if bad:
-            raise ValueError(f"unknown video processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
+        check_processor_args(args, self.ARGS, "video")
         self.default_size = int(args.get("default_size", 128))
         self.default_steps = int(args.get("default_steps", 8))
         self.max_steps = int(args.get("max_steps", 50))
@@ -73,13 +71,7 @@ class ClipProcessor(StageProcessor):
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
-        from omni_rt.engines.diffusion_families import FAMILIES
-
-        name = diffusers_class(model_dir)
-        family = FAMILIES.get(name)
-        if family is None or not family.video:
-            video = sorted(k for k, f in FAMILIES.items() if f.video)
-            raise StageError(f"{model_dir}: model_index.json names {name}, not a video pipeline this server runs ({', '.join(video)})")
+        check_diffusers_family(model_dir, video=True)
 
     def describe(self) -> dict[str, Any]:
         return {

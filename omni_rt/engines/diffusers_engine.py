@@ -212,7 +212,7 @@ class DiffusersEngine(Engine):
     @property
     def frame_multiple(self) -> int:
         """Clips are `frame_multiple`·k + 1 frames long (1 for image families)."""
-        return int(getattr(self.family, "frame_multiple", 1))
+        return self.family.frame_multiple if self.family is not None else 1
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, job: DiffusionJob) -> AsyncIterator[dict[str, Any]]:

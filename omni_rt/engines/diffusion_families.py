@@ -51,13 +51,26 @@ class Family:
     def size_multiple(self) -> int:
         raise NotImplementedError
 
+    @property
+    def frame_multiple(self) -> int:
+        """A video family's clips are frame_multiple·k + 1 frames."""
+        return 1
+
     def check(self, job: DiffusionJob) -> None:
         """Refuse (EngineRequestError) what this family cannot produce."""
         m = self.size_multiple
         if job.height % m or job.width % m or job.height < m or job.width < m:
             raise EngineRequestError(f"height and width must be positive multiples of {m}, got {job.width}x{job.height}")
-        if job.frames != 1 and not self.video:
-            raise EngineRequestError(f"{type(self.pipe).__name__} makes single images, not {job.frames} frames")
+        self.check_frames(job)
+
+    def check_frames(self, job: DiffusionJob) -> None:
+        if not self.video:
+            if job.frames != 1:
+                raise EngineRequestError(f"{type(self.pipe).__name__} makes single images, not {job.frames} frames")
+            return
+        t = self.frame_multiple
+        if job.frames < 1 or (job.frames - 1) % t:
+            raise EngineRequestError(f"this model makes {t}k+1 frames (1, {t + 1}, {2 * t + 1}, …), got {job.frames}")
 
     def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
         raise NotImplementedError
@@ -204,12 +217,6 @@ class WanFamily(Family):
     def size_multiple(self) -> int:
         return int(self.pipe.vae_scale_factor_spatial) * int(self.pipe.transformer.config.patch_size[1])
 
-    def check(self, job: DiffusionJob) -> None:
-        super().check(job)
-        t = self.frame_multiple
-        if job.frames < 1 or (job.frames - 1) % t:
-            raise EngineRequestError(f"this model makes {t}k+1 frames (1, {t + 1}, {2 * t + 1}, …), got {job.frames}")
-
     def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
         with torch.inference_mode():
             embeds, _neg = self.pipe.encode_prompt(
@@ -273,8 +280,7 @@ class ForcingFamily(WanFamily):
     what the next chunk takes its prefix from. `context` tokens `[T, text_dim]` (a
     world model's action) join the text tokens."""
 
-    def check(self, job: DiffusionJob) -> None:
-        Family.check(self, job)
+    def check_frames(self, job: DiffusionJob) -> None:
         t = self.frame_multiple
         if job.prefix is None:
             if job.frames < 1 or (job.frames - 1) % t:
@@ -397,12 +403,6 @@ class LtxFamily(Family):
     @property
     def size_multiple(self) -> int:
         return int(self.pipe.vae_spatial_compression_ratio) * int(self.pipe.transformer_spatial_patch_size)
-
-    def check(self, job: DiffusionJob) -> None:
-        super().check(job)
-        t = self.frame_multiple
-        if job.frames < 1 or (job.frames - 1) % t:
-            raise EngineRequestError(f"this model makes {t}k+1 frames (1, {t + 1}, {2 * t + 1}, …), got {job.frames}")
 
     def latent_shape(self, job: DiffusionJob) -> tuple[int, int, int]:
         pipe = self.pipe
