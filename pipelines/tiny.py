@@ -31,7 +31,7 @@ TALKER_DIRNAME = "tiny-orpheus-talker"
 CODE2WAV_DIRNAME = "tiny-snac-24khz"
 MARKER = ".complete"
 # Bump when what the builders write changes, so stale caches get rebuilt.
-BUILD_VERSION = 8
+BUILD_VERSION = 9
 
 # --- talker sizes ---------------------------------------------------------------
 TEXT_VOCAB_SIZE = 1024  # byte alphabet (256) + up to 768 BPE merges
@@ -495,6 +495,9 @@ def _fill_world_forcing(out: Path) -> None:
     _fill_wan(out, transformer="SkyReelsV2Transformer3DModel", pipeline="SkyReelsV2DiffusionForcingPipeline", seed=SEED + 10, shift=8.0)
     torch.manual_seed(SEED + 11)
     enc = ActionEncoder(ACTION_CONFIG).eval()
+    with torch.no_grad():  # default-initialised action tokens barely move a random rollout (~1 level): scaled so they do
+        enc.proj[2].weight.mul_(10.0)
+        enc.proj[2].bias.mul_(10.0)
     (out / "action.json").write_text(json.dumps(ACTION_CONFIG, indent=2) + "\n")
     save_file({k: v.detach().contiguous() for k, v in enc.state_dict().items()}, str(out / "action_encoder.safetensors"))
 
