@@ -55,6 +55,11 @@ class ForcingProcessor(StageProcessor):
         if name != "SkyReelsV2DiffusionForcingPipeline":
             raise StageError(f"{model_dir}: model_index.json names {name}, not a diffusion-forcing pipeline (SkyReelsV2DiffusionForcingPipeline)")
 
+    def prompt_tokens(self, prompt: str) -> int:
+        """The prompt's length in the text encoder's tokens (the wires refuse prompts
+        over `max_prompt_tokens`)."""
+        return int(self.dit.prompt_tokens(prompt))
+
     @property
     def frame_multiple(self) -> int:
         return int(getattr(self.dit, "frame_multiple", 1))
@@ -66,6 +71,7 @@ class ForcingProcessor(StageProcessor):
             "max_steps": self.max_steps,
             "size_multiple": self.dit.size_multiple,
             "frame_multiple": self.frame_multiple,
+            "max_prompt_tokens": getattr(self.dit, "max_sequence_length", None),
             # frames whose latents the session keeps: enough to hold the prefix
             "history_frames": self.history_latent_frames * self.frame_multiple,
         }

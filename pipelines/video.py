@@ -80,8 +80,14 @@ class ClipProcessor(StageProcessor):
             "max_steps": self.max_steps,
             "max_frames": self.max_frames,
             "frame_multiple": self.frame_multiple,
+            "max_prompt_tokens": getattr(self.dit, "max_sequence_length", None),
             "size_multiple": self.dit.size_multiple,
         }
+
+    def prompt_tokens(self, prompt: str) -> int:
+        """The prompt's length in the text encoder's tokens (the wires refuse prompts
+        over `max_prompt_tokens`)."""
+        return int(self.dit.prompt_tokens(prompt))
 
     @property
     def frame_multiple(self) -> int:

@@ -4,6 +4,7 @@ socket): client events are JSON objects with a string `type`; errors go back as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omni_rt.errors import ClientError, OmniError
@@ -16,6 +17,17 @@ class EventError(ClientError):
 
     def __init__(self, message: str, code: str = "invalid_value", param: str | None = None) -> None:
         super().__init__(message, code=code, param=param)
+
+
+def prompt_token_error(count: Callable[[str], int] | None, limit: int | None, prompt: str) -> str | None:
+    """Why `prompt` is refused (longer than the model's text encoder reads), or None.
+    `count` is the stage's `prompt_tokens` (None where the stage does not say)."""
+    if count is None or not limit or not prompt:
+        return None
+    n = count(prompt)
+    if n <= limit:
+        return None
+    return f"The prompt is {n} text tokens; this model reads at most {limit} (its max_sequence_length). Shorten the prompt."
 
 
 class JsonEvents:

@@ -33,6 +33,7 @@ import base64
 import io
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -44,7 +45,7 @@ from omni_rt.payloads import Fence
 from protocols.auth import principal_of
 from protocols.errors import to_omni
 from protocols.events import EventError as WorldError
-from protocols.events import JsonEvents
+from protocols.events import JsonEvents, prompt_token_error
 from protocols.registry import Mount
 from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import Session, SessionError, SessionManager
@@ -70,10 +71,11 @@ class WorldModel(Protocol):
 
 
 class WorldConnection(JsonEvents):
-    def __init__(self, session: Session, sessions: SessionManager, model: dict[str, Any]) -> None:
+    def __init__(self, session: Session, sessions: SessionManager, model: dict[str, Any], count: Callable[[str], int] | None = None) -> None:
         self.session = session
         self.sessions = sessions
         self.model = model
+        self.count = count  # the stage's prompt_tokens, where it has one
         if "world" not in session.data:
             size = int(model["default_size"])
             session.data["world"] = {
@@ -101,7 +103,7 @@ class WorldConnection(JsonEvents):
             "id": self.session.id, "object": "world.session", "prompt": st["prompt"], "width": st["width"], "height": st["height"],
             "steps": st["steps"], "seed": st["seed"], "image_format": st["image_format"], "frame_index": st["frame_index"],
             "action_dim": self.model["action_dim"], "history_frames": self.model["history_frames"],
-            "frames_per_step": int(self.model.get("frames_per_step", 1)),
+            "frames_per_step": int(self.model.get("frames_per_step", 1)), "max_prompt_tokens": self.model.get("max_prompt_tokens"),
         }
 
     def emit(self, type: str, fence: Fence | None = None, **data: Any) -> None:
@@ -150,6 +152,9 @@ class WorldConnection(JsonEvents):
         if "prompt" in body:
             if not isinstance(body["prompt"], str) or len(body["prompt"]) > 4000:
                 raise WorldError("'session.prompt' must be a string of at most 4000 characters.", param="session.prompt")
+            too_long = prompt_token_error(self.count, m.get("max_prompt_tokens"), body["prompt"])
+            if too_long:
+                raise WorldError(too_long, param="session.prompt")
             st["prompt"] = body["prompt"]
         for side in ("width", "height"):
             if side in body:
@@ -268,7 +273,7 @@ def mount(m: Mount) -> None:
                 resumed = False
         except SessionError as exc:
             return await reject(request, exc)
-        conn = WorldConnection(session, sessions, model.describe())
+        conn = WorldConnection(session, sessions, model.describe(), getattr(model, "prompt_tokens", None))
         attachment = session.attachment  # a resume elsewhere takes the session over
         try:
             sock = await accept(request)

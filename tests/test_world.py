@@ -73,3 +73,13 @@ async def test_a_resumed_session_continues_from_its_buffer(server):
     assert all(close(x, y) for x, y in zip(straight, first + [third], strict=True))
 
 
+
+
+async def test_a_prompt_longer_than_the_text_encoder_reads_is_refused(server):
+    w = await WorldClient.connect(url(server), ADMIN_KEY)
+    async with w:
+        limit = w.session.get("max_prompt_tokens") or 128  # the tiny tokenizer: a character a token
+        await w.send("session.update", session={"prompt": "x" * (2 * limit)})
+        err = await w.until("error", timeout=30)
+        assert err["error"]["param"] == "session.prompt" and f"at most {limit}" in err["error"]["message"]
+        assert (await w.update(prompt="a forest path"))["session"]["prompt"] == "a forest path"  # the session goes on

@@ -204,6 +204,14 @@ class DiffusersEngine(Engine):
         # before the pipeline is loaded, Flux's and Wan's (8x VAE, 2x2 patches)
         return self.family.size_multiple if self.family is not None else 16
 
+    def prompt_tokens(self, prompt: str) -> int:
+        """How many text tokens `prompt` is for the text encoder whose length the engine
+        caps at `max_sequence_length` (longer prompts are truncated, as the pipelines do)."""
+        if self.pipe is None:
+            raise EngineError(f"engine {self.name} is not running")
+        tok = getattr(self.pipe, "tokenizer_2", None) or self.pipe.tokenizer  # Flux: T5 is the second
+        return len(tok(prompt, add_special_tokens=True).input_ids)
+
     @property
     def video(self) -> bool:
         """The pipeline makes clips (`frames` per job) rather than single images."""

@@ -121,6 +121,7 @@ class FakeDiffusionEngine(Engine):
     with its `latents` ([tokens, 4] float32); leaving the iteration cancels it."""
 
     size_multiple = 16
+    max_sequence_length = 32
 
     def __init__(self, name: str = "fake-dit", step_s: float = 0.0) -> None:
         self.name = name
@@ -130,6 +131,10 @@ class FakeDiffusionEngine(Engine):
 
     def load(self) -> int:
         return self.active
+
+    @staticmethod
+    def prompt_tokens(prompt: str) -> int:
+        return len(prompt.split())  # a word a token
 
     async def generate(self, job: Any) -> AsyncIterator[dict[str, Any]]:
         self.require_alive()

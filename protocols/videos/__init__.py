@@ -46,7 +46,7 @@ from sessions import SessionError
 def mount(m: Mount) -> None:
     """OpenAI's Videos API: `/v1/videos` jobs on this pipeline."""
     sessions, pipeline, model = m.sessions, m.pipeline, m.processor(VideoModel)
-    jobs = VideoJobs(sessions, pipeline, model.describe)
+    jobs = VideoJobs(sessions, pipeline, model.describe, getattr(model, "prompt_tokens", None))
 
     async def create(request: web.Request) -> web.StreamResponse:
         ctype = request.content_type
@@ -104,7 +104,7 @@ def mount_live(m: Mount) -> None:
             session = await sessions.open("video", pipeline.name, principal=principal_of(request).name)
         except SessionError as exc:
             return await reject(request, exc)
-        conn = VideoConnection(session, model.describe())
+        conn = VideoConnection(session, model.describe(), getattr(model, "prompt_tokens", None))
         try:
             sock = await accept(request)
         except BaseException:

@@ -18,6 +18,7 @@ import numpy as np
 
 from omni_rt.errors import ClientError, NotFound, OmniError
 from omni_rt.specs import PipelineSpec
+from protocols.events import prompt_token_error
 from sessions import Session, SessionManager
 
 log = logging.getLogger("protocols.videos")
@@ -100,10 +101,12 @@ class VideoJob:
 
 
 class VideoJobs:
-    def __init__(self, sessions: SessionManager, pipeline: PipelineSpec, describe: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, sessions: SessionManager, pipeline: PipelineSpec, describe: Callable[[], dict[str, Any]],
+                 count: Callable[[str], int] | None = None) -> None:
         self.sessions = sessions
         self.pipeline = pipeline
         self.describe = describe
+        self.count = count  # the stage's prompt_tokens, where it has one
         self.jobs: dict[str, VideoJob] = {}
 
     async def create(self, raw: dict[str, Any], principal: str) -> VideoJob:
@@ -120,6 +123,9 @@ class VideoJobs:
         if model not in self.pipeline.models:
             raise ClientError(f"The model '{model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         d = self.describe()
+        too_long = prompt_token_error(self.count, d.get("max_prompt_tokens"), prompt)
+        if too_long:
+            raise ClientError(too_long, param="prompt", code="invalid_value")
         width, height = _size(raw.get("size") or f"{d['default_size']}x{d['default_size']}", int(d["size_multiple"]))
         seconds = _int(raw.get("seconds", 4), "seconds", 1, MAX_SECONDS)
         fps = _int(raw.get("fps", 8), "fps", 1, 30)

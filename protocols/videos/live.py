@@ -9,6 +9,7 @@ import asyncio
 import base64
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from omni_rt.errors import RequestAborted
 from omni_rt.payloads import Fence
 from protocols.errors import to_omni
 from protocols.events import EventError as WorldError
-from protocols.events import JsonEvents
+from protocols.events import JsonEvents, prompt_token_error
 from protocols.videos.jobs import MAX_SIDE
 from protocols.world import FORMATS, encode_frame
 from sessions import Session, SessionError
@@ -26,9 +27,10 @@ log = logging.getLogger("protocols.videos")
 
 
 class VideoConnection(JsonEvents):
-    def __init__(self, session: Session, model: dict[str, Any]) -> None:
+    def __init__(self, session: Session, model: dict[str, Any], count: Callable[[str], int] | None = None) -> None:
         self.session = session
         self.model = model
+        self.count = count  # the stage's prompt_tokens, where it has one
         size = int(model["default_size"])
         self.cfg: dict[str, Any] = {"prompt": "", "width": size, "height": size, "steps": int(model["default_steps"]),
                                     "seed": secrets.randbelow(2**31), "chunk_frames": 4, "image_format": "jpeg"}
@@ -72,6 +74,11 @@ class VideoConnection(JsonEvents):
         except SessionError as exc:  # the session is ending; it says so itself
             log.info("video session %s: %s", self.session.id, exc)
 
+    def check_tokens(self, prompt: str, param: str) -> None:
+        too_long = prompt_token_error(self.count, self.model.get("max_prompt_tokens"), prompt)
+        if too_long:
+            raise WorldError(too_long, param=param)
+
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
 
@@ -90,6 +97,7 @@ class VideoConnection(JsonEvents):
             if k == "prompt":
                 if not isinstance(v, str) or len(v) > 4000:
                     raise WorldError("'session.prompt' must be a string of at most 4000 characters.", param="session.prompt")
+                self.check_tokens(v, "session.prompt")
             elif k == "image_format":
                 if not isinstance(v, str) or v not in FORMATS:
                     raise WorldError(f"'session.image_format' must be one of {', '.join(FORMATS)}.", param="session.image_format")
@@ -153,6 +161,7 @@ class VideoConnection(JsonEvents):
     async def prompt_update(self, prompt: Any) -> None:
         if not isinstance(prompt, str) or len(prompt) > 4000:
             raise WorldError("'prompt' must be a string of at most 4000 characters.", param="prompt")
+        self.check_tokens(prompt, "prompt")
         self.cfg["prompt"] = prompt
         self.version += 1
         if self.running() and self.session.is_open:

@@ -366,3 +366,19 @@ async def test_the_call_track_plays_in_order_drops_stale_audio_and_reports_what_
     assert not out.track._take().any()
     assert out.clear() == {}  # nothing was playing
     await m.stop()
+
+
+async def test_prompts_longer_than_the_text_encoder_reads_are_refused_in_each_wires_shape(h):
+    long = " ".join(["word"] * 40)  # the fake engines' text encoder reads 32 tokens, a word a token
+    r = await h.client.post("/v1/videos", json={"prompt": long, "seconds": "1"})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "prompt" and "40 text tokens" in err["message"] and "at most 32" in err["message"]
+    ws = await connect(h, "/v1/realtime/video")
+    await ws.until("session.created")
+    await ws.send("session.update", session={"prompt": long})
+    assert (await ws.until("error"))["error"]["param"] == "session.prompt"
+    await ws.send("prompt_update", prompt=long)
+    assert (await ws.until("error"))["error"]["param"] == "prompt"
+    await ws.send("session.update", session={"prompt": "a short one"})  # the session goes on
+    assert (await ws.until("session.updated"))["session"]["prompt"] == "a short one"
+    await ws.ws.close()
