@@ -276,9 +276,9 @@ class ForcingFamily(WanFamily):
     scheduler copy per latent frame, as the pipeline keeps them). A job without a
     prefix makes `4k+1` frames (the start of a video); with one, `4k` new frames, and
     decoding returns only those (decoded after the prefix's last `decode_context`
-    latent frames rather than the whole prefix). Its `latents` (all of the chunk's, prefix first) are
-    what the next chunk takes its prefix from. `context` tokens `[T, text_dim]` (a
-    world model's action) join the text tokens."""
+    latent frames rather than the whole prefix). Its `latents` (all of the chunk's,
+    prefix first) are what the next chunk takes its prefix from. `context` tokens
+    `[T, text_dim]` (a world model's action) join the text tokens."""
 
     def check_frames(self, job: DiffusionJob) -> None:
         t = self.frame_multiple
@@ -321,15 +321,13 @@ class ForcingFamily(WanFamily):
         if job.prefix is not None:
             lat[:, :p] = job.prefix.to(lat)
         job.latents = lat.to(self.device)
-        sched = copy.deepcopy(pipe.scheduler)
-        sched.set_timesteps(job.steps, device=self.device)
         schedulers = []
         for _ in range(frames):
             f = copy.deepcopy(pipe.scheduler)
             f.set_timesteps(job.steps, device=self.device)
             schedulers.append(f)
         block = int(pipe.transformer.config.num_frame_per_block)
-        matrix, _index, update, intervals = pipe.generate_timestep_matrix(frames, sched.timesteps, frames, 0, p, block)
+        matrix, _index, update, intervals = pipe.generate_timestep_matrix(frames, schedulers[0].timesteps, frames, 0, p, block)
         job.state.update(schedulers=schedulers, matrix=matrix, update=update, intervals=intervals)
         job.steps = len(matrix)
 
