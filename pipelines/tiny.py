@@ -426,20 +426,13 @@ def _fill_flux(out: Path, seed: int) -> None:
     unigram tokenizer, both built here (no hub)."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
-    chars = sorted(ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
-    bos, eos = len(vocab), len(vocab) + 1
-    vocab.update({"<|startoftext|>": bos, "<|endoftext|>": eos})
-    CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77).save_pretrained(str(out / "tokenizer"))
+    clip_tok, clip = _clip_byte_tokenizer()
+    clip_tok.save_pretrained(str(out / "tokenizer"))
     t5_tok = _t5_character_tokenizer()
     t5_tok.save_pretrained(str(out / "tokenizer_2"))
-    clip = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                          max_position_embeddings=77, projection_dim=32, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
     CLIPTextModel(clip).save_pretrained(str(out / "text_encoder"))
     t5 = T5Config(vocab_size=len(t5_tok), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, relative_attention_num_buckets=8)
     T5EncoderModel(t5).save_pretrained(str(out / "text_encoder_2"))
@@ -461,6 +454,62 @@ def _fill_flux(out: Path, seed: int) -> None:
         "vae": ["diffusers", "AutoencoderKL"],
     }
     (out / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", **components}, indent=2) + "\n")
+
+
+def _clip_byte_tokenizer() -> tuple[Any, Any]:
+    """A CLIP tokenizer over the byte alphabet (no merges), made here, and a tiny CLIP
+    text config (1 layer, width 32, projection 32) that fits it."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTextConfig, CLIPTokenizer
+
+    chars = sorted(ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
+    bos, eos = len(vocab), len(vocab) + 1
+    vocab.update({"<|startoftext|>": bos, "<|endoftext|>": eos})
+    config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            max_position_embeddings=77, projection_dim=32, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77), config
+
+
+def _fill_sd3(out: Path) -> None:
+    """A StableDiffusion3Pipeline directory (loads with `from_pretrained`): two CLIP
+    encoders with projections and a T5 encoder (width 64) with tokenizers made here, an
+    SD3 transformer (1 layer, 4 heads x 8, 2x2 patches), a narrow 8x VAE with 16 latent
+    channels and SD3's shift and scale, and flow-matching Euler (shift 3)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(SEED + 12)
+    clip_tok, clip = _clip_byte_tokenizer()
+    for n in ("tokenizer", "tokenizer_2"):
+        clip_tok.save_pretrained(str(out / n))
+    for n in ("text_encoder", "text_encoder_2"):
+        CLIPTextModelWithProjection(clip).save_pretrained(str(out / n))
+    t5_tok = _t5_character_tokenizer()
+    t5_tok.save_pretrained(str(out / "tokenizer_3"))
+    T5EncoderModel(T5Config(vocab_size=len(t5_tok), d_model=64, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                            relative_attention_num_buckets=8)).save_pretrained(str(out / "text_encoder_3"))
+    SD3Transformer2DModel(sample_size=32, patch_size=2, in_channels=16, num_layers=1, attention_head_dim=8, num_attention_heads=4, joint_attention_dim=64,
+                          caption_projection_dim=32, pooled_projection_dim=64, out_channels=16, pos_embed_max_size=96).save_pretrained(str(out / "transformer"))
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                  block_out_channels=(4, 4, 8, 16), layers_per_block=0, latent_channels=16, norm_num_groups=4, sample_size=256,
+                  mid_block_add_attention=False, shift_factor=0.0609, scaling_factor=1.5305, use_quant_conv=False,
+                  use_post_quant_conv=False).save_pretrained(str(out / "vae"))
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(str(out / "scheduler"))
+    components = {
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "CLIPTextModelWithProjection"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+        "text_encoder_3": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "CLIPTokenizer"],
+        "tokenizer_2": ["transformers", "CLIPTokenizer"],
+        "tokenizer_3": ["transformers", "T5TokenizerFast"],
+        "transformer": ["diffusers", "SD3Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"],
+    }
+    (out / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline", **components}, indent=2) + "\n")
 
 
 def _t5_character_tokenizer() -> Any:
@@ -598,6 +647,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "world": (WORLD_DIRNAME, _fill_world),
     "video": (VIDEO_DIRNAME, _fill_wan),
     "ltx": ("tiny-ltx", _fill_ltx),
+    "sd3": ("tiny-sd3", _fill_sd3),
     "forcing": ("tiny-skyreels-df", _fill_forcing),
     "world_forcing": ("tiny-skyreels-world", _fill_world_forcing),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),

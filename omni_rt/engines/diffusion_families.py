@@ -14,8 +14,9 @@ its own pipeline's `__call__`, using that pipeline's components and helpers:
   `[frames, H, W, 3]` (video families).
 
 Families: `FluxPipeline` (images; flow-matching Euler on packed latents, optional true
-CFG, extra conditioning tokens for the world model) and `WanPipeline` (Wan 2.1-style
-text-to-video: UMT5 text, 3-D latents, the scheduler of the directory — UniPC with
+CFG, extra conditioning tokens for the world model), `StableDiffusion3Pipeline`
+(images: SD3's three text encoders, CFG with a negative prompt), `WanPipeline` (Wan
+2.1-style text-to-video: UMT5 text, 3-D latents, the scheduler of the directory — UniPC with
 flow sigmas in the published checkpoints — one scheduler copy per request because
 multistep schedulers keep state across steps), `LTXPipeline` (LTX-Video: packed
 video latents, flow-matching Euler, rope scaled by the job's frame rate) and
@@ -195,6 +196,70 @@ class FluxFamily(Family):
                 pixels = pipe.vae.decode(lat, return_dict=False)[0]
             arr = pipe.image_processor.postprocess(pixels, output_type="np")
             for i, a in zip(idx, arr, strict=True):
+                images[i] = (a * 255).round().astype(np.uint8)
+        return [images[i] for i in range(len(jobs))]
+
+
+class Sd3Family(Family):
+    """`StableDiffusion3Pipeline` (SD3 / SD3.5): two CLIP encoders and T5, unpacked
+    latents `[C, h, w]`, flow-matching Euler (a scheduler copy per job), CFG with a
+    negative prompt as the pipeline does it."""
+
+    @property
+    def size_multiple(self) -> int:
+        return int(self.pipe.vae_scale_factor) * int(self.pipe.transformer.config.patch_size)
+
+    def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+        with torch.inference_mode():
+            embeds, _neg, pooled, _neg_pooled = self.pipe.encode_prompt(
+                prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+            )
+        return [(embeds[i], pooled[i]) for i in range(len(prompts))]
+
+    def prepare(self, job: DiffusionJob) -> None:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        pipe = self.pipe
+        gen = torch.Generator(device="cpu").manual_seed(job.seed)
+        lat = pipe.prepare_latents(1, pipe.transformer.config.in_channels, job.height, job.width, torch.float32, torch.device("cpu"), gen)
+        job.latents = lat[0].to(self.device)
+        sched = copy.deepcopy(pipe.scheduler)  # it counts its steps
+        cfg = sched.config
+        kwargs = {}
+        if cfg.get("use_dynamic_shifting"):
+            p = int(pipe.transformer.config.patch_size)
+            seq = (job.latents.shape[1] // p) * (job.latents.shape[2] // p)
+            kwargs["mu"] = calculate_shift(seq, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+                                           cfg.get("max_shift", 1.16))
+        sched.set_timesteps(job.steps, device=self.device, **kwargs)
+        job.state["scheduler"] = sched
+        job.state["timesteps"] = list(sched.timesteps)
+
+    def step(self, batch: list[DiffusionJob]) -> None:
+        tf = self.pipe.transformer
+        rows = self.rows(batch)
+        latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
+        timestep = torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
+        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
+        pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
+        with torch.inference_mode():
+            v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0].float()
+        for j, vi in zip(batch, self.guided(batch, v), strict=True):
+            with torch.inference_mode():
+                j.latents = j.state["scheduler"].step(vi[None], j.state["timesteps"][j.step], j.latents[None], return_dict=False)[0][0]  # type: ignore[index]
+            j.step += 1
+
+    def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
+        pipe = self.pipe
+        vae = pipe.vae
+        images: dict[int, np.ndarray] = {}
+        for _size, idx in _groups(jobs, lambda j: (j.height, j.width)).items():
+            lat = torch.stack([jobs[i].latents for i in idx]).to(vae.dtype)
+            lat = lat / vae.config.scaling_factor + vae.config.shift_factor
+            with torch.inference_mode():
+                pixels = vae.decode(lat, return_dict=False)[0]
+            for i, a in zip(idx, pipe.image_processor.postprocess(pixels, output_type="np"), strict=True):
                 images[i] = (a * 255).round().astype(np.uint8)
         return [images[i] for i in range(len(jobs))]
 
@@ -478,6 +543,7 @@ def _groups(jobs: list[DiffusionJob], key: Any) -> dict[Any, list[int]]:
 
 FAMILIES: dict[str, type[Family]] = {
     "FluxPipeline": FluxFamily,
+    "StableDiffusion3Pipeline": Sd3Family,
     "WanPipeline": WanFamily,
     "LTXPipeline": LtxFamily,
     "SkyReelsV2DiffusionForcingPipeline": ForcingFamily,
