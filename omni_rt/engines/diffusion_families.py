@@ -108,6 +108,39 @@ class Family:
         """(job, unconditional) per row of one forward."""
         return [(j, False) for j in batch] + [(j, True) for j in batch if j.cfg]
 
+    @staticmethod
+    def text(rows: list[tuple[DiffusionJob, bool]], k: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Part `k` of each row's text conditioning (the negative prompt's for an
+        unconditional row), stacked; in `dtype` when given."""
+        out = torch.stack([(j.uncond if neg else j.cond)[k] for j, neg in rows])  # type: ignore[index]
+        return out if dtype is None else out.to(dtype)
+
+    def timesteps(self, rows: list[tuple[DiffusionJob, bool]]) -> torch.Tensor:
+        """Each row's job's timestep at its current step (from its own scheduler copy)."""
+        return torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
+
+    @staticmethod
+    def scheduler_steps(batch: list[DiffusionJob], preds: list[torch.Tensor]) -> None:
+        """Each job's own scheduler copy takes its step with its prediction."""
+        for j, v in zip(batch, preds, strict=True):
+            with torch.inference_mode():
+                j.latents = j.state["scheduler"].step(v[None], j.state["timesteps"][j.step], j.latents[None], return_dict=False)[0][0]  # type: ignore[index]
+            j.step += 1
+
+    @staticmethod
+    def shift(config: Any, seq_len: int, max_shift: float) -> float:
+        """The dynamic-shift `mu` for `seq_len` latent tokens, from a scheduler's config
+        (`max_shift` is the pipeline's own default where the config has none)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        return float(calculate_shift(seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                                     config.get("base_shift", 0.5), config.get("max_shift", max_shift)))
+
+
+def _uint8(pixels: Any) -> np.ndarray:
+    """Postprocessed pixels in [0, 1] -> uint8."""
+    return (np.asarray(pixels) * 255).round().astype(np.uint8)
+
 
 class FluxFamily(Family):
     @property
@@ -130,8 +163,6 @@ class FluxFamily(Family):
         return embeds, pooled
 
     def prepare(self, job: DiffusionJob) -> None:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
         pipe = self.pipe
         assert job.cond is not None
         job.cond = self.condition(job, job.cond)
@@ -142,10 +173,7 @@ class FluxFamily(Family):
         gen = torch.Generator(device="cpu").manual_seed(job.seed)
         noise = torch.randn((1, channels, h, w), generator=gen, dtype=torch.float32)
         job.latents = pipe._pack_latents(noise, 1, channels, h, w)[0].to(self.device)
-        cfg = pipe.scheduler.config
-        mu = calculate_shift(
-            job.latents.shape[0], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
-        )
+        mu = self.shift(pipe.scheduler.config, job.latents.shape[0], 1.15)
         pipe.scheduler.set_timesteps(job.steps, device="cpu", sigmas=np.linspace(1.0, 1 / job.steps, job.steps), mu=mu)
         job.state["sigmas"] = [float(s) for s in pipe.scheduler.sigmas]  # steps + 1, ending at 0
 
@@ -161,8 +189,7 @@ class FluxFamily(Family):
         dt = pipe.transformer.dtype
         latents = torch.stack([j.latents for j, _ in rows]).to(dt)
         sigma = torch.tensor([j.state["sigmas"][j.step] for j, _ in rows], dtype=torch.float32)
-        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(dt)  # type: ignore[index]
-        pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows]).to(dt)  # type: ignore[index]
+        embeds, pooled = self.text(rows, 0, dt), self.text(rows, 1, dt)
         img_ids = pipe._prepare_latent_image_ids(1, h // 2, w // 2, self.device, torch.float32)
         txt_ids = torch.zeros(embeds.shape[1], 3, dtype=torch.float32, device=self.device)
         guidance = None
@@ -196,7 +223,7 @@ class FluxFamily(Family):
                 pixels = pipe.vae.decode(lat, return_dict=False)[0]
             arr = pipe.image_processor.postprocess(pixels, output_type="np")
             for i, a in zip(idx, arr, strict=True):
-                images[i] = (a * 255).round().astype(np.uint8)
+                images[i] = _uint8(a)
         return [images[i] for i in range(len(jobs))]
 
 
@@ -218,20 +245,15 @@ class Sd3Family(Family):
         return [(embeds[i], pooled[i]) for i in range(len(prompts))]
 
     def prepare(self, job: DiffusionJob) -> None:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
         pipe = self.pipe
         gen = torch.Generator(device="cpu").manual_seed(job.seed)
         lat = pipe.prepare_latents(1, pipe.transformer.config.in_channels, job.height, job.width, torch.float32, torch.device("cpu"), gen)
         job.latents = lat[0].to(self.device)
         sched = copy.deepcopy(pipe.scheduler)  # it counts its steps
-        cfg = sched.config
         kwargs = {}
-        if cfg.get("use_dynamic_shifting"):
+        if sched.config.get("use_dynamic_shifting"):
             p = int(pipe.transformer.config.patch_size)
-            seq = (job.latents.shape[1] // p) * (job.latents.shape[2] // p)
-            kwargs["mu"] = calculate_shift(seq, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
-                                           cfg.get("max_shift", 1.16))
+            kwargs["mu"] = self.shift(sched.config, (job.latents.shape[1] // p) * (job.latents.shape[2] // p), 1.16)
         sched.set_timesteps(job.steps, device=self.device, **kwargs)
         job.state["scheduler"] = sched
         job.state["timesteps"] = list(sched.timesteps)
@@ -240,15 +262,10 @@ class Sd3Family(Family):
         tf = self.pipe.transformer
         rows = self.rows(batch)
         latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
-        timestep = torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
-        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
-        pooled = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
         with torch.inference_mode():
-            v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, pooled_projections=pooled, return_dict=False)[0].float()
-        for j, vi in zip(batch, self.guided(batch, v), strict=True):
-            with torch.inference_mode():
-                j.latents = j.state["scheduler"].step(vi[None], j.state["timesteps"][j.step], j.latents[None], return_dict=False)[0][0]  # type: ignore[index]
-            j.step += 1
+            v = tf(hidden_states=latents, timestep=self.timesteps(rows), encoder_hidden_states=self.text(rows, 0, tf.dtype),
+                   pooled_projections=self.text(rows, 1, tf.dtype), return_dict=False)[0].float()
+        self.scheduler_steps(batch, self.guided(batch, v))
 
     def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
         pipe = self.pipe
@@ -260,7 +277,7 @@ class Sd3Family(Family):
             with torch.inference_mode():
                 pixels = vae.decode(lat, return_dict=False)[0]
             for i, a in zip(idx, pipe.image_processor.postprocess(pixels, output_type="np"), strict=True):
-                images[i] = (a * 255).round().astype(np.uint8)
+                images[i] = _uint8(a)
         return [images[i] for i in range(len(jobs))]
 
 
@@ -305,15 +322,9 @@ class WanFamily(Family):
         tf = self.pipe.transformer
         rows = self.rows(batch)
         latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
-        timestep = torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
-        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
         with torch.inference_mode():
-            v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, return_dict=False)[0].float()
-        for j, vi in zip(batch, self.guided(batch, v), strict=True):
-            sched = j.state["scheduler"]
-            with torch.inference_mode():
-                j.latents = sched.step(vi[None], j.state["timesteps"][j.step], j.latents[None], return_dict=False)[0][0]  # type: ignore[index]
-            j.step += 1
+            v = tf(hidden_states=latents, timestep=self.timesteps(rows), encoder_hidden_states=self.text(rows, 0, tf.dtype), return_dict=False)[0].float()
+        self.scheduler_steps(batch, self.guided(batch, v))
 
     def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
         pipe = self.pipe
@@ -329,7 +340,7 @@ class WanFamily(Family):
                 video = vae.decode(lat, return_dict=False)[0]
             arr = pipe.video_processor.postprocess_video(video, output_type="np")  # [B, F, H, W, 3] in [0, 1]
             for i, a in zip(idx, arr, strict=True):
-                out[i] = (np.asarray(a) * 255).round().astype(np.uint8)
+                out[i] = _uint8(a)
         return [out[i] for i in range(len(jobs))]
 
 
@@ -410,7 +421,7 @@ class ForcingFamily(WanFamily):
             steps.append(j.state["matrix"][j.step][s:e])
         latents = torch.stack(windows).to(tf.dtype)
         timestep = torch.stack(steps).to(self.device)
-        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
+        embeds = self.text(rows, 0, tf.dtype)
         fps = [0 if j.fps == 16 else 1 for j, _ in rows]
         with torch.inference_mode():
             if tf.config.get("inject_sample_info") and len(rows) > 1:
@@ -483,15 +494,12 @@ class LtxFamily(Family):
         return [(embeds[i], mask[i]) for i in range(len(prompts))]
 
     def prepare(self, job: DiffusionJob) -> None:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
         pipe = self.pipe
         gen = torch.Generator(device="cpu").manual_seed(job.seed)
         lat = pipe.prepare_latents(1, pipe.transformer.config.in_channels, job.height, job.width, job.frames, torch.float32, torch.device("cpu"), gen)
         job.latents = lat[0].to(self.device)
         f, h, w = self.latent_shape(job)
-        cfg = pipe.scheduler.config
-        mu = calculate_shift(f * h * w, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        mu = self.shift(pipe.scheduler.config, f * h * w, 1.15)
         sched = copy.deepcopy(pipe.scheduler)
         sched.set_timesteps(sigmas=np.linspace(1.0, 1 / job.steps, job.steps), device=self.device, mu=mu)
         job.state["scheduler"] = sched
@@ -503,17 +511,11 @@ class LtxFamily(Family):
         rows = self.rows(batch)
         f, h, w = self.latent_shape(batch[0])
         latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
-        timestep = torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
-        embeds = torch.stack([(j.uncond if neg else j.cond)[0] for j, neg in rows]).to(tf.dtype)  # type: ignore[index]
-        mask = torch.stack([(j.uncond if neg else j.cond)[1] for j, neg in rows])  # type: ignore[index]
         scale = (pipe.vae_temporal_compression_ratio / batch[0].fps, pipe.vae_spatial_compression_ratio, pipe.vae_spatial_compression_ratio)
         with torch.inference_mode():
-            v = tf(hidden_states=latents, encoder_hidden_states=embeds, timestep=timestep, encoder_attention_mask=mask,
-                   num_frames=f, height=h, width=w, rope_interpolation_scale=scale, return_dict=False)[0].float()
-        for j, vi in zip(batch, self.guided(batch, v), strict=True):
-            with torch.inference_mode():
-                j.latents = j.state["scheduler"].step(vi[None], j.state["timesteps"][j.step], j.latents[None], return_dict=False)[0][0]  # type: ignore[index]
-            j.step += 1
+            v = tf(hidden_states=latents, encoder_hidden_states=self.text(rows, 0, tf.dtype), timestep=self.timesteps(rows),
+                   encoder_attention_mask=self.text(rows, 1), num_frames=f, height=h, width=w, rope_interpolation_scale=scale, return_dict=False)[0].float()
+        self.scheduler_steps(batch, self.guided(batch, v))
 
     def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
         pipe = self.pipe
@@ -530,7 +532,7 @@ class LtxFamily(Family):
                 video = vae.decode(lat, timestep, return_dict=False)[0]
             arr = pipe.video_processor.postprocess_video(video, output_type="np")
             for i, a in zip(idx, arr, strict=True):
-                out[i] = (np.asarray(a) * 255).round().astype(np.uint8)
+                out[i] = _uint8(a)
         return [out[i] for i in range(len(jobs))]
 
 
