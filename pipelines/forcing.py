@@ -11,16 +11,17 @@ from typing import Any
 
 import numpy as np
 
-from omni_rt.engines.base import DiffusionEngine, Engine
+from omni_rt.engines.base import Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.errors import StageError
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageProcessor, check_processor_args
+from omni_rt.stage import StageContext
 from pipelines.checkpoint import diffusers_class
+from pipelines.video_stage import VideoStage
 
 
-class ForcingProcessor(StageProcessor):
+class ForcingProcessor(VideoStage):
     """Live video on diffusion forcing (the `video_edit` pipeline on a
     SkyReels-V2 DF directory): each request renders the next chunk of a long video,
     conditioned on the clean latents of the frames before it — the session's
@@ -32,22 +33,15 @@ class ForcingProcessor(StageProcessor):
     generation still needs) so that the next chunk continues from exactly what was
     seen. Chunks of different sessions of one size share the engine's steps."""
 
-    ARGS = {"default_size", "default_steps", "max_steps", "history_latent_frames", "fps", "guidance_scale", "negative_prompt"}
+    EXTRA_ARGS = frozenset({"history_latent_frames", "fps"})
+    WHAT = "forcing"
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
-        self.dit = self.engine_as(DiffusionEngine)
-        args = dict(spec.processor_args)
-        check_processor_args(args, self.ARGS, "forcing")
-        self.default_size = int(args.get("default_size", 64))
-        self.default_steps = int(args.get("default_steps", 6))
-        self.max_steps = int(args.get("max_steps", 50))
-        self.history_latent_frames = int(args.get("history_latent_frames", 2))
-        self.fps = int(args.get("fps", 16))
-        self.guidance_scale = float(args.get("guidance_scale", 1.0))
-        self.negative_prompt = args.get("negative_prompt")
-        if not (1 <= self.default_steps <= self.max_steps and self.history_latent_frames >= 1):
-            raise ValueError("forcing processor_args: 1 <= default_steps <= max_steps, history_latent_frames >= 1")
+        self.history_latent_frames = int(self.args.get("history_latent_frames", 2))
+        self.fps = int(self.args.get("fps", 16))
+        if self.history_latent_frames < 1:
+            raise ValueError("forcing processor_args: history_latent_frames >= 1")
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -55,26 +49,9 @@ class ForcingProcessor(StageProcessor):
         if name != "SkyReelsV2DiffusionForcingPipeline":
             raise StageError(f"{model_dir}: model_index.json names {name}, not a diffusion-forcing pipeline (SkyReelsV2DiffusionForcingPipeline)")
 
-    def prompt_tokens(self, prompt: str) -> int:
-        """The prompt's length in the text encoder's tokens (the wires refuse prompts
-        over `max_prompt_tokens`)."""
-        return int(self.dit.prompt_tokens(prompt))
-
-    @property
-    def frame_multiple(self) -> int:
-        return int(getattr(self.dit, "frame_multiple", 1))
-
     def describe(self) -> dict[str, Any]:
-        return {
-            "default_size": self.default_size,
-            "default_steps": self.default_steps,
-            "max_steps": self.max_steps,
-            "size_multiple": self.dit.size_multiple,
-            "frame_multiple": self.frame_multiple,
-            "max_prompt_tokens": getattr(self.dit, "max_sequence_length", None),
-            # frames whose latents the session keeps: enough to hold the prefix
-            "history_frames": self.history_latent_frames * self.frame_multiple,
-        }
+        # frames whose latents the session keeps: enough to hold the prefix
+        return {**super().describe(), "history_frames": self.history_latent_frames * self.frame_multiple}
 
     def prefix(self, history: list[Any]) -> Any:
         """The last `history_latent_frames` distinct latent frames of the history

@@ -21,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from omni_rt.engines.base import DiffusionEngine, Engine
+from omni_rt.engines.base import Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.errors import StageError
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageProcessor, check_processor_args
+from omni_rt.stage import StageContext
 from pipelines.checkpoint import check_diffusers_family
+from pipelines.video_stage import VideoStage
 from pipelines.world import WorldProcessor
 
 
@@ -45,7 +46,7 @@ class VideoProcessor(WorldProcessor):
         ctx.add_usage(frames=frames, steps=frames * steps)
 
 
-class ClipProcessor(StageProcessor):
+class ClipProcessor(VideoStage):
     """Text to video on a video family of the diffusers step engine (Wan): a request
     renders a whole clip in one engine job. `frames` is what the caller asked for; the
     model makes `frame_multiple`·k + 1 frames, so the job asks for the smallest such
@@ -53,45 +54,21 @@ class ClipProcessor(StageProcessor):
     `frame_index`, progress in between). Clips of the same size and length share every
     denoising step with those of other requests."""
 
-    ARGS = {"default_size", "default_steps", "max_steps", "max_frames", "guidance_scale", "negative_prompt"}
+    EXTRA_ARGS = frozenset({"max_frames"})
+    DEFAULTS = {"default_size": 128, "default_steps": 8, "max_steps": 50}
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
-        self.dit = self.engine_as(DiffusionEngine)
-        args = dict(spec.processor_args)
-        check_processor_args(args, self.ARGS, "video")
-        self.default_size = int(args.get("default_size", 128))
-        self.default_steps = int(args.get("default_steps", 8))
-        self.max_steps = int(args.get("max_steps", 50))
-        self.max_frames = int(args.get("max_frames", 81))
-        self.guidance_scale = float(args.get("guidance_scale", 1.0))
-        self.negative_prompt = args.get("negative_prompt")
-        if not (1 <= self.default_steps <= self.max_steps and self.max_frames >= 1 and self.default_size >= 16):
-            raise ValueError("video processor_args: 1 <= default_steps <= max_steps, max_frames >= 1, default_size >= 16")
+        self.max_frames = int(self.args.get("max_frames", 81))
+        if self.max_frames < 1:
+            raise ValueError("video processor_args: max_frames >= 1")
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
         check_diffusers_family(model_dir, video=True)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "default_size": self.default_size,
-            "default_steps": self.default_steps,
-            "max_steps": self.max_steps,
-            "max_frames": self.max_frames,
-            "frame_multiple": self.frame_multiple,
-            "max_prompt_tokens": getattr(self.dit, "max_sequence_length", None),
-            "size_multiple": self.dit.size_multiple,
-        }
-
-    def prompt_tokens(self, prompt: str) -> int:
-        """The prompt's length in the text encoder's tokens (the wires refuse prompts
-        over `max_prompt_tokens`)."""
-        return int(self.dit.prompt_tokens(prompt))
-
-    @property
-    def frame_multiple(self) -> int:
-        return int(getattr(self.dit, "frame_multiple", 1))
+        return {**super().describe(), "max_frames": self.max_frames}
 
     def clip_frames(self, frames: int) -> int:
         """The model's frame count for a request of `frames` frames."""

@@ -166,8 +166,6 @@ class ForcingWorldProcessor(ForcingProcessor):
     module docstring). `params`: prompt, width, height, steps, seed, frame_index,
     history (one latent frame per frame shown), action."""
 
-    ARGS = {"default_size", "default_steps", "max_steps", "history_latent_frames", "fps", "guidance_scale", "negative_prompt"}
-
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
         assert spec.model is not None
