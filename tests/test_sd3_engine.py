@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
+from tests.diffusion_helpers import output_of, staggered
 
 
 @pytest.fixture
@@ -24,8 +25,7 @@ async def engine(models_dir):
 
 async def image_of(eng: DiffusersEngine, job: DiffusionJob) -> np.ndarray:
     async for ev in eng.generate(job):
-        if ev["type"] == "image":
-            img: np.ndarray = ev["image"]
+        if (img := output_of(ev)) is not None:
             return img
     raise AssertionError("no image")
 
@@ -50,19 +50,7 @@ async def test_sd3_jobs_joining_running_steps_equal_their_unbatched_selves(engin
     jobs = [("a red cup", 1), ("a blue sea", 2), ("a red cup", 3)]
     alone = [await image_of(engine, DiffusionJob(p, 64, 64, 12, seed=s)) for p, s in jobs]
     steps0, rows0 = engine.steps, engine.rows
-    started = [asyncio.Event() for _ in jobs]
-
-    async def run(i: int, p: str, s: int) -> np.ndarray:
-        if i:
-            await started[i - 1].wait()
-        async for ev in engine.generate(DiffusionJob(p, 64, 64, 12, seed=s)):
-            if ev["type"] == "progress":
-                started[i].set()
-            elif ev["type"] == "image":
-                return ev["image"]
-        raise AssertionError("no image")
-
-    together = await asyncio.gather(*(run(i, p, s) for i, (p, s) in enumerate(jobs)))
+    together = await staggered(engine, [DiffusionJob(p, 64, 64, 12, seed=s) for p, s in jobs])
     assert engine.rows - rows0 > engine.steps - steps0, "no forward carried more than one job"
     assert all(_diff(a, b) <= 1 for a, b in zip(alone, together, strict=True))
     assert _diff(alone[0], alone[2]) > 10

@@ -14,6 +14,7 @@ import torch
 
 from omni_rt.engines.base import EngineError
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
+from tests.diffusion_helpers import staggered
 
 # directory, the size multiple, frames are multiple·k + 1, a valid clip, an invalid frame count
 FAMILIES = {
@@ -70,19 +71,7 @@ async def test_batched_equals_unbatched_and_late_jobs_join_running_steps(engine)
     f = 1 + engine.case[2]
     alone = [(await clip_of(engine, DiffusionJob(p, 64, 64, 12, seed=s, frames=f)))[0] for p, s in jobs]
     steps0, rows0 = engine.steps, engine.rows
-    started = [asyncio.Event() for _ in jobs]  # job i+1 starts once job i has run a step
-
-    async def run(i: int, p: str, s: int) -> np.ndarray:
-        if i:
-            await started[i - 1].wait()
-        async for ev in engine.generate(DiffusionJob(p, 64, 64, 12, seed=s, frames=f)):
-            if ev["type"] == "progress":
-                started[i].set()
-            elif ev["type"] == "video":
-                return ev["frames"]
-        raise AssertionError("no clip")
-
-    together = await asyncio.gather(*(run(i, p, s) for i, (p, s) in enumerate(jobs)))
+    together = await staggered(engine, [DiffusionJob(p, 64, 64, 12, seed=s, frames=f) for p, s in jobs])
     assert engine.rows - rows0 > engine.steps - steps0, "no forward carried more than one job"
     for a, b in zip(alone, together, strict=True):
         assert _diff(a, b) <= 1
