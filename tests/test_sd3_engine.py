@@ -36,6 +36,8 @@ def _diff(a: np.ndarray, b: np.ndarray) -> int:
 
 async def test_sd3_equals_the_pipelines_own_call(engine):
     assert not engine.video and engine.size_multiple == 16
+    # the prompt limit counts T5's tokens (max_sequence_length caps T5; the CLIPs stop at 77)
+    assert engine.prompt_tokens("a red cup") == len(engine.pipe.tokenizer_3("a red cup").input_ids)
     for guidance, negative in ((1.0, None), (4.0, "blurry")):
         img = await image_of(engine, DiffusionJob("a red cup", 128, 192, 6, seed=3, guidance_scale=guidance, negative_prompt=negative))
         ref = await asyncio.to_thread(

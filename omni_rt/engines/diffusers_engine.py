@@ -20,10 +20,9 @@ scheduler settings) are used directly; the engine owns the loop:
   full forward.
 
 How each family encodes prompts, draws noise, steps and decodes lives in
-`omni_rt.engines.diffusion_families`: `FluxPipeline` (images: flow matching, packed
-latents, optional true classifier-free guidance with a negative prompt) and
-`WanPipeline` (text to video, `frames` = 4k+1; a scheduler copy per request). Image
-jobs end with an `image` event, video jobs with a `video` event (all frames).
+`omni_rt.engines.diffusion_families` (`FAMILIES`: Flux and SD3 for images; Wan, LTX
+and SkyReels-V2 diffusion forcing for video). Image jobs end with an `image` event,
+video jobs with a `video` event (all frames).
 """
 
 from __future__ import annotations
@@ -207,10 +206,9 @@ class DiffusersEngine(Engine):
     def prompt_tokens(self, prompt: str) -> int:
         """How many text tokens `prompt` is for the text encoder whose length the engine
         caps at `max_sequence_length` (longer prompts are truncated, as the pipelines do)."""
-        if self.pipe is None:
+        if self.family is None:
             raise EngineError(f"engine {self.name} is not running")
-        tok = getattr(self.pipe, "tokenizer_2", None) or self.pipe.tokenizer  # Flux: T5 is the second
-        return len(tok(prompt, add_special_tokens=True).input_ids)
+        return len(self.family.tokenizer(prompt, add_special_tokens=True).input_ids)
 
     @property
     def video(self) -> bool:

@@ -57,6 +57,11 @@ class Family:
         """A video family's clips are frame_multiple·k + 1 frames."""
         return 1
 
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of the text encoder that `max_sequence_length` caps."""
+        return self.pipe.tokenizer
+
     def check(self, job: DiffusionJob) -> None:
         """Refuse (EngineRequestError) what this family cannot produce."""
         m = self.size_multiple
@@ -143,6 +148,10 @@ def _uint8(pixels: Any) -> np.ndarray:
 
 
 class FluxFamily(Family):
+    @property
+    def tokenizer(self) -> Any:
+        return self.pipe.tokenizer_2  # T5's (CLIP's is capped at 77)
+
     @property
     def size_multiple(self) -> int:
         return 2 * int(self.pipe.vae_scale_factor)  # latents are packed 2x2
@@ -235,6 +244,10 @@ class Sd3Family(Family):
     @property
     def size_multiple(self) -> int:
         return int(self.pipe.vae_scale_factor) * int(self.pipe.transformer.config.patch_size)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.pipe.tokenizer_3  # T5's (the two CLIPs' are capped at 77)
 
     def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
         with torch.inference_mode():
