@@ -27,6 +27,9 @@ DROPPED_STALE = Counter("omni_rt_dropped_stale_total", "Outputs dropped by a fen
 ENGINE_BATCH = Histogram(
     "omni_rt_engine_batch_size", "Items per torch engine step", ["engine"], buckets=(1, 2, 4, 8, 16, 32, 64)
 )
+ENGINE_LATE = Counter(
+    "omni_rt_engine_late_items_total", "Step-engine items that started after their deadline (a stream's playback ran dry first)", ["engine"]
+)
 ENGINE_LOAD = Gauge("omni_rt_engine_load", "Requests queued or running per stage", ["stage"])
 
 # ---- requests --------------------------------------------------------------------------

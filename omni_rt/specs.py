@@ -42,6 +42,10 @@ class ChunkingSpec(_Strict):
         250, ge=0, le=60000, description="once less than this much of the emitted audio is left to play (in real time), the frames that "
         "are ready are decoded at once instead of waiting for a full chunk_frames (no hole while the talker keeps up); 0: fixed chunks"
     )
+    first_chunk_budget_ms: int = Field(default=
+        200, ge=0, le=60000, description="a stream's first chunk is due this long after its frames are ready: the decoder runs it ahead of "
+        "chunks of running streams whose playback lasts longer, behind those about to run dry (earliest deadline first)"
+    )
 
 
 class EdgeSpec(_Strict):

@@ -285,7 +285,7 @@ class StreamingDecoder:
 
     def __init__(
         self,
-        decode: Callable[[np.ndarray, int], Awaitable[np.ndarray]],
+        decode: Callable[..., Awaitable[np.ndarray]],
         chunking: ChunkingSpec | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -304,12 +304,21 @@ class StreamingDecoder:
 
     async def _window(self, start: int, end: int, keep_from: int, keep_to: int) -> np.ndarray:
         lo, hi = start - self._base, end - self._base
-        # The first window decides time to first audio: it goes ahead of the queue.
-        priority = 0 if keep_from == 0 else 1
-        audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]), priority)
+        audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]), deadline=self.deadline(keep_from))
         a = (keep_from - start) * SAMPLES_PER_FRAME
         b = (keep_to - start) * SAMPLES_PER_FRAME
         return audio[a:b]
+
+    def deadline(self, keep_from: int) -> float:
+        """When the window starting at frame `keep_from` is due (earliest deadline
+        first in the decoder's engine): the first one `first_chunk_budget_ms` from now,
+        a later one when the audio emitted so far has played (the listener's buffer
+        runs dry), already past for a stream that is late."""
+        now = self._clock()
+        if keep_from == 0 or self._play_end is None:
+            budget = self.chunking.first_chunk_budget_ms if self.chunking is not None else ChunkingSpec().first_chunk_budget_ms
+            return now + budget / 1000
+        return self._play_end
 
     def _trim(self) -> None:
         if self.chunking is None:

@@ -124,7 +124,7 @@ async def test_duration_follows_text_length(models_dir):
 async def test_streaming_decoder_finish_without_chunks():
     calls = []
 
-    async def decode(frames, priority):
+    async def decode(frames, deadline):
         calls.append(len(frames))
         return np.zeros(len(frames) * SAMPLES_PER_FRAME, np.float32)
 
@@ -151,7 +151,7 @@ def test_default_overlay_is_split_chunk():
     assert p.edges[0].mode == "chunk"
 
 
-async def _zeros(frames, priority):
+async def _zeros(frames, deadline):
     return np.zeros(len(frames) * SAMPLES_PER_FRAME, np.float32)
 
 

@@ -101,11 +101,12 @@ class ArEngine(Protocol):
 @runtime_checkable
 class StepEngine(Protocol):
     """A batched step loop: `run` one item (an array, or named arrays for a module
-    method `op`) and get its slice of the batched result."""
+    method `op`) and get its slice of the batched result; `deadline` (time.monotonic)
+    orders the queue, earliest first."""
 
     name: str
 
-    async def run(self, x: Any, priority: int = 1, op: str | None = None) -> Any: ...
+    async def run(self, x: Any, priority: int = 1, op: str | None = None, deadline: float | None = None) -> Any: ...
 
 
 @runtime_checkable

@@ -1,11 +1,16 @@
 """Torch generation engine: a batched step loop over an `nn.Module`.
 
 Requests submit one item each (an array without the batch dimension, or a dict of
-them for a module method with several inputs: `op` names the method) with a
-priority (lower runs first; e.g. a stream's first chunk, which decides time to first
-audio, goes ahead of steady-state chunks). The loop takes whatever is queued, most
-urgent first (up to `max_batch`, waiting at most `max_wait_ms` for more once the first
-item is there), stacks items of the same op, shapes and dtypes into one batch,
+them for a module method with several inputs: `op` names the method) with the time
+its result is due: earliest deadline first. A streaming decoder gives each chunk the
+moment its stream's playback runs dry, and a stream's first chunk the moment it was
+ready plus a bounded budget, so a chunk about to leave a listener in silence runs
+before one whose listener still has a second of audio buffered, and a new stream's
+first chunk waits only behind chunks due sooner. An item without a deadline is due
+`priority × default_slack_ms` after it was queued (priority 0: at once). The loop
+takes whatever is queued, most urgent first (up to `max_batch`, waiting at most
+`max_wait_ms` for more once the first item is there), stacks items of the same op,
+shapes and dtypes into one batch,
 runs the module on a dedicated thread (never on the event loop), and hands each
 request its slice of the result. New requests join at the next step: continuous
 batching across concurrent streams.
@@ -40,7 +45,7 @@ log = logging.getLogger("omni_rt.engines.torch")
 
 @dataclass(order=True)
 class _Item:
-    priority: int
+    due: float  # time.monotonic() by which the result is needed (earliest first)
     seq: int
     x: Any = field(compare=False)  # an array, or named arrays for a module method (`op`)
     future: asyncio.Future[Any] = field(compare=False)
@@ -100,6 +105,7 @@ class TorchEngine(Engine):
         threads: int | None = None,
         device: str = "cpu",
         dtype: str | None = None,
+        default_slack_ms: float = 250.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -107,6 +113,7 @@ class TorchEngine(Engine):
         self._factory = module_factory
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
+        self.default_slack = default_slack_ms / 1000.0
         self.threads = threads
         self.device = torch.device(device)
         self.dtype = None if dtype is None else _dtype(dtype)
@@ -119,6 +126,7 @@ class TorchEngine(Engine):
         self._running = 0
         self.steps = 0
         self.items = 0
+        self.late = 0  # items that started after they were due
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -164,15 +172,16 @@ class TorchEngine(Engine):
     def queue_depth(self) -> int:
         return self._queue.qsize() if self._queue is not None else 0
 
-    async def run(self, x: Any, priority: int = 1, op: str | None = None) -> Any:
+    async def run(self, x: Any, priority: int = 1, op: str | None = None, deadline: float | None = None) -> Any:
         """Run one item through the module (batched with concurrent callers).
 
         `x` is an array (the module is called on the stacked batch) or a dict of arrays
         (`module.<op>(**stacked)` is called; `op` None means `forward`). The result is
         the item's slice of the module's output: an array, or a dict of arrays when the
-        module returns a dict. Lower `priority` runs first; equal priorities run in
-        arrival order. Cancelling the awaiting task drops the item if it has not
-        started yet.
+        module returns a dict. `deadline` (on `time.monotonic()`) is when the result
+        is due; items run earliest-due first, equal ones in arrival order. Without one
+        the item is due `priority × default_slack_ms` from now. Cancelling the awaiting
+        task drops the item if it has not started yet.
         """
         self.require_alive()
         if self._queue is None or self._loop_task is None or self._loop_task.done():
@@ -180,7 +189,8 @@ class TorchEngine(Engine):
         if not isinstance(x, (np.ndarray, torch.Tensor, dict)):
             raise EngineRequestError(f"engine {self.name} takes an array or a dict of arrays, not {type(x).__name__}")
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Item(priority, next(self._seq), x, fut, op))
+        due = deadline if deadline is not None else time.monotonic() + priority * self.default_slack
+        self._queue.put_nowait(_Item(due, next(self._seq), x, fut, op))
         return await fut
 
     async def _step_loop(self) -> None:
@@ -214,6 +224,11 @@ class TorchEngine(Engine):
             # most urgent group first (items arrive sorted, so a group's first is its best)
             for items in sorted(groups.values(), key=lambda g: g[0]):
                 self._running = len(items)
+                started = time.monotonic()
+                late = sum(1 for it in items if it.due < started)
+                if late:
+                    self.late += late
+                    metrics.ENGINE_LATE.labels(engine=self.name).inc(late)
                 try:
                     out = await loop.run_in_executor(
                         self._executor, self._forward, items[0].op, [it.x for it in items], items[0].on_device()

@@ -96,6 +96,7 @@ class FakeStepEngine(Engine):
         self.fn = fn
         self.step_s = step_s
         self.items = 0
+        self.deadlines: list[float | None] = []  # each item's deadline, in arrival order
         self._running = 0
 
     def load(self) -> int:
@@ -104,8 +105,9 @@ class FakeStepEngine(Engine):
     def queue_depth(self) -> int:
         return 0  # every item starts at once: nothing waits
 
-    async def run(self, x: Any, priority: int = 1, op: str | None = None) -> Any:
+    async def run(self, x: Any, priority: int = 1, op: str | None = None, deadline: float | None = None) -> Any:
         self.require_alive()
+        self.deadlines.append(deadline)
         self._running += 1
         try:
             await asyncio.sleep(self.step_s)
