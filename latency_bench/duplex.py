@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from clients.duplex import DuplexClient
-from clients.webrtc import CallClient, use_host_addresses
+from clients.webrtc import CallClient, CallRefused, use_host_addresses
 from latency_bench import finish, machine_info, utc_now
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
@@ -259,6 +259,32 @@ def run(transport: str, base: str, key: str | None, levels: list[int], turns: in
             "max_output_tokens": tokens, "levels": lv, "barge_in": barge, "targets": targets}
 
 
+def ramp(transport: str, base: str, key: str | None, up_to: int, every_s: float, turns: int, tokens: int, wav: str | None) -> dict[str, Any]:
+    pcm, source = utterance(wav)
+    pcm = SILENCE[:9600] + pcm
+
+    async def go() -> dict[str, Any]:
+        if transport == "webrtc":
+            use_host_addresses(["127.0.0.1"]) if "127.0.0.1" in base or "localhost" in base else None
+        await run_level(transport, base, key, 1, 1, pcm, tokens, None)  # warm-up
+        return await run_ramp(transport, base, key, up_to, every_s, turns, pcm, tokens)
+
+    r = asyncio.run(go())
+    rtf_max = r["server_generation_rtf_max"]
+    targets = {
+        "admitted_sessions_without_stalls": {"goal": "every admitted session: 0 stalls > 100 ms", "value": r["admitted_with_stalls"],
+                                             "met": r["admitted"] > 0 and r["admitted_with_stalls"] == 0},
+        "server_generation_rtf_max": {"goal": "< 1", "value": rtf_max, "met": rtf_max is not None and rtf_max < 1},
+        "refused_told_retry": {"goal": "refused sessions get capacity/session_limit with retry-after", "value": r["refused"],
+                               "met": r["errored"] == 0},
+        "peak_open_voice_sessions": {"goal": ">= 12", "value": r["peak_open_voice_sessions"],
+                                     "met": (r["peak_open_voice_sessions"] or 0) >= 12},
+    }
+    return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "transport": transport, "url": base,
+            "pacing": PACING["value"] if transport == "ws" else "realtime (RTP)", "utterance": source,
+            "utterance_s": round(len(pcm) / 48000, 3), "max_output_tokens": tokens, "ramp": r, "targets": targets}
+
+
 def main_duplex(args: Any) -> int:
     PACING["value"] = args.pacing
     levels = [int(x) for x in str(args.sessions).split(",") if x.strip()]
@@ -279,10 +305,22 @@ def main_duplex(args: Any) -> int:
         base = f"http://127.0.0.1:{args.port}"
         ps = server._ps
     try:
-        result = run(args.transport, base.rstrip("/"), args.api_key, levels, args.turns, args.max_output_tokens, args.wav, args.barge_in, ps)
+        if args.ramp:
+            result = ramp(args.transport, base.rstrip("/"), args.api_key, args.ramp, args.ramp_every, args.turns, args.max_output_tokens, args.wav)
+        else:
+            result = run(args.transport, base.rstrip("/"), args.api_key, levels, args.turns, args.max_output_tokens, args.wav, args.barge_in, ps)
     finally:
         if server is not None:
             server.stop()
+    if args.ramp:
+        r = result["ramp"]
+        print(f"duplex ramp over {args.transport}: a session every {args.ramp_every} s up to {args.ramp}, {args.turns} turns each")
+        print(f"admitted {r['admitted']}, refused {r['refused']}, errored {r['errored']}; peak open voice sessions {r['peak_open_voice_sessions']}")
+        print(f"admitted sessions with stalls > 100 ms: {r['admitted_with_stalls']} ({r['stalls_over_100ms']} stalls); "
+              f"server generation RTF p50 {r['server_generation_rtf_p50']} max {r['server_generation_rtf_max']}; "
+              f"reply p50 {r['reply_s_p50']} s, p99 {r['reply_s_p99']} s")
+        finish(args.json, result)
+        return 1 if r["errored"] else 0
     print(f"duplex bench over {args.transport} ({result['utterance']}, {result['utterance_s']} s per turn, {args.turns} turns per session)")
     print(f"{'S':>3} {'turns':>6} {'fail':>5} {'reply p50':>10} {'reply p90':>10} {'RTF p50':>8} {'gap p99 ms':>10} {'CPU/sess':>9}")
     f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731
@@ -295,3 +333,105 @@ def main_duplex(args: Any) -> int:
               f"p50 {b['speech_started_to_silent_ms'].get('p50')} p99 {b['speech_started_to_silent_ms'].get('p99')}")
     finish(args.json, result)
     return 1 if any(lvl["failed"] for lvl in result["levels"]) else 0
+
+
+# ---- rising load ---------------------------------------------------------------------------
+
+
+def _refusal(exc: BaseException) -> dict[str, Any] | None:
+    """What a refused session was told (None: it failed some other way)."""
+    from clients.realtime import RealtimeError
+
+    if isinstance(exc, CallRefused) and exc.status in (429, 503):
+        return {"status": exc.status, "body": exc.body[:300]}
+    if isinstance(exc, RealtimeError) and exc.code in ("capacity", "session_limit"):
+        return {"code": exc.code, "message": (exc.event.get("error") or {}).get("message")}
+    return None
+
+
+async def _refusing_session(transport: str, base: str, key: str | None, pcm: bytes, turns: int, tokens: int) -> list[dict[str, Any]]:
+    fn = _ws_session if transport == "ws" else _rtc_session
+    return await fn(base, key, pcm, turns, tokens)
+
+
+def _stall_stats(turns: list[dict[str, Any]], transport: str) -> dict[str, Any]:
+    gaps = [g for t in turns for g in t.get("gaps_ms", [])]
+    if transport == "ws":
+        stalls = [s for t in turns for s in t.get("stalls_ms", []) if s > 100]
+    else:
+        stalls = [g - 20 for g in gaps if g > 120]  # one frame every 20 ms: a gap past 120 ms is 100 ms of silence
+    ok = [t for t in turns if t["ok"]]
+    return {
+        "turns": len(turns), "failed": len(turns) - len(ok),
+        "stalls_over_100ms": len(stalls), "stall_total_ms": round(sum(stalls), 1),
+        "frame_gap_p99_ms": summarize(gaps).get("p99") if gaps else None,
+        "reply_s": summarize([t["reply_s"] for t in ok]),
+    }
+
+
+async def run_ramp(transport: str, base: str, key: str | None, up_to: int, every_s: float, turns: int, pcm: bytes, tokens: int) -> dict[str, Any]:
+    """Offer a new session every `every_s` seconds up to `up_to`; each admitted one
+    speaks `turns` turns. Records what admission decided and how every admitted
+    session sounded, and polls /health for the server's own generation RTF."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    polls: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not stop.is_set():
+                try:
+                    h = (await http.get(base + "/health", headers=headers)).json()
+                    adm = h.get("sessions", {}).get("realtime_admission", {})
+                    polls.append({"t": time.monotonic(), **{k: adm.get(k) for k in ("open", "sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "refusing")}})
+                except (httpx.HTTPError, ValueError):
+                    pass
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+
+    t0 = time.monotonic()
+    live = [0, 0]  # now, peak
+
+    async def one(i: int) -> dict[str, Any]:
+        await asyncio.sleep(i * every_s)
+        offered = time.monotonic() - t0
+        live[0] += 1
+        live[1] = max(live[1], live[0])
+        try:
+            res = await _refusing_session(transport, base, key, pcm, turns, tokens)
+            return {"i": i, "offered_at_s": round(offered, 2), "admitted": True, **_stall_stats(res, transport),
+                    "rtf_p50": summarize([t["rtf"] for t in res if t["rtf"] is not None]).get("p50")}
+        except BaseException as exc:  # noqa: BLE001 - every way a session ends is recorded
+            why = _refusal(exc)
+            if why is None:
+                return {"i": i, "offered_at_s": round(offered, 2), "admitted": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            return {"i": i, "offered_at_s": round(offered, 2), "admitted": False, "refusal": why}
+        finally:
+            live[0] -= 1
+
+    poller = asyncio.get_running_loop().create_task(poll())
+    try:
+        sessions = await asyncio.gather(*(one(i) for i in range(up_to)))
+    finally:
+        stop.set()
+        await poller
+    admitted = [s for s in sessions if s["admitted"]]
+    refused = [s for s in sessions if s["admitted"] is False]
+    rtfs = [p["rtf_now"] for p in polls if p.get("rtf_now") is not None]
+    peak_admitted = max((p["open"] or 0 for p in polls), default=None)
+    return {
+        "offered": up_to, "every_s": every_s, "turns_per_session": turns,
+        "admitted": len(admitted), "refused": len(refused), "errored": len(sessions) - len(admitted) - len(refused),
+        "peak_open_voice_sessions": peak_admitted,
+        "admitted_with_stalls": sum(1 for s in admitted if s["stalls_over_100ms"]),
+        "stalls_over_100ms": sum(s["stalls_over_100ms"] for s in admitted),
+        "server_generation_rtf_max": max(rtfs) if rtfs else None,
+        "server_generation_rtf_p50": summarize(rtfs).get("p50") if rtfs else None,
+        "reply_s_p50": summarize([s["reply_s"].get("p50") for s in admitted if s["reply_s"].get("p50") is not None]).get("p50"),
+        "reply_s_p99": summarize([s["reply_s"].get("p99") for s in admitted if s["reply_s"].get("p99") is not None]).get("p99"),
+        "sessions": sessions, "health": polls,
+    }

@@ -255,6 +255,34 @@ class ServerSpec(_Strict):
 SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "video")
 
 
+RealtimeKind = Literal["realtime", "duplex", "webrtc"]
+REALTIME_KINDS: tuple[RealtimeKind, ...] = ("realtime", "duplex", "webrtc")
+
+
+class RealtimeAdmissionSpec(_Strict):
+    """Load-aware admission of real-time voice sessions (deploy key
+    `sessions.realtime_admission`): besides the static caps, refuse a new session when
+    admitting it would push generation past real time (docs/sessions.md)."""
+
+    enabled: bool = Field(default=True, description="refuse a new voice session the stages cannot serve in real time")
+    kinds: list[RealtimeKind] = Field(default=list(REALTIME_KINDS), description="session kinds it applies to")
+    target_rtf: float = Field(default=
+        0.8, gt=0, le=1.0, description="the generation real-time factor admitted sessions must stay under (1.0: exactly real time)"
+    )
+    hysteresis: float = Field(default=
+        0.1, ge=0, lt=1.0, description="once refusing, admit again only when the prediction is this far under target_rtf"
+    )
+    session_cost_rtf: float = Field(default=
+        0.05, gt=0, le=1.0, description="what one more session adds to the RTF until the server has measured it (the prior)"
+    )
+    min_session_cost_rtf: float = Field(default=
+        0.01, gt=0, le=1.0, description="the measured per-session cost is never taken as lower than this"
+    )
+    window_s: float = Field(default=10.0, gt=0, le=600, description="streams that emitted audio this recently are measured")
+    min_sessions: int = Field(default=1, ge=0, description="this many sessions are always admitted, whatever is measured")
+    retry_after_s: int = Field(default=5, ge=1, le=3600, description="retry-after sent with a capacity refusal")
+
+
 class SessionsSpec(_Strict):
     """Admission caps, leases and the session store (deploy key `sessions`)."""
 
@@ -273,6 +301,7 @@ class SessionsSpec(_Strict):
     max_pending_events: int = Field(default=
         4096, ge=16, le=10_000_000, description="events queued for an attached client that is not reading; over it the session ends (slow_consumer)"
     )
+    realtime_admission: RealtimeAdmissionSpec = Field(default_factory=RealtimeAdmissionSpec)
     store: Literal["memory", "redis"] = Field(default="memory", description="memory: one process; redis: caps shared by nodes")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="used when store is redis")
     redis_prefix: str = Field(default="omni-rt", pattern=r"^[\w.:-]+$", description="key prefix; nodes sharing caps use the same one")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
+from omni_rt.load import GENERATION, RtfMeter
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import ChunkingSpec, StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
@@ -288,8 +289,11 @@ class StreamingDecoder:
         decode: Callable[..., Awaitable[np.ndarray]],
         chunking: ChunkingSpec | None,
         clock: Callable[[], float] = time.monotonic,
+        meter: RtfMeter | None = None,
     ) -> None:
         self._decode = decode
+        self._meter = meter  # told of every chunk emitted (load-aware admission reads it)
+        self._meter_key = meter.new_stream() if meter is not None else 0
         self.chunking = chunking
         self._clock = clock
         self._play_end: float | None = None  # when the audio emitted so far has played (real time)
@@ -307,6 +311,8 @@ class StreamingDecoder:
         audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]), deadline=self.deadline(keep_from))
         a = (keep_from - start) * SAMPLES_PER_FRAME
         b = (keep_to - start) * SAMPLES_PER_FRAME
+        if self._meter is not None:
+            self._meter.chunk(self._meter_key, (keep_to - keep_from) * SAMPLES_PER_FRAME / SAMPLE_RATE, self._clock())
         return audio[a:b]
 
     def deadline(self, keep_from: int) -> float:
@@ -416,7 +422,7 @@ class Code2WavProcessor(StageProcessor):
 
     async def run(self, ctx: StageContext) -> None:
         inp = ctx.input()
-        dec = StreamingDecoder(self.decoder.run, inp.chunking if inp.mode == "chunk" else None)
+        dec = StreamingDecoder(self.decoder.run, inp.chunking if inp.mode == "chunk" else None, meter=GENERATION)
         emit = _Emitter(ctx)
         async for payload in inp:
             await emit(await dec.push(payload.arrays["frames"]))
@@ -459,7 +465,7 @@ class FusedTalkerProcessor(StageProcessor):
 
         producer = asyncio.get_running_loop().create_task(produce())
         try:
-            dec = StreamingDecoder(self.decoder.run, self.chunking)
+            dec = StreamingDecoder(self.decoder.run, self.chunking, meter=GENERATION)
             emit = _Emitter(ctx)
             while (frames := await queue.get()) is not None:
                 await emit(await dec.push(frames))

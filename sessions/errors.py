@@ -40,6 +40,26 @@ class SessionLimit(SessionError):
         self.retry_after_s = retry_after_s
 
 
+class CapacityLimit(SessionLimit):
+    """Admission refused by load: one more real-time session would push generation
+    past the configured real-time factor (sessions.realtime_admission)."""
+
+    code = "capacity"
+
+    def __init__(self, kind: str, sessions: int, predicted_rtf: float, target_rtf: float, retry_after_s: int) -> None:
+        SessionError.__init__(
+            self,
+            f"Server at real-time capacity: with {sessions} '{kind}'-class session(s) running, one more would generate at "
+            f"{predicted_rtf:.2f}x real time (target {target_rtf:.2f}); retry in {retry_after_s} s.",
+            headers={"retry-after": str(retry_after_s)},
+        )
+        self.scope = "capacity"
+        self.kind = kind
+        self.cap = sessions
+        self.retry_after_s = retry_after_s
+        self.predicted_rtf = predicted_rtf
+
+
 class StoreUnavailable(SessionError):
     """The session store (Redis) cannot be reached: no new admissions."""
 

@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.specs import SESSION_KINDS, SessionsSpec
+from sessions.admission import RealtimeAdmission
 from sessions.errors import (
+    CapacityLimit,
     IllegalTransition,
     InvalidResumeToken,
     SessionElsewhere,
@@ -91,6 +93,7 @@ class SessionManager:
             self.spec.retry_after_s,
             dict(self.spec.principal_caps),
         )
+        self.admission = RealtimeAdmission(self.spec.realtime_admission, clock=clock)
         self._sessions: dict[str, Session] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
         self._gone_limit = gone_limit
@@ -136,6 +139,13 @@ class SessionManager:
         session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events, self.spec.max_pending_events)
         # The directory entry is written with the slot, in the same atomic step.
         record = {**self._record(session), "state": SessionState.ACTIVE.value}
+        if self.admission.applies(kind):
+            try:
+                self.admission.check(kind, self.realtime_sessions())
+            except CapacityLimit:
+                self.stats["rejected"] += 1
+                metrics.SESSIONS_REJECTED.labels(kind=kind, reason="capacity").inc()
+                raise
         evicted: set[str] = set()
         while True:
             try:
@@ -161,6 +171,10 @@ class SessionManager:
         metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
         metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
         return session
+
+    def realtime_sessions(self) -> int:
+        """Open sessions on this node of the kinds load-aware admission weighs."""
+        return sum(1 for s in self._sessions.values() if s.kind in self.admission.kinds and s.is_open)
 
     def _eviction_victim(self, exc: SessionLimit, slot: Slot, skip: set[str]) -> Session | None:
         """Longest-detached local session whose slot would make room in the full scope."""
@@ -314,6 +328,8 @@ class SessionManager:
         for s, why in ended:
             log.info("session %s (%s) expired: %s", s.id, s.kind, why)
             await self.end(s, why)
+        if self.admission.spec.enabled:
+            self.admission.observe(self.realtime_sessions())
         live = [s for s in self._sessions.values() if s.is_open]
         try:
             lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])
@@ -380,7 +396,13 @@ class SessionManager:
         by_state: dict[str, int] = {}
         for s in self._sessions.values():
             by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
-        return {"node": self.node_id, "store": self.store.health(), "local": len(self._sessions), "by_state": by_state}
+        return {
+            "node": self.node_id,
+            "store": self.store.health(),
+            "local": len(self._sessions),
+            "by_state": by_state,
+            "realtime_admission": {**self.admission.health(), "open": self.realtime_sessions()},
+        }
 
 
 def _hash_eq(stored_hash: str, token: str) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ class _Recorder(torch.nn.Module):
         return x
 
 
-async def _run_in_engine_order(items: list[tuple[int, float | None, int]]) -> list[int]:
+async def _run_in_engine_order(items: Sequence[tuple[int, float | None, int]]) -> list[int]:
     """items: (id, deadline or None, priority). Returns the ids in the order run."""
     module = _Recorder()
     engine = TorchEngine(lambda: module, name="edf", max_batch=1, max_wait_ms=0.0)
@@ -72,7 +73,7 @@ async def test_the_engine_runs_its_queue_earliest_deadline_first():
 def test_the_decoder_dates_first_chunks_by_the_budget_and_later_ones_by_playback():
     now = [100.0]
     c = ChunkingSpec()
-    dec = StreamingDecoder(lambda *a, **k: None, c, clock=lambda: now[0])  # type: ignore[arg-type,return-value]
+    dec = StreamingDecoder(lambda *a, **k: None, c, clock=lambda: now[0])  # type: ignore[arg-type]
     assert dec.deadline(0) == pytest.approx(100.0 + c.first_chunk_budget_ms / 1000)
     dec._play_end = 100.4  # 400 ms of audio left to play
     assert dec.deadline(5) == pytest.approx(100.4)

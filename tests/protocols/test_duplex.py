@@ -383,3 +383,26 @@ async def test_a_paced_answer_has_no_hole_while_the_generator_keeps_up(speed):
         gaps = [round((b - a) * 1000) for a, b in itertools.pairwise(t)]
         assert max(gaps) <= 100, [(i, g) for i, g in enumerate(gaps) if g > 100]
         await c.close()
+
+
+async def test_a_paced_answer_generated_just_faster_than_real_time_plays_without_a_stall():
+    """The fake talker (one codec frame, 85 ms of audio, per engine step) 1.1× faster
+    than real time: a client playing the paced binary audio as it arrives hears no hole
+    longer than 100 ms in the whole answer (the bench's own stall measure). On the
+    server's real clock; tests/test_tts_pipeline.py checks the decoder's chunking on a
+    virtual one. At 0.7× this measure finds a hole of ~1.9 s."""
+    from latency_bench.duplex import _ws_stall_ms
+
+    token_s = 2048 / 24000 / 1.1
+    async with serve(["voice"], speeds=Speeds(token_s=token_s)) as h2:
+        c = await connect(h2)
+        await c.update(turn_detection=None, audio={"output": {"transport": "binary", "pacing": "realtime"}})
+        await ask(c, "Tell me a long story", 24)
+        seen: list = []
+        done = await c.until("response.done", seen, timeout=60)
+        chunks = [(e["_t"], len(e["audio"]) // 2) for e in seen if e["type"] == "audio.binary"]
+        audio_s = sum(n for _, n in chunks) / 24000
+        assert done["response"]["status"] == "completed" and audio_s > 1.0, audio_s
+        stalls = _ws_stall_ms(chunks)
+        assert max(stalls, default=0.0) <= 100, stalls
+        await c.close()

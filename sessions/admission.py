@@ -1,0 +1,102 @@
+"""Load-aware admission: refuse a real-time session the server cannot serve in real time.
+
+The static caps (`max_total`, `max_per_kind`) say how many sessions a box may hold;
+they cannot say whether the next voice session will still hear an unbroken answer.
+`RealtimeAdmission` decides that from what the streams measure (`omni_rt.load`):
+
+- `now`: the worst generation real-time factor among the streams that emitted audio
+  in the last `window_s` (None when nothing spoke lately);
+- the per-session cost: the slope of that RTF against the number of real-time
+  sessions admitted, fitted by least squares over the samples of the last
+  `window_s × 6` (one a reaper pass, and one at each decision), once they span at
+  least two session counts and the fit is positive; until then the prior
+  `session_cost_rtf`. The slope folds in how much of the time sessions speak (a
+  duty cycle the server observes rather than assumes), and never counts for less than
+  `min_session_cost_rtf`.
+
+One more session is admitted when `now + cost` (or `(n + 1) × cost` when nothing was
+measured lately) stays under `target_rtf`; once it refuses, it admits again only
+under `target_rtf - hysteresis`, so a server at the edge does not flap between
+admitting and refusing. The first `min_sessions` sessions are always admitted. A
+refusal is `CapacityLimit`: the `session_limit` family's 429 / close 1013 with code
+`capacity`, its own `retry-after` and the `omni_rt_sessions_rejected_total{reason=
+"capacity"}` metric.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from omni_rt.load import GENERATION, RtfMeter
+from omni_rt.specs import RealtimeAdmissionSpec
+from sessions.errors import CapacityLimit
+
+__all__ = ["RealtimeAdmission"]
+
+
+class RealtimeAdmission:
+    def __init__(
+        self,
+        spec: RealtimeAdmissionSpec,
+        meter: RtfMeter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.spec = spec
+        self.meter = meter if meter is not None else GENERATION
+        self.clock = clock
+        self.kinds = frozenset(spec.kinds)
+        self._samples: deque[tuple[float, int, float]] = deque()  # (time, sessions, worst rtf)
+        self.refusing = False
+        self.last: dict[str, Any] = {}
+
+    def applies(self, kind: str) -> bool:
+        return self.spec.enabled and kind in self.kinds
+
+    def observe(self, sessions: int) -> float | None:
+        """Take one sample (sessions admitted, worst RTF now); returns the RTF."""
+        now = self.clock()
+        rtf = self.meter.worst()  # on the meter's own clock, like the streams it measured
+        if rtf is not None:
+            self._samples.append((now, sessions, rtf))
+        horizon = now - 6 * self.spec.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+        return rtf
+
+    def cost(self) -> tuple[float, str]:
+        """What one more session adds to the RTF, and where the figure comes from."""
+        xs = [n for _, n, _ in self._samples]
+        if len(set(xs)) >= 2:
+            ys = [r for _, _, r in self._samples]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            sxx = sum((x - mx) ** 2 for x in xs)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+            if slope > 0:
+                return max(slope, self.spec.min_session_cost_rtf), "measured"
+        return self.spec.session_cost_rtf, "prior"
+
+    def check(self, kind: str, sessions: int) -> None:
+        """Admit one more `kind` session next to `sessions` real-time ones, or raise
+        CapacityLimit."""
+        rtf = self.observe(sessions)
+        cost, source = self.cost()
+        predicted = rtf + cost if rtf is not None else (sessions + 1) * cost
+        limit = self.spec.target_rtf - (self.spec.hysteresis if self.refusing else 0.0)
+        admit = sessions < self.spec.min_sessions or predicted <= limit + 1e-9
+        self.refusing = not admit
+        self.last = {
+            "sessions": sessions,
+            "rtf_now": rtf,
+            "session_cost_rtf": round(cost, 4),
+            "cost_from": source,
+            "predicted_rtf": round(predicted, 4),
+            "admitting": admit,
+        }
+        if not admit:
+            raise CapacityLimit(kind, sessions, predicted, self.spec.target_rtf, self.spec.retry_after_s)
+
+    def health(self) -> dict[str, Any]:
+        return {"enabled": self.spec.enabled, "target_rtf": self.spec.target_rtf, "refusing": self.refusing, **self.last}

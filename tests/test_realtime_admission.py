@@ -1,0 +1,124 @@
+"""Load-aware admission of real-time sessions, on a synthetic per-session cost.
+
+The meter is fed streams whose generation RTF is what a server with a fixed cost and
+a per-session cost would measure (`base + per × sessions`), on a virtual clock; the
+session manager then decides each new voice session from those measurements.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_rt.load import RtfMeter
+from omni_rt.specs import RealtimeAdmissionSpec, SessionsSpec
+from sessions import SessionManager
+from sessions.errors import CapacityLimit, SessionLimit
+
+
+class World:
+    def __init__(self, base: float, per: float, **spec) -> None:
+        self.t = [0.0]
+        self.base, self.per = base, per
+        self.meter = RtfMeter(window_s=10.0, clock=lambda: self.t[0])
+        self.m = SessionManager(SessionsSpec(realtime_admission=RealtimeAdmissionSpec(**spec)), clock=lambda: self.t[0])
+        self.m.admission.meter = self.meter
+
+    def rtf(self, sessions: int) -> float:
+        return self.base + self.per * sessions
+
+    def speak(self) -> float:
+        """Every admitted session answers once at the RTF its count gives; one sample."""
+        n = self.m.realtime_sessions()
+        r = self.rtf(n)
+        for _ in range(n):
+            key = self.meter.new_stream()
+            self.meter.chunk(key, 0.1, self.t[0])  # the first chunk
+            self.meter.chunk(key, 1.0, self.t[0] + r)  # 1 s of audio generated in r seconds
+        self.t[0] += 1.0
+        self.m.admission.observe(n)
+        return r
+
+
+async def test_the_session_that_would_break_real_time_is_refused_with_retry_after_and_admission_reopens():
+    w = World(base=0.2, per=0.05, target_rtf=0.8, hysteresis=0.1, retry_after_s=7)
+    admitted = []
+    refused = None
+    for _ in range(40):
+        try:
+            admitted.append(await w.m.open("duplex", principal="p"))
+        except CapacityLimit as exc:
+            refused = exc
+            break
+        w.speak()
+    assert refused is not None, "every session was admitted"
+    n = len(admitted)
+    # the measured slope is the synthetic per-session cost: 0.2 + 0.05 × 12 = 0.8 ≤ 0.8
+    assert n == 12
+    assert w.rtf(n) < 1.0 and w.rtf(n) <= 0.8  # every admitted session generates faster than real time
+    assert w.m.admission.last["cost_from"] == "measured"
+    assert w.m.admission.last["session_cost_rtf"] == pytest.approx(0.05, abs=1e-6)
+    assert isinstance(refused, SessionLimit) and refused.code == "capacity" and refused.http_status == 429
+    assert refused.headers["retry-after"] == "7"
+    assert "real-time capacity" in str(refused)
+    assert w.m.stats["rejected"] == 1
+    # one session ends: once the streams of the busier seconds leave the window,
+    # 0.75 + 0.05 would fit under 0.8, but not under 0.8 - 0.1 (hysteresis)
+    await w.m.close(admitted.pop().id)
+    w.t[0] += 11.0
+    w.speak()
+    with pytest.raises(CapacityLimit):
+        await w.m.open("duplex", principal="p")
+    # two more end: 0.55 + 0.05 = 0.6 <= 0.7, admission reopens
+    for _ in range(2):
+        await w.m.close(admitted.pop().id)
+    w.t[0] += 11.0
+    w.speak()
+    again = await w.m.open("webrtc", principal="p")
+    assert w.m.admission.refusing is False and again.kind == "webrtc"
+    await w.m.stop()
+
+
+async def test_before_anything_is_measured_the_prior_cost_bounds_voice_sessions_and_other_kinds_are_not_weighed():
+    w = World(base=0.0, per=0.0, session_cost_rtf=0.1, target_rtf=0.8)
+    for _ in range(8):
+        await w.m.open("realtime")  # the 8th: 8 × 0.1 = 0.8 fits
+    with pytest.raises(CapacityLimit) as exc:
+        await w.m.open("realtime")  # 9 × 0.1 would not
+    assert w.m.admission.last["cost_from"] == "prior"
+    assert exc.value.cap == 8 and w.m.realtime_sessions() == 8
+    for _ in range(5):
+        await w.m.open("oneshot")  # not a real-time kind: the caps alone decide
+        await w.m.open("robot")
+    await w.m.stop()
+
+
+async def test_min_sessions_are_always_admitted_and_disabled_admission_refuses_nothing():
+    w = World(base=2.0, per=0.0, min_sessions=2)  # a server slower than real time even idle
+    key = w.meter.new_stream()
+    w.meter.chunk(key, 0.1, 0.0)
+    w.meter.chunk(key, 1.0, 2.0)
+    await w.m.open("duplex")
+    await w.m.open("duplex")
+    with pytest.raises(CapacityLimit):
+        await w.m.open("duplex")
+    await w.m.stop()
+    off = World(base=2.0, per=0.0, enabled=False)
+    key = off.meter.new_stream()
+    off.meter.chunk(key, 0.1, 0.0)
+    off.meter.chunk(key, 1.0, 2.0)
+    for _ in range(20):
+        await off.m.open("duplex")
+    await off.m.stop()
+
+
+def test_the_meter_measures_rtf_after_the_first_chunk_and_forgets_old_streams():
+    t = [0.0]
+    meter = RtfMeter(window_s=5.0, clock=lambda: t[0])
+    k = meter.new_stream()
+    meter.chunk(k, 0.085, 0.3)  # the first chunk waited for its lookahead: not counted
+    assert meter.worst() is None
+    meter.chunk(k, 1.0, 0.8)
+    meter.chunk(k, 1.0, 1.3)
+    assert meter.worst() == pytest.approx(0.5)
+    t[0] = 7.0
+    assert meter.worst() is None  # nothing emitted in the last 5 s
