@@ -174,6 +174,11 @@ async def serve(
         else:
             data[key] = value
     clock = FakeClock()
+    # The generation meter is process-wide (one server per process in production):
+    # streams an earlier in-process server measured must not decide this one's admissions.
+    from omni_rt.load import GENERATION
+
+    GENERATION.clear()
     parsed = parse_overlay(data, "test harness")
     app = create_app(
         parsed,
