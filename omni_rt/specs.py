@@ -279,6 +279,10 @@ class RealtimeAdmissionSpec(_Strict):
         0.01, gt=0, le=1.0, description="the measured per-session cost is never taken as lower than this"
     )
     window_s: float = Field(default=10.0, gt=0, le=600, description="streams that emitted audio this recently are measured")
+    new_session_s: float = Field(default=
+        10.0, ge=0, le=600, description="a session open less than this long has not shown its load yet: it is charged the per-session cost "
+        "on top of what is measured (and left out of the fit)"
+    )
     min_sessions: int = Field(default=1, ge=0, description="this many sessions are always admitted, whatever is measured")
     retry_after_s: int = Field(default=5, ge=1, le=3600, description="retry-after sent with a capacity refusal")
 

@@ -14,8 +14,10 @@ they cannot say whether the next voice session will still hear an unbroken answe
   duty cycle the server observes rather than assumes), and never counts for less than
   `min_session_cost_rtf`.
 
-One more session is admitted when `now + cost` (or `(n + 1) × cost` when nothing was
-measured lately) stays under `target_rtf`; once it refuses, it admits again only
+A session open less than `new_session_s` has not shown its load yet (its user is
+still speaking the first turn): it is left out of the fit and charged the cost on top
+of what is measured. One more session is admitted when `now + cost × (new + 1)` (or
+`(n + new + 1) × cost` when nothing was measured lately) stays under `target_rtf`; once it refuses, it admits again only
 under `target_rtf - hysteresis`, so a server at the edge does not flap between
 admitting and refusing. The first `min_sessions` sessions are always admitted. A
 refusal is `CapacityLimit`: the `session_limit` family's 429 / close 1013 with code
@@ -78,17 +80,18 @@ class RealtimeAdmission:
                 return max(slope, self.spec.min_session_cost_rtf), "measured"
         return self.spec.session_cost_rtf, "prior"
 
-    def check(self, kind: str, sessions: int) -> None:
-        """Admit one more `kind` session next to `sessions` real-time ones, or raise
-        CapacityLimit."""
+    def check(self, kind: str, sessions: int, new: int = 0) -> None:
+        """Admit one more `kind` session next to `sessions` established real-time ones
+        and `new` ones that have not shown their load yet, or raise CapacityLimit."""
         rtf = self.observe(sessions)
         cost, source = self.cost()
-        predicted = rtf + cost if rtf is not None else (sessions + 1) * cost
+        predicted = rtf + cost * (new + 1) if rtf is not None else (sessions + new + 1) * cost
         limit = self.spec.target_rtf - (self.spec.hysteresis if self.refusing else 0.0)
-        admit = sessions < self.spec.min_sessions or predicted <= limit + 1e-9
+        admit = sessions + new < self.spec.min_sessions or predicted <= limit + 1e-9
         self.refusing = not admit
         self.last = {
             "sessions": sessions,
+            "new_sessions": new,
             "rtf_now": rtf,
             "session_cost_rtf": round(cost, 4),
             "cost_from": source,
@@ -96,7 +99,7 @@ class RealtimeAdmission:
             "admitting": admit,
         }
         if not admit:
-            raise CapacityLimit(kind, sessions, predicted, self.spec.target_rtf, self.spec.retry_after_s)
+            raise CapacityLimit(kind, sessions + new, predicted, self.spec.target_rtf, self.spec.retry_after_s)
 
     def health(self) -> dict[str, Any]:
         return {"enabled": self.spec.enabled, "target_rtf": self.spec.target_rtf, "refusing": self.refusing, **self.last}

@@ -141,7 +141,7 @@ class SessionManager:
         record = {**self._record(session), "state": SessionState.ACTIVE.value}
         if self.admission.applies(kind):
             try:
-                self.admission.check(kind, self.realtime_sessions())
+                self.admission.check(kind, *self._realtime_split())
             except CapacityLimit:
                 self.stats["rejected"] += 1
                 metrics.SESSIONS_REJECTED.labels(kind=kind, reason="capacity").inc()
@@ -175,6 +175,20 @@ class SessionManager:
     def realtime_sessions(self) -> int:
         """Open sessions on this node of the kinds load-aware admission weighs."""
         return sum(1 for s in self._sessions.values() if s.kind in self.admission.kinds and s.is_open)
+
+    def _realtime_split(self) -> tuple[int, int]:
+        """(established, new) open real-time sessions: new ones opened less than
+        `realtime_admission.new_session_s` ago and have not shown their load yet."""
+        now = self.clock()
+        young = self.admission.spec.new_session_s
+        est = new = 0
+        for s in self._sessions.values():
+            if s.kind in self.admission.kinds and s.is_open:
+                if now - s.opened_at < young:
+                    new += 1
+                else:
+                    est += 1
+        return est, new
 
     def _eviction_victim(self, exc: SessionLimit, slot: Slot, skip: set[str]) -> Session | None:
         """Longest-detached local session whose slot would make room in the full scope."""
@@ -329,7 +343,7 @@ class SessionManager:
             log.info("session %s (%s) expired: %s", s.id, s.kind, why)
             await self.end(s, why)
         if self.admission.spec.enabled:
-            self.admission.observe(self.realtime_sessions())
+            self.admission.observe(self._realtime_split()[0])
         live = [s for s in self._sessions.values() if s.is_open]
         try:
             lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])

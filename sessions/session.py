@@ -93,6 +93,7 @@ class Session:
         self.turn = 0
         self._fence: Fence | None = None
         self.created_at = time.time()
+        self.opened_at = manager.clock()  # on the manager's clock (leases, load-aware admission)
         self.last_active = manager.clock()
         self.detached_at: float | None = None
         self.close_reason: str | None = None

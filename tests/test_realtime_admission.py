@@ -40,7 +40,7 @@ class World:
 
 
 async def test_the_session_that_would_break_real_time_is_refused_with_retry_after_and_admission_reopens():
-    w = World(base=0.2, per=0.05, target_rtf=0.8, hysteresis=0.1, retry_after_s=7)
+    w = World(base=0.2, per=0.05, target_rtf=0.8, hysteresis=0.1, retry_after_s=7, new_session_s=0)
     admitted = []
     refused = None
     for _ in range(40):
@@ -109,6 +109,29 @@ async def test_min_sessions_are_always_admitted_and_disabled_admission_refuses_n
     for _ in range(20):
         await off.m.open("duplex")
     await off.m.stop()
+
+
+async def test_sessions_that_have_not_spoken_yet_are_charged_on_top_of_what_is_measured():
+    """Sessions arriving faster than their load shows: the measured RTF reflects the
+    established ones only, so each new one is charged the cost until it is
+    `new_session_s` old."""
+    w = World(base=0.2, per=0.05, target_rtf=0.8, hysteresis=0.0, new_session_s=5.0, session_cost_rtf=0.1)
+    for _ in range(3):
+        await w.m.open("duplex")
+    w.t[0] += 6.0
+    assert w.speak() == pytest.approx(0.35)  # 3 established sessions; one session count seen: the prior cost
+    admitted = 0
+    with pytest.raises(CapacityLimit) as exc:
+        while True:  # all at once, none has spoken yet: 0.35 + 0.1 × (new + 1) <= 0.8
+            await w.m.open("duplex")
+            admitted += 1
+    assert admitted == 4 and exc.value.cap == 7  # charging only the next one (0.35 + 0.1) would never refuse
+    assert w.m.admission.last == {**w.m.admission.last, "new_sessions": 4, "cost_from": "prior"}
+    w.t[0] += 6.0  # established now, and they speak: 0.2 + 0.05 × 7 = 0.55 measured, the slope fitted
+    w.speak()
+    await w.m.open("duplex")  # 0.55 + 0.05 <= 0.8
+    assert w.m.admission.last["cost_from"] == "measured" and w.m.admission.last["session_cost_rtf"] == pytest.approx(0.05)
+    await w.m.stop()
 
 
 def test_the_meter_measures_rtf_after_the_first_chunk_and_forgets_old_streams():
