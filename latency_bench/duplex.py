@@ -385,7 +385,7 @@ async def run_ramp(transport: str, base: str, key: str | None, up_to: int, every
                 try:
                     h = (await http.get(base + "/health", headers=headers)).json()
                     adm = h.get("sessions", {}).get("realtime_admission", {})
-                    polls.append({"t": time.monotonic(), **{k: adm.get(k) for k in ("open", "sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "refusing")}})
+                    polls.append({"t": time.monotonic(), **{k: adm.get(k) for k in ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "refusing")}})
                 except (httpx.HTTPError, ValueError):
                     pass
                 try:

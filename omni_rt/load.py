@@ -1,4 +1,5 @@
-"""How fast the serving path generates audio, as the streams themselves see it.
+"""How loaded the serving path is: how fast it generates audio, as the streams
+themselves see it, and how busy the machine's CPUs are with this server.
 
 Each streaming audio decoder (`pipelines.tts.StreamingDecoder`) reports every chunk it
 emits to `GENERATION`, a process-wide `RtfMeter`. A stream's generation real-time
@@ -7,17 +8,26 @@ after the first chunk (the first chunk waits for its lookahead frames and would 
 that wait twice): 0.5 means the stream is generated twice as fast as it plays, above
 1 its listener hears holes. The meter keeps the streams that emitted within the last
 `window_s`, and `worst()` is what load-aware admission reads: the slowest of them.
+
+`CpuMeter` is the other half: the CPU time of this process and every process it
+started (vLLM's engine cores and workers included) over the last `window_s`, as a
+fraction of the CPUs this process may run on. Generation speed degrades gently until
+the cores are saturated and then falls off a cliff (every stage waits for a core), so
+admission also keeps this under a bound rather than trusting a straight-line fit of
+the RTF up to the cliff.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["GENERATION", "RtfMeter", "StreamRtf"]
+__all__ = ["GENERATION", "CpuMeter", "RtfMeter", "StreamRtf", "tree_cpu_seconds"]
 
 
 @dataclass
@@ -78,3 +88,56 @@ class RtfMeter:
 
 
 GENERATION = RtfMeter()
+
+
+def tree_cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its live descendants."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class CpuMeter:
+    """Busy fraction of this server's CPUs over the last `window_s` (None until two
+    readings at least a second apart). A process that exits takes its CPU time with it:
+    a reading that goes back is taken as a new start."""
+
+    def __init__(
+        self,
+        window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        read: Callable[[], float] = tree_cpu_seconds,
+        cpus: int | None = None,
+    ) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self.read = read
+        self.cpus = cpus or usable_cpus()
+        self._readings: deque[tuple[float, float]] = deque()
+
+    def utilisation(self) -> float | None:
+        t, cpu = self.clock(), self.read()
+        if self._readings and cpu < self._readings[-1][1]:
+            self._readings.clear()
+        self._readings.append((t, cpu))
+        while len(self._readings) > 2 and t - self._readings[1][0] >= self.window_s:
+            self._readings.popleft()
+        t0, c0 = self._readings[0]
+        if t - t0 < 1.0:
+            return None
+        return (cpu - c0) / (t - t0) / self.cpus

@@ -283,6 +283,13 @@ class RealtimeAdmissionSpec(_Strict):
         10.0, ge=0, le=600, description="a session open less than this long has not shown its load yet: it is charged the per-session cost "
         "on top of what is measured (and left out of the fit)"
     )
+    max_cpu_utilisation: float | None = Field(default=
+        0.85, gt=0, le=1.0, description="the busy fraction of this server's CPUs (its engine processes included) one more session may "
+        "bring it to; null: not weighed (a GPU box whose CPUs are not the bottleneck)"
+    )
+    session_cost_cpu: float = Field(default=
+        0.05, gt=0, le=1.0, description="what one more session adds to the CPU busy fraction until the server has measured it"
+    )
     min_sessions: int = Field(default=1, ge=0, description="this many sessions are always admitted, whatever is measured")
     retry_after_s: int = Field(default=5, ge=1, le=3600, description="retry-after sent with a capacity refusal")
 

@@ -32,11 +32,24 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from omni_rt.load import GENERATION, RtfMeter
+from omni_rt.load import GENERATION, CpuMeter, RtfMeter
 from omni_rt.specs import RealtimeAdmissionSpec
 from sessions.errors import CapacityLimit
 
-__all__ = ["RealtimeAdmission"]
+__all__ = ["CPU_WINDOW_S", "RealtimeAdmission"]
+
+CPU_WINDOW_S = 3.0  # the CPU busy fraction is read over this recent a span: saturation shows within seconds
+
+
+def _slope(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of y against x, None until x takes two values."""
+    xs = [x for x, _ in points]
+    if len(set(xs)) < 2:
+        return None
+    ys = [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
 
 
 class RealtimeAdmission:
@@ -45,49 +58,60 @@ class RealtimeAdmission:
         spec: RealtimeAdmissionSpec,
         meter: RtfMeter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cpu: CpuMeter | None = None,
     ) -> None:
         self.spec = spec
         self.meter = meter if meter is not None else GENERATION
+        self.cpu = cpu if cpu is not None else CpuMeter(CPU_WINDOW_S)
         self.clock = clock
         self.kinds = frozenset(spec.kinds)
-        self._samples: deque[tuple[float, int, float]] = deque()  # (time, sessions, worst rtf)
+        # (time, established sessions, worst rtf or None, cpu busy fraction or None)
+        self._samples: deque[tuple[float, int, float | None, float | None]] = deque()
         self.refusing = False
         self.last: dict[str, Any] = {}
 
     def applies(self, kind: str) -> bool:
         return self.spec.enabled and kind in self.kinds
 
-    def observe(self, sessions: int) -> float | None:
-        """Take one sample (sessions admitted, worst RTF now); returns the RTF."""
+    def observe(self, sessions: int) -> tuple[float | None, float | None]:
+        """Take one sample (established sessions, worst RTF now, CPU busy fraction)."""
         now = self.clock()
         rtf = self.meter.worst()  # on the meter's own clock, like the streams it measured
-        if rtf is not None:
-            self._samples.append((now, sessions, rtf))
+        cpu = self.cpu.utilisation() if self.spec.max_cpu_utilisation is not None else None
+        self._samples.append((now, sessions, rtf, cpu))
         horizon = now - 6 * self.spec.window_s
         while self._samples and self._samples[0][0] < horizon:
             self._samples.popleft()
-        return rtf
+        return rtf, cpu
 
     def cost(self) -> tuple[float, str]:
         """What one more session adds to the RTF, and where the figure comes from."""
-        xs = [n for _, n, _ in self._samples]
-        if len(set(xs)) >= 2:
-            ys = [r for _, _, r in self._samples]
-            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            sxx = sum((x - mx) ** 2 for x in xs)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-            if slope > 0:
-                return max(slope, self.spec.min_session_cost_rtf), "measured"
+        slope = _slope([(n, r) for _, n, r, _ in self._samples if r is not None])
+        if slope is not None and slope > 0:
+            return max(slope, self.spec.min_session_cost_rtf), "measured"
         return self.spec.session_cost_rtf, "prior"
+
+    def cpu_cost(self) -> tuple[float, str]:
+        """What one more session adds to the CPU busy fraction."""
+        slope = _slope([(n, c) for _, n, _, c in self._samples if c is not None])
+        if slope is not None and slope > 0:
+            return max(slope, self.spec.min_session_cost_rtf), "measured"
+        return self.spec.session_cost_cpu, "prior"
 
     def check(self, kind: str, sessions: int, new: int = 0) -> None:
         """Admit one more `kind` session next to `sessions` established real-time ones
         and `new` ones that have not shown their load yet, or raise CapacityLimit."""
-        rtf = self.observe(sessions)
+        rtf, cpu = self.observe(sessions)
         cost, source = self.cost()
         predicted = rtf + cost * (new + 1) if rtf is not None else (sessions + new + 1) * cost
-        limit = self.spec.target_rtf - (self.spec.hysteresis if self.refusing else 0.0)
-        admit = sessions + new < self.spec.min_sessions or predicted <= limit + 1e-9
+        margin = self.spec.hysteresis if self.refusing else 0.0
+        fits = predicted <= self.spec.target_rtf - margin + 1e-9
+        predicted_cpu = None
+        if self.spec.max_cpu_utilisation is not None and cpu is not None:
+            ccost, csource = self.cpu_cost()
+            predicted_cpu = cpu + ccost * (new + 1)
+            fits = fits and predicted_cpu <= self.spec.max_cpu_utilisation - margin + 1e-9
+        admit = sessions + new < self.spec.min_sessions or fits
         self.refusing = not admit
         self.last = {
             "sessions": sessions,
@@ -96,10 +120,16 @@ class RealtimeAdmission:
             "session_cost_rtf": round(cost, 4),
             "cost_from": source,
             "predicted_rtf": round(predicted, 4),
+            "cpu_now": None if cpu is None else round(cpu, 4),
+            "predicted_cpu": None if predicted_cpu is None else round(predicted_cpu, 4),
             "admitting": admit,
         }
         if not admit:
-            raise CapacityLimit(kind, sessions + new, predicted, self.spec.target_rtf, self.spec.retry_after_s)
+            raise CapacityLimit(
+                kind, sessions + new, predicted, self.spec.target_rtf, self.spec.retry_after_s,
+                cpu=predicted_cpu, max_cpu=self.spec.max_cpu_utilisation,
+            )
 
     def health(self) -> dict[str, Any]:
-        return {"enabled": self.spec.enabled, "target_rtf": self.spec.target_rtf, "refusing": self.refusing, **self.last}
+        return {"enabled": self.spec.enabled, "target_rtf": self.spec.target_rtf, "max_cpu_utilisation": self.spec.max_cpu_utilisation,
+                "refusing": self.refusing, **self.last}

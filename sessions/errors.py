@@ -46,11 +46,22 @@ class CapacityLimit(SessionLimit):
 
     code = "capacity"
 
-    def __init__(self, kind: str, sessions: int, predicted_rtf: float, target_rtf: float, retry_after_s: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        sessions: int,
+        predicted_rtf: float,
+        target_rtf: float,
+        retry_after_s: int,
+        *,
+        cpu: float | None = None,
+        max_cpu: float | None = None,
+    ) -> None:
+        cpus = f", its CPUs {cpu:.0%} busy (at most {max_cpu:.0%})" if cpu is not None and max_cpu is not None else ""
         SessionError.__init__(
             self,
             f"Server at real-time capacity: with {sessions} '{kind}'-class session(s) running, one more would generate at "
-            f"{predicted_rtf:.2f}x real time (target {target_rtf:.2f}); retry in {retry_after_s} s.",
+            f"{predicted_rtf:.2f}x real time (target {target_rtf:.2f}){cpus}; retry in {retry_after_s} s.",
             headers={"retry-after": str(retry_after_s)},
         )
         self.scope = "capacity"

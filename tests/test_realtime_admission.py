@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_rt.load import RtfMeter
+from omni_rt.load import CpuMeter, RtfMeter
 from omni_rt.specs import RealtimeAdmissionSpec, SessionsSpec
 from sessions import SessionManager
 from sessions.errors import CapacityLimit, SessionLimit
@@ -22,6 +22,8 @@ class World:
         self.meter = RtfMeter(window_s=10.0, clock=lambda: self.t[0])
         self.m = SessionManager(SessionsSpec(realtime_admission=RealtimeAdmissionSpec(**spec)), clock=lambda: self.t[0])
         self.m.admission.meter = self.meter
+        self.cpu_s = [0.0]  # CPU seconds the fake server tree has used
+        self.m.admission.cpu = CpuMeter(3.0, clock=lambda: self.t[0], read=lambda: self.cpu_s[0], cpus=2)
 
     def rtf(self, sessions: int) -> float:
         return self.base + self.per * sessions
@@ -132,6 +134,39 @@ async def test_sessions_that_have_not_spoken_yet_are_charged_on_top_of_what_is_m
     await w.m.open("duplex")  # 0.55 + 0.05 <= 0.8
     assert w.m.admission.last["cost_from"] == "measured" and w.m.admission.last["session_cost_rtf"] == pytest.approx(0.05)
     await w.m.stop()
+
+
+async def test_the_cpu_guard_refuses_before_the_cores_saturate_even_when_the_rtf_looks_fine():
+    """Generation speed holds until the cores are saturated, then falls off a cliff:
+    a fit of the RTF alone would admit past it. Each session here costs 10 % of two
+    CPUs and barely moves the RTF; the guard stops at 85 % busy."""
+    w = World(base=0.2, per=0.001, new_session_s=0, max_cpu_utilisation=0.85, hysteresis=0.05)
+    n_ok = 0
+    with pytest.raises(CapacityLimit) as exc:
+        for _ in range(40):
+            await w.m.open("duplex")
+            n_ok += 1
+            n = w.m.realtime_sessions()
+            for _ in range(4):  # four seconds at 10 % of 2 CPUs per session
+                w.cpu_s[0] += 0.1 * n * 2
+                w.speak()
+    assert n_ok == 8  # 8 × 10 % = 80 % busy, and a 9th would make 90 %
+    assert w.m.admission.last["predicted_cpu"] == pytest.approx(0.9, abs=0.02)
+    assert w.m.admission.last["predicted_rtf"] < 0.8  # the RTF alone would have admitted it
+    assert "CPUs 90% busy (at most 85%)" in str(exc.value)
+    await w.m.stop()
+
+
+def test_the_cpu_meter_reads_the_busy_fraction_over_its_window():
+    t, used = [0.0], [0.0]
+    m = CpuMeter(5.0, clock=lambda: t[0], read=lambda: used[0], cpus=2)
+    assert m.utilisation() is None  # one reading
+    t[0], used[0] = 2.0, 2.0
+    assert m.utilisation() == pytest.approx(0.5)  # 2 CPU-s in 2 s of 2 CPUs
+    t[0], used[0] = 10.0, 2.0  # idle since: the old readings leave the window
+    assert m.utilisation() == pytest.approx(0.0)
+    used[0] = 1.0  # a child exited and took its CPU time along: start over
+    assert m.utilisation() is None
 
 
 def test_the_meter_measures_rtf_after_the_first_chunk_and_forgets_old_streams():

@@ -164,7 +164,7 @@ async def serve(
     from omni_rt.server import create_app, runner_options
 
     wanted = set(pipelines)
-    data: dict[str, Any] = {"pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()}, "sessions": {"reaper_interval_s": 60}}
+    data: dict[str, Any] = {"pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()}, "sessions": {"reaper_interval_s": 60, "realtime_admission": {"max_cpu_utilisation": None}}}
     for key, value in (overlay or {}).items():
         if isinstance(value, Mapping) and isinstance(data.get(key), dict):
             merged = dict(data[key])
@@ -174,6 +174,8 @@ async def serve(
         else:
             data[key] = value
     clock = FakeClock()
+    # The CPU guard of load-aware admission is off: it would weigh the test process's own
+    # CPU (tests that want it set sessions.realtime_admission.max_cpu_utilisation).
     # The generation meter is process-wide (one server per process in production):
     # streams an earlier in-process server measured must not decide this one's admissions.
     from omni_rt.load import GENERATION
