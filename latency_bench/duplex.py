@@ -354,6 +354,9 @@ async def _refusing_session(transport: str, base: str, key: str | None, pcm: byt
     return await fn(base, key, pcm, turns, tokens)
 
 
+HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "refusing")
+
+
 def _stall_stats(turns: list[dict[str, Any]], transport: str) -> dict[str, Any]:
     gaps = [g for t in turns for g in t.get("gaps_ms", [])]
     if transport == "ws":
@@ -385,7 +388,7 @@ async def run_ramp(transport: str, base: str, key: str | None, up_to: int, every
                 try:
                     h = (await http.get(base + "/health", headers=headers)).json()
                     adm = h.get("sessions", {}).get("realtime_admission", {})
-                    polls.append({"t": time.monotonic(), **{k: adm.get(k) for k in ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "refusing")}})
+                    polls.append({"t": time.monotonic(), **{k: adm.get(k) for k in HEALTH_KEYS}})
                 except (httpx.HTTPError, ValueError):
                     pass
                 try:

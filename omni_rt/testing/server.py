@@ -164,7 +164,10 @@ async def serve(
     from omni_rt.server import create_app, runner_options
 
     wanted = set(pipelines)
-    data: dict[str, Any] = {"pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()}, "sessions": {"reaper_interval_s": 60, "realtime_admission": {"max_cpu_utilisation": None}}}
+    data: dict[str, Any] = {
+        "pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()},
+        "sessions": {"reaper_interval_s": 60, "realtime_admission": {"max_cpu_utilisation": None}},
+    }
     for key, value in (overlay or {}).items():
         if isinstance(value, Mapping) and isinstance(data.get(key), dict):
             merged = dict(data[key])
