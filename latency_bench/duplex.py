@@ -33,6 +33,7 @@ from clients.webrtc import CallClient, CallRefused, use_host_addresses
 from latency_bench import finish, machine_info, utc_now
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
+from omni_rt.load import tree_cpu_seconds
 
 SCHEMA = "omni-rt.latency_bench.duplex/1"
 SILENCE = bytes(24000 * 2)
@@ -116,20 +117,7 @@ async def _rtc_session(base: str, key: str | None, pcm: bytes, turns: int, token
 
 
 def _tree_cpu_s(ps: Any) -> float:
-    import psutil
-
-    total = 0.0
-    try:
-        procs = [ps] + ps.children(recursive=True)
-    except psutil.Error:
-        return 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            continue
-    return total
+    return tree_cpu_seconds(ps)
 
 
 async def run_level(transport: str, base: str, key: str | None, sessions: int, turns: int, pcm: bytes, tokens: int, ps: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["GENERATION", "CpuMeter", "RtfMeter", "StreamRtf", "tree_cpu_seconds"]
 
@@ -90,13 +91,18 @@ class RtfMeter:
 GENERATION = RtfMeter()
 
 
-def tree_cpu_seconds() -> float:
-    """User + system CPU seconds of this process and its live descendants."""
+def tree_cpu_seconds(root: Any = None) -> float:
+    """User + system CPU seconds of a process (a `psutil.Process`; default this one)
+    and its live descendants."""
     import psutil
 
-    me = psutil.Process()
+    me = root if root is not None else psutil.Process()
+    try:
+        procs = [me, *me.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
     total = 0.0
-    for p in [me, *me.children(recursive=True)]:
+    for p in procs:
         try:
             t = p.cpu_times()
             total += t.user + t.system
