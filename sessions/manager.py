@@ -173,8 +173,10 @@ class SessionManager:
         return session
 
     def realtime_sessions(self) -> int:
-        """Open sessions on this node of the kinds load-aware admission weighs."""
-        return sum(1 for s in self._sessions.values() if s.kind in self.admission.kinds and s.is_open)
+        """Attached sessions on this node of the kinds load-aware admission weighs. A
+        detached one generates nothing new (what it still runs shows in the measured
+        load); it is weighed again when it resumes."""
+        return sum(1 for s in self._sessions.values() if s.kind in self.admission.kinds and s.state == SessionState.ACTIVE)
 
     def _realtime_split(self) -> tuple[int, int]:
         """(established, new) open real-time sessions: new ones opened less than
@@ -183,7 +185,7 @@ class SessionManager:
         young = self.admission.spec.new_session_s
         est = new = 0
         for s in self._sessions.values():
-            if s.kind in self.admission.kinds and s.is_open:
+            if s.kind in self.admission.kinds and s.state == SessionState.ACTIVE:
                 if now - s.opened_at < young:
                     new += 1
                 else:
