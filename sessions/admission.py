@@ -102,6 +102,11 @@ class RealtimeAdmission:
         """Admit one more `kind` session next to `sessions` established real-time ones
         and `new` ones that have not shown their load yet, or raise CapacityLimit."""
         rtf, cpu = self.observe(sessions)
+        if cpu is not None:
+            # the busiest reading of the window, not the latest: voice load comes in turns,
+            # and a lull between them is not room for more sessions
+            horizon = self.clock() - self.spec.window_s
+            cpu = max(c for t, _, _, c in self._samples if c is not None and t >= horizon)
         cost, source = self.cost()
         predicted = rtf + cost * (new + 1) if rtf is not None else (sessions + new + 1) * cost
         margin = self.spec.hysteresis if self.refusing else 0.0

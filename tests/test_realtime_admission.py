@@ -157,6 +157,25 @@ async def test_the_cpu_guard_refuses_before_the_cores_saturate_even_when_the_rtf
     await w.m.stop()
 
 
+async def test_a_lull_between_turns_is_not_room_for_more_sessions():
+    """The CPU guard weighs the busiest reading of the last window_s: sessions that
+    are quiet for a few seconds between turns still hold their share."""
+    w = World(base=0.2, per=0.001, new_session_s=0, max_cpu_utilisation=0.85, session_cost_cpu=0.05, window_s=10.0)
+    await w.m.open("duplex")
+    for _ in range(4):  # 90 % busy
+        w.cpu_s[0] += 0.9 * 2
+        w.speak()
+    for _ in range(4):  # then a lull: 20 % busy now
+        w.cpu_s[0] += 0.2 * 2
+        w.speak()
+    with pytest.raises(CapacityLimit):
+        await w.m.open("duplex")
+    w.t[0] += 11.0  # the busy readings leave the window
+    w.cpu_s[0] += 0.2 * 2 * 11
+    await w.m.open("duplex")
+    await w.m.stop()
+
+
 def test_the_cpu_meter_reads_the_busy_fraction_over_its_window():
     t, used = [0.0], [0.0]
     m = CpuMeter(5.0, clock=lambda: t[0], read=lambda: used[0], cpus=2)
