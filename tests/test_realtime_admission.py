@@ -12,6 +12,7 @@ import pytest
 from omni_rt.load import CpuMeter, RtfMeter
 from omni_rt.specs import RealtimeAdmissionSpec, SessionsSpec
 from sessions import SessionManager
+from sessions.admission import CPU_WINDOW_S
 from sessions.errors import CapacityLimit, SessionLimit
 
 
@@ -23,7 +24,7 @@ class World:
         self.m = SessionManager(SessionsSpec(realtime_admission=RealtimeAdmissionSpec(**spec)), clock=lambda: self.t[0])
         self.m.admission.meter = self.meter
         self.cpu_s = [0.0]  # CPU seconds the fake server tree has used
-        self.m.admission.cpu = CpuMeter(3.0, clock=lambda: self.t[0], read=lambda: self.cpu_s[0], cpus=2)
+        self.m.admission.cpu = CpuMeter(CPU_WINDOW_S, clock=lambda: self.t[0], read=lambda: self.cpu_s[0], cpus=2)
 
     def rtf(self, sessions: int) -> float:
         return self.base + self.per * sessions
@@ -147,7 +148,7 @@ async def test_the_cpu_guard_refuses_before_the_cores_saturate_even_when_the_rtf
             await w.m.open("duplex")
             n_ok += 1
             n = w.m.realtime_sessions()
-            for _ in range(4):  # four seconds at 10 % of 2 CPUs per session
+            for _ in range(11):  # a window's worth at 10 % of 2 CPUs per session
                 w.cpu_s[0] += 0.1 * n * 2
                 w.speak()
     assert n_ok == 8  # 8 × 10 % = 80 % busy, and a 9th would make 90 %
@@ -158,20 +159,21 @@ async def test_the_cpu_guard_refuses_before_the_cores_saturate_even_when_the_rtf
 
 
 async def test_a_lull_between_turns_is_not_room_for_more_sessions():
-    """The CPU guard weighs the busiest reading of the last window_s: sessions that
-    are quiet for a few seconds between turns still hold their share."""
-    w = World(base=0.2, per=0.001, new_session_s=0, max_cpu_utilisation=0.85, session_cost_cpu=0.05, window_s=10.0)
+    """The CPU busy fraction is the mean of the last CPU_WINDOW_S: sessions that are
+    quiet for a few seconds between turns still hold their share."""
+    w = World(base=0.2, per=0.001, new_session_s=0, max_cpu_utilisation=0.85, session_cost_cpu=0.05)
     await w.m.open("duplex")
-    for _ in range(4):  # 90 % busy
-        w.cpu_s[0] += 0.9 * 2
+    for _ in range(8):  # 100 % busy
+        w.cpu_s[0] += 1.0 * 2
         w.speak()
-    for _ in range(4):  # then a lull: 20 % busy now
+    for _ in range(2):  # then a lull: 20 % busy for two seconds
         w.cpu_s[0] += 0.2 * 2
         w.speak()
     with pytest.raises(CapacityLimit):
-        await w.m.open("duplex")
-    w.t[0] += 11.0  # the busy readings leave the window
-    w.cpu_s[0] += 0.2 * 2 * 11
+        await w.m.open("duplex")  # (8 × 1.0 + 2 × 0.2) / 10 = 84 %, + 5 %: over 85 % (the lull alone: 25 %)
+    for _ in range(10):  # a whole window of the lull
+        w.cpu_s[0] += 0.2 * 2
+        w.speak()
     await w.m.open("duplex")
     await w.m.stop()
 
