@@ -284,7 +284,7 @@ class RealtimeAdmissionSpec(_Strict):
         "on top of what is measured (and left out of the fit)"
     )
     max_cpu_utilisation: float | None = Field(default=
-        0.85, gt=0, le=1.0, description="the busy fraction of this server's CPUs (its engine processes included) one more session may "
+        0.7, gt=0, le=1.0, description="the busy fraction of this server's CPUs (its engine processes included) one more session may "
         "bring it to; null: not weighed (a GPU box whose CPUs are not the bottleneck)"
     )
     session_cost_cpu: float = Field(default=
