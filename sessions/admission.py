@@ -17,9 +17,15 @@ they cannot say whether the next voice session will still hear an unbroken answe
 A session open less than `new_session_s` has not shown its load yet (its user is
 still speaking the first turn): it is left out of the fit and charged the cost on top
 of what is measured. One more session is admitted when `now + cost × (new + 1)` (or
-`(n + new + 1) × cost` when nothing was measured lately) stays under `target_rtf`; once it refuses, it admits again only
-under `target_rtf - hysteresis`, so a server at the edge does not flap between
-admitting and refusing. The first `min_sessions` sessions are always admitted. A
+`(n + new + 1) × cost` when nothing was measured lately) stays under `target_rtf`.
+
+The same prediction is made for the CPU busy fraction of the server's process tree
+(`CpuMeter`, the mean of the last `CPU_WINDOW_S`; its own fitted cost, prior
+`session_cost_cpu`) against `max_cpu_utilisation`: generation speed holds until the
+cores saturate and then falls off a cliff a straight-line RTF fit does not foresee.
+Once it refuses, it admits again only under each bound less `hysteresis`, so a server
+at the edge does not flap between admitting and refusing. Only attached sessions are
+weighed. The first `min_sessions` sessions are always admitted. A
 refusal is `CapacityLimit`: the `session_limit` family's 429 / close 1013 with code
 `capacity`, its own `retry-after` and the `omni_rt_sessions_rejected_total{reason=
 "capacity"}` metric.
