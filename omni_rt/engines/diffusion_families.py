@@ -27,6 +27,7 @@ each chunk's frames conditioned on the clean latents of the frames before it).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -123,6 +124,17 @@ class Family:
     def timesteps(self, rows: list[tuple[DiffusionJob, bool]]) -> torch.Tensor:
         """Each row's job's timestep at its current step (from its own scheduler copy)."""
         return torch.stack([j.state["timesteps"][j.step] for j, _ in rows]).to(self.device)
+
+    def transformer_step(self, batch: list[DiffusionJob], conditioning: Callable[[list[tuple[DiffusionJob, bool]], torch.dtype], dict[str, Any]]) -> None:
+        """One transformer forward over the batch's rows (their latents and timesteps,
+        plus the keyword arguments `conditioning` builds from the rows and the
+        transformer's dtype), then each job's scheduler step with its guided prediction."""
+        tf = self.pipe.transformer
+        rows = self.rows(batch)
+        latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
+        with torch.inference_mode():
+            v = tf(hidden_states=latents, timestep=self.timesteps(rows), return_dict=False, **conditioning(rows, tf.dtype))[0].float()
+        self.scheduler_steps(batch, self.guided(batch, v))
 
     @staticmethod
     def scheduler_steps(batch: list[DiffusionJob], preds: list[torch.Tensor]) -> None:
@@ -272,13 +284,7 @@ class Sd3Family(Family):
         job.state["timesteps"] = list(sched.timesteps)
 
     def step(self, batch: list[DiffusionJob]) -> None:
-        tf = self.pipe.transformer
-        rows = self.rows(batch)
-        latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
-        with torch.inference_mode():
-            v = tf(hidden_states=latents, timestep=self.timesteps(rows), encoder_hidden_states=self.text(rows, 0, tf.dtype),
-                   pooled_projections=self.text(rows, 1, tf.dtype), return_dict=False)[0].float()
-        self.scheduler_steps(batch, self.guided(batch, v))
+        self.transformer_step(batch, lambda rows, dt: {"encoder_hidden_states": self.text(rows, 0, dt), "pooled_projections": self.text(rows, 1, dt)})
 
     def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
         pipe = self.pipe
@@ -332,12 +338,7 @@ class WanFamily(Family):
         job.state["timesteps"] = list(sched.timesteps)
 
     def step(self, batch: list[DiffusionJob]) -> None:
-        tf = self.pipe.transformer
-        rows = self.rows(batch)
-        latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
-        with torch.inference_mode():
-            v = tf(hidden_states=latents, timestep=self.timesteps(rows), encoder_hidden_states=self.text(rows, 0, tf.dtype), return_dict=False)[0].float()
-        self.scheduler_steps(batch, self.guided(batch, v))
+        self.transformer_step(batch, lambda rows, dt: {"encoder_hidden_states": self.text(rows, 0, dt)})
 
     def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
         pipe = self.pipe
@@ -520,15 +521,12 @@ class LtxFamily(Family):
 
     def step(self, batch: list[DiffusionJob]) -> None:
         pipe = self.pipe
-        tf = pipe.transformer
-        rows = self.rows(batch)
         f, h, w = self.latent_shape(batch[0])
-        latents = torch.stack([j.latents for j, _ in rows]).to(tf.dtype)
         scale = (pipe.vae_temporal_compression_ratio / batch[0].fps, pipe.vae_spatial_compression_ratio, pipe.vae_spatial_compression_ratio)
-        with torch.inference_mode():
-            v = tf(hidden_states=latents, encoder_hidden_states=self.text(rows, 0, tf.dtype), timestep=self.timesteps(rows),
-                   encoder_attention_mask=self.text(rows, 1), num_frames=f, height=h, width=w, rope_interpolation_scale=scale, return_dict=False)[0].float()
-        self.scheduler_steps(batch, self.guided(batch, v))
+        self.transformer_step(batch, lambda rows, dt: {
+            "encoder_hidden_states": self.text(rows, 0, dt), "encoder_attention_mask": self.text(rows, 1),
+            "num_frames": f, "height": h, "width": w, "rope_interpolation_scale": scale,
+        })
 
     def decode(self, jobs: list[DiffusionJob]) -> list[np.ndarray]:
         pipe = self.pipe
