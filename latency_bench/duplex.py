@@ -116,16 +116,27 @@ async def _rtc_session(base: str, key: str | None, pcm: bytes, turns: int, token
     return out
 
 
-def _tree_cpu_s(ps: Any) -> float:
-    return tree_cpu_seconds(ps)
+def _session_fn(transport: str) -> Any:
+    return _ws_session if transport == "ws" else _rtc_session
+
+
+def _line(wav: str | None) -> tuple[bytes, str]:
+    """The utterance a session speaks, after a breath of silence (silence follows it on the line)."""
+    pcm, source = utterance(wav)
+    return SILENCE[:9600] + pcm, source
+
+
+def _loopback(transport: str, base: str) -> None:
+    if transport == "webrtc" and ("127.0.0.1" in base or "localhost" in base):
+        use_host_addresses(["127.0.0.1"])
 
 
 async def run_level(transport: str, base: str, key: str | None, sessions: int, turns: int, pcm: bytes, tokens: int, ps: Any) -> dict[str, Any]:
-    fn = _ws_session if transport == "ws" else _rtc_session
-    cpu0, t0 = (_tree_cpu_s(ps) if ps else None), time.monotonic()
+    fn = _session_fn(transport)
+    cpu0, t0 = (tree_cpu_seconds(ps) if ps else None), time.monotonic()
     results = await asyncio.gather(*(fn(base, key, pcm, turns, tokens) for _ in range(sessions)), return_exceptions=True)
     wall = time.monotonic() - t0
-    cpu = _tree_cpu_s(ps) - cpu0 if ps and cpu0 is not None else None
+    cpu = tree_cpu_seconds(ps) - cpu0 if ps and cpu0 is not None else None
     turns_, errors = [], []
     for r in results:
         if isinstance(r, BaseException):
@@ -205,12 +216,10 @@ def histogram_p(text: str, name: str, q: float) -> float | None:
 
 
 def run(transport: str, base: str, key: str | None, levels: list[int], turns: int, tokens: int, wav: str | None, trials: int, ps: Any) -> dict[str, Any]:
-    pcm, source = utterance(wav)
-    pcm = SILENCE[:9600] + pcm  # a breath before the speech; silence follows it on the line
+    pcm, source = _line(wav)
 
     async def go() -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-        if transport == "webrtc":
-            use_host_addresses(["127.0.0.1"]) if "127.0.0.1" in base or "localhost" in base else None
+        _loopback(transport, base)
         await run_level(transport, base, key, 1, 1, pcm, tokens, None)  # warm-up
         lv = [await run_level(transport, base, key, s, turns, pcm, tokens, ps) for s in levels]
         return lv, (await barge_in(transport, base, key, pcm, trials) if trials else None)
@@ -248,12 +257,10 @@ def run(transport: str, base: str, key: str | None, levels: list[int], turns: in
 
 
 def ramp(transport: str, base: str, key: str | None, up_to: int, every_s: float, turns: int, tokens: int, wav: str | None) -> dict[str, Any]:
-    pcm, source = utterance(wav)
-    pcm = SILENCE[:9600] + pcm
+    pcm, source = _line(wav)
 
     async def go() -> dict[str, Any]:
-        if transport == "webrtc":
-            use_host_addresses(["127.0.0.1"]) if "127.0.0.1" in base or "localhost" in base else None
+        _loopback(transport, base)
         await run_level(transport, base, key, 1, 1, pcm, tokens, None)  # warm-up
         return await run_ramp(transport, base, key, up_to, every_s, turns, pcm, tokens)
 
@@ -337,11 +344,6 @@ def _refusal(exc: BaseException) -> dict[str, Any] | None:
     return None
 
 
-async def _refusing_session(transport: str, base: str, key: str | None, pcm: bytes, turns: int, tokens: int) -> list[dict[str, Any]]:
-    fn = _ws_session if transport == "ws" else _rtc_session
-    return await fn(base, key, pcm, turns, tokens)
-
-
 HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "refusing")
 
 
@@ -393,7 +395,7 @@ async def run_ramp(transport: str, base: str, key: str | None, up_to: int, every
         live[0] += 1
         live[1] = max(live[1], live[0])
         try:
-            res = await _refusing_session(transport, base, key, pcm, turns, tokens)
+            res = await _session_fn(transport)(base, key, pcm, turns, tokens)
             return {"i": i, "offered_at_s": round(offered, 2), "admitted": True, **_stall_stats(res, transport),
                     "rtf_p50": summarize([t["rtf"] for t in res if t["rtf"] is not None]).get("p50")}
         except BaseException as exc:  # noqa: BLE001 - every way a session ends is recorded

@@ -93,19 +93,21 @@ class RealtimeAdmission:
             self._samples.popleft()
         return rtf, cpu
 
-    def cost(self) -> tuple[float, str]:
-        """What one more session adds to the RTF, and where the figure comes from."""
-        slope = _slope([(n, r) for _, n, r, _ in self._samples if r is not None])
+    def _fitted(self, part: int, prior: float) -> tuple[float, str]:
+        """The slope of sample part `part` (2: RTF, 3: CPU) against the established
+        sessions, and where the figure comes from; `prior` until it can be fitted."""
+        slope = _slope([(x[1], y) for x in self._samples if (y := x[part]) is not None])
         if slope is not None and slope > 0:
             return max(slope, self.spec.min_session_cost_rtf), "measured"
-        return self.spec.session_cost_rtf, "prior"
+        return prior, "prior"
+
+    def cost(self) -> tuple[float, str]:
+        """What one more session adds to the RTF, and where the figure comes from."""
+        return self._fitted(2, self.spec.session_cost_rtf)
 
     def cpu_cost(self) -> tuple[float, str]:
         """What one more session adds to the CPU busy fraction."""
-        slope = _slope([(n, c) for _, n, _, c in self._samples if c is not None])
-        if slope is not None and slope > 0:
-            return max(slope, self.spec.min_session_cost_rtf), "measured"
-        return self.spec.session_cost_cpu, "prior"
+        return self._fitted(3, self.spec.session_cost_cpu)
 
     def check(self, kind: str, sessions: int, new: int = 0) -> None:
         """Admit one more `kind` session next to `sessions` established real-time ones

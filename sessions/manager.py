@@ -176,7 +176,7 @@ class SessionManager:
         """Attached sessions on this node of the kinds load-aware admission weighs. A
         detached one generates nothing new (what it still runs shows in the measured
         load); it is weighed again when it resumes."""
-        return sum(1 for s in self._sessions.values() if s.kind in self.admission.kinds and s.state == SessionState.ACTIVE)
+        return sum(self._realtime_split())
 
     def _realtime_split(self) -> tuple[int, int]:
         """(established, new) open real-time sessions: new ones opened less than

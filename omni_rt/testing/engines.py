@@ -96,7 +96,6 @@ class FakeStepEngine(Engine):
         self.fn = fn
         self.step_s = step_s
         self.items = 0
-        self.deadlines: list[float | None] = []  # each item's deadline, in arrival order
         self._running = 0
 
     def load(self) -> int:
@@ -107,7 +106,6 @@ class FakeStepEngine(Engine):
 
     async def run(self, x: Any, priority: int = 1, op: str | None = None, deadline: float | None = None) -> Any:
         self.require_alive()
-        self.deadlines.append(deadline)
         self._running += 1
         try:
             await asyncio.sleep(self.step_s)
