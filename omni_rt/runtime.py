@@ -33,7 +33,7 @@ def import_processor(path: str) -> type[StageProcessor]:
 
 
 _TORCH_ARGS = {"max_batch", "max_wait_ms", "threads", "device", "dtype"}
-_DIFFUSERS_ARGS = {"max_batch", "threads", "device", "dtype", "max_sequence_length", "cache"}
+_DIFFUSERS_ARGS = {"max_batch", "threads", "device", "dtype", "max_sequence_length", "cache", "prompt_cache"}
 
 
 def build_engine(

@@ -127,3 +127,59 @@ async def test_diffusers_first_block_cache_as_an_engine_arg(models_dir):
     assert _diff(clips[None], clips[1e9]) > 0
     with pytest.raises(ValueError, match="cache.type"):
         DiffusersEngine(str(models_dir / "tiny-wan"), cache={"type": "teacache"})
+
+
+async def test_jobs_one_step_apart_share_a_decode(engine):
+    """A job that finishes while another of its shape is one step from its end waits
+    that step and is decoded with it; a job no one is close behind is decoded at once."""
+    f = 1 + engine.case[2]
+    sizes: list[int] = []
+    decode = engine._decode
+
+    def counted(jobs: list[DiffusionJob]) -> list[np.ndarray]:
+        sizes.append(len(jobs))
+        return decode(jobs)
+
+    engine._decode = counted
+    specs = [(6, 1), (7, 2), (8, 3)]  # started together: each ends one step after the one before
+    alone = [(await clip_of(engine, DiffusionJob("a red cup", 64, 64, n, seed=s, frames=f)))[0] for n, s in specs]
+    assert sizes == [1, 1, 1]
+    sizes.clear()
+    pair = await asyncio.gather(*(clip_of(engine, DiffusionJob("a red cup", 64, 64, n, seed=s, frames=f)) for n, s in specs[:2]))
+    assert sizes == [2], "the job one step behind did not share the first one's decode"
+    # held once only: of three jobs each one step behind the last, the third is decoded alone
+    sizes.clear()
+    three = await asyncio.gather(*(clip_of(engine, DiffusionJob("a red cup", 64, 64, n, seed=s, frames=f)) for n, s in specs))
+    assert sizes == [2, 1]
+    for a, (b, _) in zip(alone, [*pair, three[2]], strict=True):
+        assert _diff(a, b) <= 1
+
+
+async def test_prompt_encodings_are_kept(models_dir):
+    """A prompt asked for again is not encoded again (the last `prompt_cache` kept, the
+    least recently used out); kept and fresh encodings give the same clip."""
+    eng = DiffusersEngine(str(models_dir / "tiny-wan"), name="wan", max_sequence_length=32, prompt_cache=2)
+    await eng.start()
+    try:
+        assert eng.family is not None
+        encoded: list[list[str]] = []
+        encode = eng.family.encode
+
+        def counted(prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
+            encoded.append(list(prompts))
+            return encode(prompts)
+
+        eng.family.encode = counted  # type: ignore[method-assign]
+        first = (await clip_of(eng, DiffusionJob("a red cup", 64, 64, 2, seed=1, frames=5)))[0]
+        again = (await clip_of(eng, DiffusionJob("a red cup", 64, 64, 2, seed=1, frames=5)))[0]
+        assert encoded == [["a red cup"]] and _diff(first, again) == 0
+        # guidance: the prompt is kept, its negative prompt is new
+        await clip_of(eng, DiffusionJob("a red cup", 64, 64, 2, seed=1, frames=5, guidance_scale=3.0, negative_prompt="blurry"))
+        assert encoded[1:] == [["blurry"]]
+        await clip_of(eng, DiffusionJob("a blue sea", 64, 64, 2, seed=1, frames=5))  # evicts "a red cup", the least recently used
+        await clip_of(eng, DiffusionJob("a red cup", 64, 64, 2, seed=1, frames=5))
+        assert encoded[2:] == [["a blue sea"], ["a red cup"]] and list(eng._prompts) == ["a blue sea", "a red cup"]
+    finally:
+        await eng.stop()
+    with pytest.raises(ValueError, match="prompt_cache"):
+        DiffusersEngine(str(models_dir / "tiny-wan"), prompt_cache=-1)

@@ -15,6 +15,12 @@ scheduler settings) are used directly; the engine owns the loop:
 - Cancel between steps (the consumer of `generate` goes away or calls `cancel`),
   progress after every step, intermediate latents every `preview_every` steps.
 - Everything heavy runs on the engine's own thread, never on the event loop.
+- Jobs that finish together are decoded together; a finished job whose decode could
+  join that of a job one step from its end waits for that step (once), so that
+  sessions one step out of phase (a world rollout's, a live video's) share a decode.
+- Prompt encodings are kept (the last `prompt_cache` prompts, least recently used
+  out): a world rollout or a live video asks for the same prompt every step or chunk,
+  and a real text encoder (T5-XXL, UMT5-XXL) costs more than a step.
 - Step caches are diffusers' own hooks (`engine_args.cache: {type: first_block,
   threshold}`), applied to the transformer; a batch whose rows changed starts from a
   full forward.
@@ -32,6 +38,7 @@ import concurrent.futures
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,9 +128,12 @@ class DiffusersEngine(Engine):
         dtype: str = "float32",
         max_sequence_length: int = 128,
         cache: Mapping[str, Any] | None = None,
+        prompt_cache: int = 32,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if prompt_cache < 0:
+            raise ValueError("prompt_cache must be >= 0 (0: encode every prompt)")
         self.name = name
         self.model_dir = model_dir
         self.max_batch = max_batch
@@ -139,6 +149,8 @@ class DiffusersEngine(Engine):
         self._cached_batch: tuple[tuple[int, bool], ...] | None = None
         self.pipe: Any = None
         self.family: Family | None = None
+        self.prompt_cache = prompt_cache
+        self._prompts: OrderedDict[str, tuple[torch.Tensor, ...]] = OrderedDict()  # only the engine thread touches it
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"diffusers-{name}")
         self._new: asyncio.Queue[DiffusionJob] | None = None
         self._active: list[DiffusionJob] = []
@@ -280,26 +292,29 @@ class DiffusersEngine(Engine):
                     self._fail(fresh, exc)
                     continue
             batch = self._next_batch()
-            if not batch:
-                continue
-            try:
-                await loop.run_in_executor(self._executor, self._step, batch)
-            except Exception as exc:  # noqa: BLE001
-                log.exception("engine %s: a step failed", self.name)
-                self._fail(batch, exc)
-                continue
-            self.steps += 1
-            self.rows += sum(j.rows for j in batch)
-            metrics.ENGINE_BATCH.labels(engine=self.name).observe(sum(j.rows for j in batch))
-            done = []
-            for j in batch:
-                j.events.put_nowait({"type": "progress", "step": j.step, "steps": j.steps})
-                if j.preview_every and j.step % j.preview_every == 0 and j.step < j.steps:
-                    assert j.latents is not None
-                    j.events.put_nowait({"type": "latents", "step": j.step, "latents": j.latents.detach().cpu().numpy().copy()})
-                if j.step >= j.steps:
-                    done.append(j)
-            if done:
+            if batch:
+                try:
+                    await loop.run_in_executor(self._executor, self._step, batch)
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("engine %s: a step failed", self.name)
+                    self._fail(batch, exc)
+                    continue
+                self.steps += 1
+                self.rows += sum(j.rows for j in batch)
+                metrics.ENGINE_BATCH.labels(engine=self.name).observe(sum(j.rows for j in batch))
+                for j in batch:
+                    j.events.put_nowait({"type": "progress", "step": j.step, "steps": j.steps})
+                    if j.preview_every and j.step % j.preview_every == 0 and j.step < j.steps:
+                        assert j.latents is not None
+                        j.events.put_nowait({"type": "latents", "step": j.step, "latents": j.latents.detach().cpu().numpy().copy()})
+            done = [j for j in self._active if j.latents is not None and not j.cancelled and j.step >= j.steps]
+            if not done:
+                if not batch:
+                    continue
+            elif batch and not any(j.state.get("held") for j in done) and self._one_step_behind():
+                for j in done:  # decoded with it after its last step (held once: the next round decodes)
+                    j.state["held"] = True
+            else:
                 try:
                     images = await loop.run_in_executor(self._executor, self._decode, done)
                 except Exception as exc:  # noqa: BLE001
@@ -324,9 +339,18 @@ class DiffusersEngine(Engine):
             j.events.put_nowait({"type": "error", "error": f"engine {self.name} failed: {exc}"})
         self._active = [j for j in self._active if j not in jobs]
 
+    def _one_step_behind(self) -> bool:
+        """A running job is one step from its end: waiting that step lets the jobs
+        that just finished share its decode. (Steps run the oldest job's shape first,
+        so a job that close is one of theirs.)"""
+        return any(j.steps - j.step == 1 for j in self._running())
+
+    def _running(self) -> list[DiffusionJob]:
+        return [j for j in self._active if j.latents is not None and not j.cancelled and j.step < j.steps]
+
     def _next_batch(self) -> list[DiffusionJob]:
         """Running jobs of the oldest job's shape, oldest first, up to max_batch rows."""
-        ready = sorted((j for j in self._active if j.latents is not None and not j.cancelled), key=lambda j: j.arrived)
+        ready = sorted(self._running(), key=lambda j: j.arrived)
         if not ready:
             return []
         assert self.family is not None
@@ -344,13 +368,29 @@ class DiffusersEngine(Engine):
         """Text conditioning, starting noise and the schedule of new jobs."""
         fam = self.family
         assert fam is not None
-        conds = fam.encode([j.prompt for j in jobs])
-        cfg_jobs = [j for j in jobs if j.guidance_scale > 1.0]
-        unconds = dict(zip((j.id for j in cfg_jobs), fam.encode([j.negative_prompt or "" for j in cfg_jobs]), strict=True)) if cfg_jobs else {}
-        for j, cond in zip(jobs, conds, strict=True):
-            j.cond = cond
-            j.uncond = unconds.get(j.id)
+        encoded = self._encode([j.prompt for j in jobs] + [j.negative_prompt or "" for j in jobs if j.guidance_scale > 1.0])
+        for j in jobs:
+            j.cond = encoded[j.prompt]
+            j.uncond = encoded[j.negative_prompt or ""] if j.guidance_scale > 1.0 else None
             fam.prepare(j)
+
+    def _encode(self, prompts: list[str]) -> dict[str, tuple[torch.Tensor, ...]]:
+        """The family's text conditioning of each distinct prompt: the kept ones from the
+        cache, the others encoded in one batch (and kept, the least recently used out).
+        The tensors are shared: nothing writes to them."""
+        assert self.family is not None
+        out = {p: self._prompts[p] for p in prompts if p in self._prompts}
+        for p in out:
+            self._prompts.move_to_end(p)
+        new = list(dict.fromkeys(p for p in prompts if p not in out))
+        if new:
+            out.update(zip(new, self.family.encode(new), strict=True))
+            if self.prompt_cache:
+                for p in new:
+                    self._prompts[p] = out[p]
+                while len(self._prompts) > self.prompt_cache:
+                    self._prompts.popitem(last=False)
+        return out
 
     def _step(self, batch: list[DiffusionJob]) -> None:
         assert self.family is not None
