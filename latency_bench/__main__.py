@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds after SIGINT before SIGTERM (then SIGKILL) (default 20)")
     c.add_argument("--log-dir", default=None,
                    help="server logs go here (default: server-logs/ next to --json, else bench-out/server-logs)")
+    c.add_argument("--engines", action="store_true",
+                   help="then drive the first variant's talker and decoder directly in this process (no server) "
+                   "at the same levels: the engines' own limit, with audio s/s server / engines and TTFP p99 / p50 targets")
     c.add_argument("--server-cmd", default=None,
                    help="custom server command template with {python} {host} {port} {deploy} placeholders "
                    "(default: {python} -m omni_rt.cli serve --host {host} --port {port} --deploy {deploy})")

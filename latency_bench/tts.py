@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -137,8 +137,9 @@ def _client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
 # -- levels -------------------------------------------------------------------------
 
 
-async def run_closed_loop(base_url: str, concurrency: int, n_requests: int, opts: TtsOptions) -> dict[str, Any]:
-    """Run one level; returns its summary with raw samples."""
+async def closed_loop(concurrency: int, n_requests: int, one: Callable[[int, float], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """One level: `concurrency` workers issue `n_requests` in all, each waiting for
+    its last (`one(index, t0)` returns the request's record); the level's summary."""
     if concurrency < 1 or n_requests < 1:
         raise ValueError("concurrency and requests must be >= 1")
     samples: list[dict[str, Any]] = []
@@ -146,27 +147,34 @@ async def run_closed_loop(base_url: str, concurrency: int, n_requests: int, opts
     in_flight = 0
     max_in_flight = 0
     cpu0 = _cpu_s()
-    async with _client(concurrency, opts.timeout_s) as client:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
 
-        async def worker() -> None:
-            nonlocal issued, in_flight, max_in_flight
-            while issued < n_requests:
-                idx = issued
-                issued += 1
-                in_flight += 1
-                max_in_flight = max(max_in_flight, in_flight)
-                try:
-                    rec = await _one(client, base_url, opts, idx, t0)
-                finally:
-                    in_flight -= 1
-                samples.append(rec)
+    async def worker() -> None:
+        nonlocal issued, in_flight, max_in_flight
+        while issued < n_requests:
+            idx = issued
+            issued += 1
+            in_flight += 1
+            max_in_flight = max(max_in_flight, in_flight)
+            try:
+                rec = await one(idx, t0)
+            finally:
+                in_flight -= 1
+            samples.append(rec)
 
-        await asyncio.gather(*(worker() for _ in range(min(concurrency, n_requests))))
-        wall = time.perf_counter() - t0
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, n_requests))))
+    wall = time.perf_counter() - t0
     samples.sort(key=lambda s: s["i"])
     return summarize_level(samples, concurrency=concurrency, requests=n_requests, wall_s=wall,
                            max_in_flight=max_in_flight, client_cpu_s=_cpu_s() - cpu0)
+
+
+async def run_closed_loop(base_url: str, concurrency: int, n_requests: int, opts: TtsOptions) -> dict[str, Any]:
+    """Run one level over HTTP; returns its summary with raw samples."""
+    if concurrency < 1 or n_requests < 1:
+        raise ValueError("concurrency and requests must be >= 1")
+    async with _client(concurrency, opts.timeout_s) as client:
+        return await closed_loop(concurrency, n_requests, lambda idx, t0: _one(client, base_url, opts, idx, t0))
 
 
 async def run_warmup(base_url: str, opts: TtsOptions) -> dict[str, Any]:
@@ -271,9 +279,11 @@ def compute_ratios(variants: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return {n: {str(c): _get(variants[n], "levels", str(c), *path) for c in cs} for n in names}
 
     ttfp = table("ttfp_ms", "p50")
+    p99 = table("ttfp_ms", "p99")
     out: dict[str, Any] = {
         "levels": cs,
         "ttfp_p50_ms": ttfp,
+        "ttfp_p99_over_p50": {n: {str(c): ratio(p99[n][str(c)], ttfp[n][str(c)]) for c in cs} for n in names},
         "rtf_mean": table("rtf", "mean"),
         "rtf_p90": table("rtf", "p90"),
         "audio_s_per_s": table("audio_s_per_s"),
@@ -366,6 +376,21 @@ def format_report(result: dict[str, Any]) -> str:
             f"ttfp p50 C={r['c_max']} / C={r['c_min']}: "
             + "  ".join(f"{n}={_fmt(x, '.2f')}" for n, x in r["ttfp_c_max_over_c1"].items())
         )
+    if r.get("ttfp_p99_over_p50"):
+        lines.append("ttfp p99 / p50: " + "  ".join(
+            f"{n}=" + "/".join(_fmt(x, ".2f") for x in by.values()) for n, by in r["ttfp_p99_over_p50"].items())
+            + f"  (C={','.join(str(c) for c in r['levels'])})")
+    eng = result.get("engines")
+    if eng:
+        if eng.get("error"):
+            lines.append(f"== engines of {eng['variant']}: FAILED: {eng['error'].splitlines()[0]}")
+        else:
+            lines.append(f"== engines of {eng['variant']} (talker and decoder driven directly, in one process)")
+            for lv in eng["levels"].values():
+                lines.append("   " + _level_line(lv))
+            over = r.get("audio_s_per_s_over_engines") or {}
+            lines.append(f"audio s/s, {eng['variant']} server / its engines: "
+                         + "  ".join(f"C={c}: {_fmt(x, '.3f')}" for c, x in over.items()))
     if any(x is not None for x in (r.get("server_rss_mib_peak") or {}).values()):
         lines.append("server RSS peak (MiB): " + "  ".join(
             f"{n}={_fmt(x, '.0f')}" for n, x in r["server_rss_mib_peak"].items()))
@@ -430,8 +455,12 @@ def run_compare(
     stop_timeout_s: float = 20.0,
     server_cmd: str | None = None,
     log_dir: str | None = None,
+    engines: bool = False,
     log=print,
 ) -> dict[str, Any]:
+    """Each variant's server in turn; with `engines`, then the first variant's talker
+    and decoder driven directly in this process (`latency_bench.tts_engines`): the
+    engines' own limit the server is measured against."""
     from latency_bench.server import ServerError, ServerProcess
 
     resolved = [resolve_variant(v) for v in variants]
@@ -489,7 +518,50 @@ def run_compare(
                 {n: v for n, v in result["variants"].items() if not v.get("error")}
             )
             write_json(json_path, result)  # partial results survive a later failure
+    if engines:
+        name, deploy = resolved[0]
+        log(f"== engines of {name}: its talker and decoder driven directly, in this process")
+        from latency_bench.tts_engines import engine_levels
+
+        t0 = time.perf_counter()
+        try:
+            result["engines"] = {"variant": name, **asyncio.run(engine_levels(deploy, levels, opts, requests, log=log))}
+        except Exception as e:  # noqa: BLE001 - reported with the results, like a server that failed
+            result["engines"] = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+            log(f"  FAILED: {result['engines']['error']}")
+        result["engines"]["bench_s"] = time.perf_counter() - t0
+        result["ratios"].update(engine_ratios(result))
+        result["targets"] = tts_targets(result)
+        write_json(json_path, result)
     return result
+
+
+def engine_ratios(result: dict[str, Any]) -> dict[str, Any]:
+    """Audio s/s of the variant's server over its engines driven directly, per level."""
+    eng = result.get("engines") or {}
+    server = result["variants"].get(eng.get("variant"), {})
+    if eng.get("error") or server.get("error"):
+        return {}
+    return {"audio_s_per_s_over_engines": {
+        c: ratio(_get(server, "levels", c, "audio_s_per_s"), _get(eng, "levels", c, "audio_s_per_s")) for c in eng.get("levels", {})
+    }}
+
+
+def tts_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """At the highest level, for the variant the engines ran: TTFP p99 <= 3 x p50 (no
+    request starves) and audio s/s >= 0.9 of the engines' own."""
+    r = result.get("ratios") or {}
+    name = (result.get("engines") or {}).get("variant")
+    levels = r.get("levels") or []
+    if name is None or not levels:
+        return {}
+    top = str(levels[-1])
+    tail = _get(r, "ttfp_p99_over_p50", name, top)
+    share = _get(r, "audio_s_per_s_over_engines", top)
+    return {
+        f"ttfp_p99_over_p50_at_{top}": {"goal": "<= 3", "value": tail, "met": None if tail is None else tail <= 3},
+        f"audio_s_per_s_over_engines_at_{top}": {"goal": ">= 0.9", "value": share, "met": None if share is None else share >= 0.9},
+    }
 
 
 def has_failures(result: dict[str, Any]) -> bool:
@@ -520,6 +592,7 @@ def main_tts(args) -> int:
                 variants, levels, opts, args.requests, args.json,
                 host=args.host, port=args.port, startup_timeout_s=args.startup_timeout,
                 stop_timeout_s=args.stop_timeout, server_cmd=args.server_cmd, log_dir=args.log_dir,
+                engines=args.engines,
             )
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
@@ -529,4 +602,4 @@ def main_tts(args) -> int:
     print()
     print(format_report(result))
     finish(args.json, result)
-    return 1 if has_failures(result) else 0
+    return 1 if has_failures(result) or (result.get("engines") or {}).get("error") else 0

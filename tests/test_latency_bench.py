@@ -18,12 +18,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 from clients.tts import SpeechError, speak  # noqa: E402
 from latency_bench import stats  # noqa: E402
 from latency_bench.tts import TtsOptions, compute_ratios, run_closed_loop, run_compare  # noqa: E402
+from omni_rt.specs import ChunkingSpec  # noqa: E402
+from pipelines.codec import SAMPLES_PER_FRAME  # noqa: E402
 from tests.fake_speech_server import AUDIO_S, CHUNK_SAMPLES, N_CHUNKS, FakeState, ThreadServer, pcm_chunk  # noqa: E402
 
 FAKE_SERVER = ROOT / "tests" / "fake_speech_server.py"
@@ -479,3 +482,81 @@ def test_sessions_bench(tmp_path, store):
     assert r["targets"]["no_refusals_no_leftover_slots"]["met"] is True
     assert ("p99_admission_ms" in r["targets"]) == (store == "redis")
     assert "target cycles_per_s" in p.stdout
+
+
+# ---- the TTS engines driven directly (latency_bench.tts_engines) -------------------------
+
+
+class _FakeTalker:
+    """Frames in three pushes, then (for the text "fail") an error."""
+
+    def __init__(self) -> None:
+        self.contexts: list = []
+
+    async def frames(self, ctx, ar, text):
+        self.contexts.append(ctx)
+        for k in (1, 4, 3):
+            await asyncio.sleep(0.001)
+            yield np.zeros((k, 7), np.int32)
+        if text == "fail":
+            raise RuntimeError("talker died")
+
+
+async def _fake_decode(frames, deadline=None):
+    await asyncio.sleep(0.001)
+    return np.zeros(len(frames) * SAMPLES_PER_FRAME, np.float32)
+
+
+def test_engines_driver_measures_what_the_server_bench_measures():
+    from latency_bench.tts import closed_loop
+    from latency_bench.tts_engines import SAMPLE_RATE, one_request
+
+    talker = _FakeTalker()
+    chunking = ChunkingSpec(first_chunk_frames=1, chunk_frames=2, left_context_frames=0, lookahead_frames=0, refill_ms=0)
+    one = one_request(talker, None, _fake_decode, chunking, TtsOptions(text="hello", voice="leo", seed=3))
+    lvl = _run(closed_loop(2, 3, one))
+    assert lvl["completed"] == lvl["ok"] == 3 and lvl["errors"] == 0 and lvl["max_in_flight"] == 2
+    for s in lvl["samples"]:
+        assert s["audio_s"] == pytest.approx(8 * SAMPLES_PER_FRAME / SAMPLE_RATE)  # every frame decoded once
+        assert s["chunks"] == 5  # 1 + 2 + 2 + 2, then the last frame at the end
+        assert 0 < s["ttfp_ms"] < s["e2el_ms"] and s["rtf"] == pytest.approx(s["e2el_ms"] / 1000 / s["audio_s"])
+    assert {c.params["voice"] for c in talker.contexts} == {"leo"} and {c.params["seed"] for c in talker.contexts} == {3}
+    assert len({c.request_id for c in talker.contexts}) == 3
+    assert lvl["audio_s_per_s"] == pytest.approx(3 * 8 * SAMPLES_PER_FRAME / SAMPLE_RATE / lvl["wall_s"])
+    # a request that fails is recorded as an error, not dropped; batch (no chunking) decodes once at the end
+    bad = _run(closed_loop(1, 1, one_request(_FakeTalker(), None, _fake_decode, None, TtsOptions(text="fail"))))
+    assert bad["errors"] == 1 and "talker died" in bad["samples"][0]["error"]
+    whole = _run(closed_loop(1, 1, one_request(_FakeTalker(), None, _fake_decode, None, TtsOptions(text="ok"))))
+    assert whole["samples"][0]["chunks"] == 1 and whole["samples"][0]["audio_s"] == pytest.approx(8 * SAMPLES_PER_FRAME / SAMPLE_RATE)
+
+
+def test_engine_ratios_and_targets_at_the_top_level():
+    from latency_bench.tts import engine_ratios, tts_targets
+
+    def level(aps, p50, p99):
+        return {"audio_s_per_s": aps, "ttfp_ms": {"p50": p50, "p99": p99}, "rtf": {"mean": 1.0, "p90": 1.0}, "errors": 0}
+
+    result = {
+        "variants": {"split_chunk": {"levels": {"1": level(2.0, 100.0, 120.0), "64": level(9.0, 1000.0, 3500.0)}}},
+        "engines": {"variant": "split_chunk", "levels": {"1": level(2.0, 90.0, 100.0), "64": level(10.0, 900.0, 1000.0)}},
+    }
+    result["ratios"] = compute_ratios(result["variants"])
+    assert result["ratios"]["ttfp_p99_over_p50"]["split_chunk"] == {"1": pytest.approx(1.2), "64": pytest.approx(3.5)}
+    result["ratios"].update(engine_ratios(result))
+    assert result["ratios"]["audio_s_per_s_over_engines"] == {"1": pytest.approx(1.0), "64": pytest.approx(0.9)}
+    t = tts_targets(result)
+    assert t["ttfp_p99_over_p50_at_64"]["met"] is False and t["audio_s_per_s_over_engines_at_64"]["met"] is True
+    result["engines"] = {"variant": "split_chunk", "error": "RuntimeError: boom"}
+    assert engine_ratios(result) == {}
+
+
+@pytest.mark.integration  # the tts variant's real engines (vLLM talker, SNAC) in this process
+def test_engines_driver_runs_a_variants_real_talker_and_decoder():
+    from latency_bench.tts import VARIANTS_DIR
+    from latency_bench.tts_engines import engine_levels
+
+    res = _run(engine_levels(VARIANTS_DIR / "split_chunk.yaml", [2], TtsOptions(text="Hi there.", warmup=0, seed=1), requests=2,
+                             log=lambda *_: None))
+    lvl = res["levels"]["2"]
+    assert lvl["ok"] == 2 and lvl["errors"] == 0, lvl["error_messages"]
+    assert all(s["audio_s"] > 0 and s["chunks"] > 1 and s["ttfp_ms"] < s["e2el_ms"] for s in lvl["samples"])
