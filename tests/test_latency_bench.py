@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -536,7 +537,7 @@ def test_engine_ratios_and_targets_at_the_top_level():
     def level(aps, p50, p99):
         return {"audio_s_per_s": aps, "ttfp_ms": {"p50": p50, "p99": p99}, "rtf": {"mean": 1.0, "p90": 1.0}, "errors": 0}
 
-    result = {
+    result: dict[str, Any] = {
         "variants": {"split_chunk": {"levels": {"1": level(2.0, 100.0, 120.0), "64": level(9.0, 1000.0, 3500.0)}}},
         "engines": {"variant": "split_chunk", "levels": {"1": level(2.0, 90.0, 100.0), "64": level(10.0, 900.0, 1000.0)}},
     }
