@@ -9,6 +9,11 @@ that wait twice): 0.5 means the stream is generated twice as fast as it plays, a
 1 its listener hears holes. The meter keeps the streams that emitted within the last
 `window_s`, and `worst()` is what load-aware admission reads: the slowest of them.
 
+A robot reports each call instead (`sample`): the time its actions took to come back
+over the time its previous chunk of actions lasts at its declared control rate, a
+real-time factor of the same meaning (above 1 the robot runs out of actions before the
+next chunk arrives); the worst of its calls in the window counts.
+
 `CpuMeter` is the other half: the CPU time of this process and every process it
 started (vLLM's engine cores and workers included) over the last `window_s`, as a
 fraction of the CPUs this process may run on. Generation speed degrades gently until
@@ -51,6 +56,7 @@ class RtfMeter:
         self.window_s = window_s
         self.clock = clock
         self._streams: dict[int, StreamRtf] = {}
+        self._samples: dict[int, deque[tuple[float, float]]] = {}  # streams that report their RTF directly
         self._keys = itertools.count()
         self._lock = threading.Lock()
 
@@ -68,16 +74,29 @@ class RtfMeter:
                 s.audio_s += audio_s
             self._expire(t)
 
+    def sample(self, key: int, rtf: float, now: float | None = None) -> None:
+        """A stream that measures its own real-time factor (a robot's call)."""
+        t = self.clock() if now is None else now
+        with self._lock:
+            self._samples.setdefault(key, deque()).append((t, rtf))
+            self._expire(t)
+
     def _expire(self, now: float) -> None:
         old = [k for k, s in self._streams.items() if now - s.last_t > self.window_s]
         for k in old:
             del self._streams[k]
+        for k, q in list(self._samples.items()):
+            while q and now - q[0][0] > self.window_s:
+                q.popleft()
+            if not q:
+                del self._samples[k]
 
     def rtfs(self, now: float | None = None) -> list[float]:
-        """The RTF of every stream that emitted within the window (and has one)."""
+        """The RTF of every stream that emitted within the window (and has one); for a
+        stream that samples its own, the worst sample of the window."""
         with self._lock:
             self._expire(self.clock() if now is None else now)
-            return [r for s in self._streams.values() if (r := s.rtf) is not None]
+            return [r for s in self._streams.values() if (r := s.rtf) is not None] + [max(r for _, r in q) for q in self._samples.values()]
 
     def worst(self, now: float | None = None) -> float | None:
         r = self.rtfs(now)
@@ -86,6 +105,7 @@ class RtfMeter:
     def clear(self) -> None:
         with self._lock:
             self._streams.clear()
+            self._samples.clear()
 
 
 GENERATION = RtfMeter()

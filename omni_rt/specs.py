@@ -255,17 +255,20 @@ class ServerSpec(_Strict):
 SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "video")
 
 
-RealtimeKind = Literal["realtime", "duplex", "webrtc"]
-REALTIME_KINDS: tuple[RealtimeKind, ...] = ("realtime", "duplex", "webrtc")
+RealtimeKind = Literal["realtime", "duplex", "webrtc", "robot"]
+REALTIME_KINDS: tuple[RealtimeKind, ...] = ("realtime", "duplex", "webrtc", "robot")
 
 
 class RealtimeAdmissionSpec(_Strict):
-    """Load-aware admission of real-time voice sessions (deploy key
-    `sessions.realtime_admission`): besides the static caps, refuse a new session when
-    admitting it would push generation past real time (docs/sessions.md)."""
+    """Load-aware admission of real-time sessions (deploy key
+    `sessions.realtime_admission`): besides the static caps, refuse a new voice session,
+    or a robot that declares its control rate, when admitting it would push generation
+    past real time (docs/deployment.md)."""
 
-    enabled: bool = Field(default=True, description="refuse a new voice session the stages cannot serve in real time")
-    kinds: list[RealtimeKind] = Field(default=list(REALTIME_KINDS), description="session kinds it applies to")
+    enabled: bool = Field(default=True, description="refuse a new real-time session the stages cannot serve in real time")
+    kinds: list[RealtimeKind] = Field(default=
+        list(REALTIME_KINDS), description="session kinds it applies to (robot: only robots that declare control_hz)"
+    )
     target_rtf: float = Field(default=
         0.8, gt=0, le=1.0, description="the generation real-time factor admitted sessions must stay under (1.0: exactly real time)"
     )

@@ -1,5 +1,9 @@
 """Load-aware admission: refuse a real-time session the server cannot serve in real time.
 
+Weighed: voice sessions (`realtime`, `duplex`, `webrtc`) and robots that declare their
+control rate (`robot`, `control_hz`; a robot's real-time factor is each call's time
+over how long its last chunk of actions lasts at that rate).
+
 The static caps (`max_total`, `max_per_kind`) say how many sessions a box may hold;
 they cannot say whether the next voice session will still hear an unbroken answer.
 `RealtimeAdmission` decides that from what the streams measure (`omni_rt.load`):
@@ -79,8 +83,11 @@ class RealtimeAdmission:
         self.refusing = False
         self.last: dict[str, Any] = {}
 
-    def applies(self, kind: str) -> bool:
-        return self.spec.enabled and kind in self.kinds
+    def applies(self, kind: str, control_hz: float | None = None) -> bool:
+        """Whether a session of `kind` is weighed: a voice kind it was told to weigh,
+        or a robot that declared its control rate (one that did not has no deadline to
+        keep)."""
+        return self.spec.enabled and kind in self.kinds and (kind != "robot" or control_hz is not None)
 
     def observe(self, sessions: int) -> tuple[float | None, float | None]:
         """Take one sample (established sessions, worst RTF now, CPU busy fraction)."""

@@ -127,8 +127,10 @@ class SessionManager:
         pipeline: str | None = None,
         params: Mapping[str, Any] | None = None,
         principal: str = "anonymous",
+        control_hz: float | None = None,
     ) -> Session:
-        """Admit a new session or raise SessionLimit / StoreUnavailable."""
+        """Admit a new session or raise SessionLimit / StoreUnavailable. `control_hz`:
+        the control rate a robot declared (load-aware admission weighs it then)."""
         if kind not in SESSION_KINDS:
             raise ValueError(f"unknown session kind {kind!r}; known: {', '.join(SESSION_KINDS)}")
         if pipeline is not None and self.orchestrator is not None and pipeline not in self.orchestrator.pipelines:
@@ -139,7 +141,8 @@ class SessionManager:
         session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events, self.spec.max_pending_events)
         # The directory entry is written with the slot, in the same atomic step.
         record = {**self._record(session), "state": SessionState.ACTIVE.value}
-        if self.admission.applies(kind):
+        session.weighed = self.admission.applies(kind, control_hz)
+        if session.weighed:
             try:
                 self.admission.check(kind, *self._realtime_split())
             except CapacityLimit:
@@ -185,7 +188,7 @@ class SessionManager:
         young = self.admission.spec.new_session_s
         est = new = 0
         for s in self._sessions.values():
-            if s.kind in self.admission.kinds and s.state == SessionState.ACTIVE:
+            if s.weighed and s.state == SessionState.ACTIVE:
                 if now - s.opened_at < young:
                     new += 1
                 else:

@@ -94,6 +94,7 @@ class Session:
         self._fence: Fence | None = None
         self.created_at = time.time()
         self.opened_at = manager.clock()  # on the manager's clock (leases, load-aware admission)
+        self.weighed = False  # load-aware admission counts this session (set when it is admitted)
         self.last_active = manager.clock()
         self.detached_at: float | None = None
         self.close_reason: str | None = None

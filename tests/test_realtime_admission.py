@@ -201,3 +201,34 @@ def test_the_meter_measures_rtf_after_the_first_chunk_and_forgets_old_streams():
     assert meter.worst() == pytest.approx(0.5)
     t[0] = 7.0
     assert meter.worst() is None  # nothing emitted in the last 5 s
+
+
+def test_a_robot_reports_its_calls_and_the_worst_of_the_window_counts():
+    t = [0.0]
+    meter = RtfMeter(window_s=10.0, clock=lambda: t[0])
+    key = meter.new_stream()
+    for r in (0.2, 0.6, 0.3):
+        meter.sample(key, r)
+        t[0] += 1.0
+    assert meter.worst() == pytest.approx(0.6)
+    t[0] = 11.5  # the 0.2 and 0.6 calls left the window
+    assert meter.worst() == pytest.approx(0.3)
+    t[0] = 30.0
+    assert meter.worst() is None
+
+
+async def test_robots_are_weighed_only_when_they_declare_a_control_rate():
+    w = World(base=0.1, per=0.3, target_rtf=0.8, new_session_s=0)
+    assert w.m.admission.applies("robot", 15.0) and not w.m.admission.applies("robot")
+    undeclared = [await w.m.open("robot", principal="p") for _ in range(5)]
+    assert w.m.realtime_sessions() == 0 and all(not s.weighed for s in undeclared)
+    admitted = []
+    with pytest.raises(CapacityLimit):
+        for _ in range(10):
+            admitted.append(await w.m.open("robot", principal="p", control_hz=30.0))
+            n = w.m.realtime_sessions()
+            for _ in range(n):  # every declared robot's calls take base + per × n of its budget
+                w.meter.sample(w.meter.new_stream(), w.rtf(n))
+            w.t[0] += 1.0
+            w.m.admission.observe(n)
+    assert len(admitted) == 2 and w.rtf(2) <= 0.8 < w.rtf(3)  # the third would have pushed every robot late

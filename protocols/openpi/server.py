@@ -17,7 +17,12 @@ Wire (described for users in docs/api/openpi.md):
 - Extension: `{"endpoint": "reset"}` (optionally with `"seed": n`) starts a new
   episode on the same connection; the reply is `{"reset": true, "episode": n, "seed": s}`.
 - Query parameters: `layout` (which embodiment's keys and action dims; the metadata
-  lists them) and `seed` (the episode's noise seed).
+  lists them), `seed` (the episode's noise seed), and `control_hz` (the robot's
+  control rate) with `replan_steps` (actions it executes from each chunk; default the
+  policy's `action_horizon`): a robot that declares its rate is weighed by load-aware
+  admission — each call must come back within `replan_steps / control_hz` — and is
+  refused (text, close 1013) when the policy could not keep that pace with it. The
+  metadata then carries `realtime {control_hz, replan_steps, budget_ms}`.
 - Errors as openpi does them: a text frame with the message, then close 1011, for
   that connection only. Over the session cap, or when the policy engine is dead: the
   text frame, then close 1013. A
@@ -37,6 +42,7 @@ from aiohttp import web
 
 from omni_rt import metrics
 from omni_rt.errors import WS_GOING_AWAY, WS_INTERNAL_ERROR, WS_NORMAL, WS_TRY_AGAIN_LATER, ClientError, RequestAborted, StageError
+from omni_rt.load import GENERATION
 from omni_rt.payloads import Payload, PayloadError, PayloadKind
 from omni_rt.request import RequestStream
 from protocols.auth import principal_of
@@ -86,12 +92,38 @@ def _seed(raw: Any) -> int | None:
     return seed
 
 
+def _pace(query: Any, horizon: int) -> dict[str, Any] | None:
+    """The declared control rate (`control_hz`, `replan_steps`) and the time each call
+    has (`budget_ms`), or None when the robot declared none."""
+    raw_hz, raw_steps = query.get("control_hz"), query.get("replan_steps")
+    if raw_hz is None:
+        if raw_steps is not None:
+            raise ProtocolError("replan_steps needs control_hz (the robot's control rate)")
+        return None
+    try:
+        hz = float(raw_hz)
+    except ValueError:
+        raise ProtocolError(f"control_hz must be a number of control steps a second, got {raw_hz!r}") from None
+    if not 0 < hz <= 10_000:
+        raise ProtocolError(f"control_hz must be in (0, 10000], got {raw_hz}")
+    steps = horizon
+    if raw_steps is not None:
+        if not raw_steps.isdigit() or not 1 <= int(raw_steps) <= horizon:
+            raise ProtocolError(f"replan_steps must be an integer in 1..{horizon} (the action horizon), got {raw_steps!r}")
+        steps = int(raw_steps)
+    return {"control_hz": hz, "replan_steps": steps, "budget_ms": 1000.0 * steps / hz}
+
+
 class PolicyConnection:
-    def __init__(self, sock: Socket, session: Session, policy: Policy, layout: str) -> None:
+    def __init__(self, sock: Socket, session: Session, policy: Policy, layout: str, pace: dict[str, Any] | None = None) -> None:
         self.sock = sock
         self.session = session
         self.policy = policy
         self.layout = layout
+        # a robot with a declared rate reports each call's share of its budget to the
+        # meter load-aware admission reads (as the audio streams report theirs)
+        self.budget_s = None if pace is None else pace["budget_ms"] / 1000.0
+        self.meter_key = GENERATION.new_stream() if pace is not None else 0
         self.episodes = 0
         self.prev_total_ms: float | None = None
         self.waiting = False  # between calls, waiting for the next observation
@@ -147,6 +179,8 @@ class PolicyConnection:
         s.data["episode"] = result.meta["episode"]
         infer_ms = (time.perf_counter() - t0) * 1000.0
         metrics.POLICY_INFER_SECONDS.observe(infer_ms / 1000.0)
+        if self.budget_s is not None:
+            GENERATION.sample(self.meter_key, infer_ms / 1000.0 / self.budget_s)
         server_timing = {"infer_ms": infer_ms}
         if self.prev_total_ms is not None:
             server_timing["prev_total_ms"] = self.prev_total_ms
@@ -224,12 +258,14 @@ async def serve(request: web.Request, sessions: SessionManager, pipeline: str, p
         layout = request.query.get("layout")
         meta = pol.metadata(layout)
         seed = _seed(request.query.get("seed"))
+        pace = _pace(request.query, int(meta["action_horizon"]))
     except (KeyError, ProtocolError) as exc:
         refused = await accept(request)
         await _refuse(refused, _Refusal(str(exc.args[0] if isinstance(exc, KeyError) else exc)))
         return refused.ws
     try:
-        session = await sessions.open("robot", pipeline, params={}, principal=principal_of(request).name)
+        session = await sessions.open("robot", pipeline, params={}, principal=principal_of(request).name,
+                                      control_hz=None if pace is None else pace["control_hz"])
     except SessionError as exc:
         return await reject(request, exc, lambda e: f"{e.code}: {e.message}")
     reason = "client_disconnected"
@@ -237,8 +273,9 @@ async def serve(request: web.Request, sessions: SessionManager, pipeline: str, p
     try:
         session.data["episode"] = pol.new_episode(seed)
         sock = await accept(request)
-        conn = PolicyConnection(sock, session, pol, meta["layout"])
-        await sock.send(packb({**meta, "session_id": session.id, "seed": session.data["episode"]["seed"], "extensions": ["reset"]}))
+        conn = PolicyConnection(sock, session, pol, meta["layout"], pace)
+        await sock.send(packb({**meta, "session_id": session.id, "seed": session.data["episode"]["seed"], "extensions": ["reset"],
+                               **({"realtime": pace} if pace is not None else {})}))
         await conn.serve()
     except _Refusal as exc:
         reason = session.close_reason or "ended"
