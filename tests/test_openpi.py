@@ -124,6 +124,19 @@ def test_openpi_client_at_the_root_gets_metadata_then_actions(server):
 
 @pytest.mark.integration
 @pytest.mark.vllm
+def test_openpi_client_declares_its_control_rate_in_the_address(server):
+    """openpi-client unchanged takes a whole address: the rate in its query string makes
+    the robot one that load-aware admission weighs."""
+    policy = WebsocketClientPolicy(ws_url(server, "/?control_hz=15&replan_steps=8"), api_key=ALICE_KEY)
+    try:
+        assert policy.get_server_metadata()["realtime"] == {"control_hz": 15.0, "replan_steps": 8, "budget_ms": pytest.approx(1000 * 8 / 15)}
+        assert policy.infer(droid_observation(0))["actions"].shape == (16, 8)
+    finally:
+        policy._ws.close()
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
 def test_aloha_layout_over_v1_openpi_with_chw_images(server):
     url = ws_url(server, "/v1/openpi?layout=aloha")
     policy = WebsocketClientPolicy(url, api_key=ALICE_KEY)
