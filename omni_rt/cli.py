@@ -53,6 +53,7 @@ def _overlay(args: argparse.Namespace) -> tuple[DeployOverlay, str]:
         "models_dir": getattr(args, "models_dir", None),
         "log_level": getattr(args, "log_level", None),
         "api_key": getattr(args, "api_key", None),
+        "ray_address": getattr(args, "ray_address", None),
     }
     keys = _api_keys_file(getattr(args, "api_keys_file", None))
     session_flags = {
@@ -169,6 +170,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000; deploy key server.port)")
     serve.add_argument("--deploy", metavar="FILE", help="deploy overlay YAML")
     serve.add_argument("--models-dir", help="tiny checkpoint cache (deploy key server.models_dir)")
+    serve.add_argument("--ray-address", metavar="ADDR", help="the Ray cluster whose stage actors this front end shares "
+                       "(deploy key server.ray_address; default: a Ray instance of its own, started only when a stage is placed "
+                       "process or ray)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     _add_session_flags(serve)
     serve.set_defaults(func=cmd_serve)

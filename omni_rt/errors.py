@@ -147,6 +147,14 @@ class EngineDead(EngineError):
         super().__init__(message, **kw)
 
 
+class StageUnavailable(EngineDead):
+    """A stage replica placed outside the server (a Ray actor) is gone or unreachable:
+    the request running on it fails with this; the session goes on, and its next
+    request goes to a live replica (or the restarted one)."""
+
+    code = "stage_unavailable"
+
+
 class ConnectorError(OmniError):
     """A handle that cannot be resolved (already consumed, cleaned up, foreign)."""
 
@@ -186,6 +194,7 @@ __all__ = [
     "OrchestratorError",
     "RequestAborted",
     "StageError",
+    "StageUnavailable",
     "WS_GOING_AWAY",
     "WS_INTERNAL_ERROR",
     "WS_NORMAL",

@@ -199,8 +199,10 @@ class Orchestrator:
         if stage in state.finals:
             # Output to the client travels through the connector of the stage's first
             # out edge if there is one, else in-process.
+            # (A stage placed outside the server puts it into its own connector.)
             out = [e for e in state.profile.out_edges(stage) if e.dst in state.active]
-            consumers.append((out[0].connector if out else "inproc", CLIENT))
+            placement = self.pools[stage].spec.placement
+            consumers.append((out[0].connector if out else placement.connector if placement.remote else "inproc", CLIENT))
         for e in state.profile.out_edges(stage):
             if e.dst in state.active:
                 consumers.append((e.connector, e))

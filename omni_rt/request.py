@@ -76,7 +76,7 @@ class RequestStream:
                     continue
                 if self._state.status in (RequestStatus.ABORTED, RequestStatus.FAILED):
                     continue  # its keys are already freed; the DoneEvent follows
-                payload = self._orch.connectors[ev.handle.connector].get(ev.handle)
+                payload = await self._orch.connectors[ev.handle.connector].aget(ev.handle)
                 yield ev.stage, payload, ev.last
             elif ev.status is RequestStatus.FAILED:
                 raise ev.error or InternalError("request failed")

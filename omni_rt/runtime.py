@@ -106,12 +106,18 @@ class Runtime:
         }
         model = self.resolve_model(s.model, f"{key}.model") if s.model else None
         resolved = s.model_copy(update={"model": model, "aux": aux})
-        if model is not None:
-            try:
-                self.processor_class(resolved).check_spec(resolved)
-            except StageError as exc:
-                raise SpecError(f"{key}.model: {exc}") from None
+        if not s.placement.remote:  # a replica placed elsewhere checks its model where it runs
+            self.check_stage(pipeline, resolved)
         return resolved
+
+    def check_stage(self, pipeline: str, spec: StageSpec) -> None:
+        """Refuse a model directory the stage's processor cannot load (from its config
+        files: `StageProcessor.check_spec`), naming the deploy key."""
+        if spec.model is not None:
+            try:
+                self.processor_class(spec).check_spec(spec)
+            except StageError as exc:
+                raise SpecError(f"pipelines.{pipeline}.stages.{spec.name}.model: {exc}") from None
 
     def processor_class(self, spec: StageSpec) -> type[StageProcessor]:
         return import_processor(spec.processor)
@@ -124,28 +130,46 @@ class Runtime:
         return build_engine(a.engine, a.model, a.engine_args, processor, role, name)
 
     def build(self) -> None:
-        # Only connectors some edge uses are created (plus inproc for client I/O).
+        # Only connectors some edge uses are created (plus inproc for client I/O, and
+        # the connector of every stage placed outside the server).
         used = {"inproc"} | {e.connector for p in self.profiles.values() for e in p.edges}
+        specs = self._stage_specs()
+        used |= {s.placement.connector for _, s in specs.values() if s.placement.remote}
         for name in sorted(used):
             cspec = self.connector_specs.get(name)
             self.connectors[name] = make_connector(cspec.backend if cspec else name, name)
-        for name, (pipeline, raw) in self._stage_specs().items():
+        for name, (pipeline, raw) in specs.items():
             spec = self.resolve_stage(pipeline, raw)
-            proc_cls = self.processor_class(spec)
-            replicas = []
-            for i in range(spec.replicas):
-                rname = f"{name}-{i}" if spec.replicas > 1 else name
-                engine = self.make_engine(spec, "main", rname, proc_cls)
-                aux = {k: self.make_engine(spec, k, f"{rname}.{k}", proc_cls) for k in spec.aux}
-                try:
-                    processor = proc_cls(spec, engine, aux)
-                except SpecError as exc:
-                    raise SpecError(f"pipelines.{pipeline}.stages.{name}: {exc}") from None
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise SpecError(f"pipelines.{pipeline}.stages.{name}.processor_args: {exc}") from None
-                replicas.append(Replica(i, engine, aux, processor))
+            if spec.placement.remote:
+                replicas = self.remote_replicas(pipeline, spec)
+            else:
+                replicas = [self.local_replica(pipeline, spec, i) for i in range(spec.replicas)]
             self.pools[name] = StagePool(spec, replicas)
         self.orchestrator = Orchestrator(self.profiles, self.pools, self.connectors)
+
+    def local_replica(self, pipeline: str, spec: StageSpec, i: int) -> Replica:
+        """Replica `i` of a stage, its engines and processor in this process (the
+        server's, or the process of the actor it is placed in)."""
+        name = spec.name
+        proc_cls = self.processor_class(spec)
+        rname = f"{name}-{i}" if spec.replicas > 1 else name
+        engine = self.make_engine(spec, "main", rname, proc_cls)
+        aux = {k: self.make_engine(spec, k, f"{rname}.{k}", proc_cls) for k in spec.aux}
+        try:
+            processor = proc_cls(spec, engine, aux)
+        except SpecError as exc:
+            raise SpecError(f"pipelines.{pipeline}.stages.{name}: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SpecError(f"pipelines.{pipeline}.stages.{name}.processor_args: {exc}") from None
+        return Replica(i, engine, aux, processor)
+
+    def remote_replicas(self, pipeline: str, spec: StageSpec) -> list[Replica]:
+        """The replicas of a stage placed outside the server: each a proxy of a Ray
+        actor that builds it with `local_replica` (omni_rt.placement)."""
+        from omni_rt.placement import RemoteStage
+
+        backends = {n: c.backend for n, c in self.connector_specs.items()}
+        return [Replica(i, None, {}, RemoteStage(pipeline, spec, i, self.connectors, backends, type(self))) for i in range(spec.replicas)]
 
     async def start(self) -> None:
         if self.orchestrator is None:
@@ -176,7 +200,9 @@ class Runtime:
                 name: {
                     "healthy": pool.healthy,
                     "replicas": [
-                        {"engine": r.engine.health() if r.engine else None, "active": r.active, "dead": r.dead} for r in pool.replicas
+                        {"engine": r.engine.health() if r.engine else None, "active": r.active, "dead": r.dead,
+                         **({"remote": remote} if (remote := r.processor.describe_health()) is not None else {})}
+                        for r in pool.replicas
                     ],
                 }
                 for name, pool in self.pools.items()

@@ -173,6 +173,10 @@ def create_app(
     keys = key_ring(overlay, source)
     if overlay.sessions.store == "redis":
         check_redis(overlay.sessions, source)
+    if any(s.placement.remote for p in profiles.values() for s in p.stages):
+        from omni_rt.placement import connect
+
+        connect(overlay.server.ray_address)  # stages placed outside this process run on Ray
     runtime = runtime_factory(profiles, overlay.connectors, ModelResolver(models_dir(overlay), overlay.server.build_tiny, source))
     runtime.build()
     assert runtime.orchestrator is not None

@@ -69,6 +69,28 @@ class AuxEngineSpec(_Strict):
     engine_args: dict[str, Any] = {}
 
 
+class PlacementSpec(_Strict):
+    """Where a stage's replicas run (deploy key `pipelines.P.stages.S.placement`).
+
+    `local` (the default): in the server process. `process`: each replica in a process
+    of its own on this machine (GIL isolation), a Ray actor pinned to this node. `ray`:
+    each replica a Ray actor anywhere on the cluster that has the resources asked for.
+    A replica placed outside the server reads and writes its payloads through
+    `connector` (a `ray` connector: the object store, shared memory on one node), so
+    the edges into and out of it must use one."""
+
+    kind: Literal["local", "process", "ray"] = "local"
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs each replica's actor reserves")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs each replica's actor reserves (fractions share one)")
+    resources: dict[str, float] = Field(default={}, description="custom Ray resources each replica needs, e.g. {node_b: 0.01}")
+    max_restarts: int = Field(default=-1, ge=-1, description="times Ray restarts a replica's actor that died (-1: always)")
+    connector: str = Field(default="ray", description="the connector a remote replica's client input and output go through")
+
+    @property
+    def remote(self) -> bool:
+        return self.kind != "local"
+
+
 class StageSpec(_Strict):
     name: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     kind: Literal["ar", "generation", "diffusion"]
@@ -81,6 +103,7 @@ class StageSpec(_Strict):
     replicas: int = Field(default=1, ge=1, le=64)
     routing: Literal["least_queue", "round_robin"] = "least_queue"
     input: PayloadKind | None = Field(default=None, description="payload the entry stage takes from the client")
+    placement: PlacementSpec = PlacementSpec()
 
 
 class ProfileSpec(_Strict):
@@ -203,6 +226,7 @@ class StageOverlay(_Strict):
     engine_args: dict[str, Any] = Field(default={}, description="merged over the pipeline's engine_args")
     processor_args: dict[str, Any] = Field(default={}, description="merged over the pipeline's processor_args")
     aux: dict[str, AuxOverlay] = Field(default={}, description="per aux engine: model / engine_args overrides")
+    placement: PlacementSpec | None = Field(default=None, description="where the stage's replicas run (local, process, ray)")
 
 
 class PipelineOverlay(_Strict):
@@ -213,7 +237,7 @@ class PipelineOverlay(_Strict):
 
 
 class ConnectorSpec(_Strict):
-    backend: Literal["inproc", "shm"]
+    backend: Literal["inproc", "shm", "ray"]
 
 
 class ApiKeySpec(_Strict):
@@ -223,6 +247,10 @@ class ApiKeySpec(_Strict):
 
 
 class ServerSpec(_Strict):
+    ray_address: str | None = Field(default=
+        None, description="the Ray cluster stages placed `process`/`ray` run on (several front ends share its stage actors); "
+        "none: a Ray instance of this server's own, started when a stage needs one"
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     models_dir: str | None = Field(default=None, description="where tiny checkpoints are built (default ~/.cache/omni-rt/models)")
@@ -350,7 +378,7 @@ class DeployOverlay(_Strict):
     server: ServerSpec = ServerSpec()
     sessions: SessionsSpec = SessionsSpec()
     connectors: dict[str, ConnectorSpec] = Field(
-        default={"inproc": ConnectorSpec(backend="inproc"), "shm": ConnectorSpec(backend="shm")},
+        default={"inproc": ConnectorSpec(backend="inproc"), "shm": ConnectorSpec(backend="shm"), "ray": ConnectorSpec(backend="ray")},
         description="named connectors that edges refer to",
     )
     pipelines: dict[str, PipelineOverlay] = {}
@@ -482,6 +510,7 @@ def apply_overlay(pipeline: PipelineSpec, overlay: DeployOverlay, source: str = 
                     "engine_args": _merge(s.engine_args, so.engine_args),
                     "processor_args": _merge(s.processor_args, so.processor_args),
                     "aux": aux,
+                    "placement": so.placement or s.placement,
                 }
             )
         )
@@ -504,6 +533,18 @@ def apply_overlay(pipeline: PipelineSpec, overlay: DeployOverlay, source: str = 
             raise SpecError(
                 f"{base_key}.edges.{e.name}.connector: connector {e.connector!r} is not declared; "
                 f"known: {sorted(overlay.connectors)}"
+            )
+    remote = {s.name: s for s in stages if s.placement.remote}
+    for s in remote.values():
+        c = overlay.connectors.get(s.placement.connector)
+        if c is None or c.backend != "ray":
+            raise SpecError(f"{base_key}.stages.{s.name}.placement.connector: {s.placement.connector!r} is not a declared ray connector")
+    for e in edges:
+        if (e.src in remote or e.dst in remote) and overlay.connectors[e.connector].backend != "ray":
+            placed = e.src if e.src in remote else e.dst
+            raise SpecError(
+                f"{base_key}.edges.{e.name}.connector: stage {placed} runs outside the server ({remote[placed].placement.kind}), "
+                f"so its edges need a ray connector; {e.connector!r} is {overlay.connectors[e.connector].backend}"
             )
     try:
         return ProfileSpec.model_validate(

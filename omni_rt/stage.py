@@ -73,7 +73,7 @@ class StageInput:
             if item is _EOS:
                 return
             handle: Handle = item
-            payload = self._connectors[handle.connector].get(handle)
+            payload = await self._connectors[handle.connector].aget(handle)
             current = self._current_fence()
             # Fence check at the connector-get hop: a chunk from an older epoch never
             # reaches the stage's model.
@@ -84,6 +84,15 @@ class StageInput:
 
     async def read_all(self) -> list[Payload]:
         return [p async for p in self]
+
+    async def handles(self) -> AsyncIterator[Handle]:
+        """The input's handles as the orchestrator fed them, unread (a stage placed
+        outside the server reads them itself), until EOS."""
+        while True:
+            item = await self._queue.get()
+            if item is _EOS:
+                return
+            yield item
 
 
 class StageContext:
@@ -130,6 +139,19 @@ class StageContext:
                 raise KeyError(f"stage {self.stage.name} has inputs {sorted(self.inputs)}; name one")
             return next(iter(self.inputs.values()))
         return self.inputs[name]
+
+    def route(self, group: int, handle: Handle, last: bool) -> None:
+        """Route a handle a stage placed outside the server published for its
+        `group`-th output group (the connector put happened there)."""
+        if self._state.status is RequestStatus.RUNNING:
+            self._route(self._groups[group], handle, last)
+            self.emitted += 1
+
+    @property
+    def groups(self) -> list[tuple[str, int]]:
+        """(connector, readers) of each output group: where and for how many
+        consumers each output is put."""
+        return [(g.connector, len(g.consumers)) for g in self._groups]
 
     async def emit(self, payload: Payload, *, last: bool = False) -> None:
         """Publish one output chunk to every consumer (client and/or next stages).
@@ -207,6 +229,23 @@ class StageProcessor(abc.ABC):
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Called once after the replica's engines started (load tokenizers, warm up)."""
+
+    async def stop(self) -> None:  # noqa: B027 - optional hook
+        """Called once when the server stops, after the replica's engines stopped."""
+
+    def unavailable(self) -> str | None:
+        """Why this replica takes no work, where it is not its engines that say so (a
+        replica placed outside the server whose actor is gone); None: it takes work."""
+        return None
+
+    def queue_load(self) -> int:
+        """Work waiting in or running on this replica, where its engines do not count
+        it (a replica placed outside the server)."""
+        return 0
+
+    def describe_health(self) -> dict[str, Any] | None:
+        """What /health shows of this replica beyond its engines (None: nothing)."""
+        return None
 
     def release_session(self, session_id: str) -> None:  # noqa: B027 - optional hook
         """A session ended: drop any state this replica keeps for it (KV prefixes,

@@ -23,15 +23,16 @@ class Replica:
 
     def load(self) -> int:
         engine_load = self.engine.load() if self.engine is not None else 0
-        return max(self.active, engine_load)
+        return max(self.active, engine_load, self.processor.queue_load())
 
     def engines(self) -> list[Engine]:
         return [e for e in (self.engine, *self.aux.values()) if e is not None]
 
     @property
     def dead(self) -> str | None:
-        """Why this replica takes no work (one of its engines is gone), or None."""
-        return next((f"{e.name}: {e.dead}" for e in self.engines() if e.dead is not None), None)
+        """Why this replica takes no work (one of its engines is gone, or the actor it
+        is placed in), or None."""
+        return next((f"{e.name}: {e.dead}" for e in self.engines() if e.dead is not None), None) or self.processor.unavailable()
 
 
 @dataclass
@@ -95,3 +96,4 @@ class StagePool:
         for r in self.replicas:
             for eng in r.engines():
                 await eng.stop()
+            await r.processor.stop()

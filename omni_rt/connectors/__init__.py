@@ -1,11 +1,12 @@
-"""Connectors: inproc (zero copy), shm (shared memory across processes)."""
+"""Connectors: inproc (zero copy), shm (shared memory across processes), ray (Ray's
+object store, across processes and nodes)."""
 
 from __future__ import annotations
 
 from omni_rt.connectors.base import Connector, ConnectorError
 from omni_rt.connectors.inproc import InprocConnector
 
-BACKENDS = ("inproc", "shm")
+BACKENDS = ("inproc", "shm", "ray")
 
 
 def make_connector(backend: str, name: str | None = None) -> Connector:
@@ -15,6 +16,10 @@ def make_connector(backend: str, name: str | None = None) -> Connector:
         from omni_rt.connectors.shm import ShmConnector
 
         return ShmConnector(name or backend)
+    if backend == "ray":
+        from omni_rt.connectors.ray import RayConnector
+
+        return RayConnector(name or backend)
     raise ValueError(f"unknown connector backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 

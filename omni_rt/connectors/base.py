@@ -31,6 +31,11 @@ class Connector(abc.ABC):
     @abc.abstractmethod
     def get(self, handle: Handle) -> Payload: ...
 
+    async def aget(self, handle: Handle) -> Payload:
+        """`get` for the event loop: a backend whose read may wait (a transfer from
+        another node) waits without blocking the loop. By default, `get`."""
+        return self.get(handle)
+
     @abc.abstractmethod
     def cleanup(self, request_id: str) -> int: ...
 

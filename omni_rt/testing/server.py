@@ -91,6 +91,9 @@ class FakeRuntime(Runtime):
     def resolve_stage(self, pipeline: str, s: StageSpec) -> StageSpec:
         return s  # fakes load no weights
 
+    def check_stage(self, pipeline: str, spec: StageSpec) -> None:
+        return None  # nor read any model directory
+
     def processor_class(self, spec: StageSpec) -> type[StageProcessor]:
         return import_processor(self._fake(spec)[0] or spec.processor)
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
-from omni_rt.errors import ClientError, RequestAborted
+from omni_rt.errors import ClientError, EngineDead, RequestAborted
 from omni_rt.payloads import Payload
 from protocols.audio_formats import pcm16_bytes
 from protocols.errors import to_omni
@@ -139,6 +139,8 @@ class Responses:
                 status = "failed"
                 if isinstance(err, ClientError):  # the request's own fault (e.g. context_length_exceeded)
                     error = {"type": err.type, "code": err.code, "message": err.message}
+                elif isinstance(err, EngineDead):  # an engine or a remote stage replica went away: the next turn may go on
+                    error = {"type": "server_error", "code": err.code, "message": err.public_message()}
                 else:
                     error = {"type": "server_error", "code": "generation_failed", "message": err.public_message()}
                 details = {"type": "failed", "error": error}
