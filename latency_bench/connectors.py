@@ -9,6 +9,10 @@ is left untouched), then, after `warmup` untimed rounds, measures `repeat` round
             ``c.cleanup(rid)`` (timed separately, not part of put+get);
 * inproc:   the same with `InprocConnector`, always reported alongside.
 
+`--backend ray` measures Ray's object store (`ray.put` / `ray.get` in one process of a
+Ray instance the bench starts; objects under Ray's inline limit, ~100 KiB, stay in the
+owner's memory, bigger ones go to the node's shared-memory store).
+
 It reports medians, GB/s (= bytes / median seconds / 1e9), the backend / memcpy
 throughput ratio, and checks made outside the timed region on the first timed round:
 the data came back equal, whether ``get`` returned a view (the array does not own its
@@ -32,7 +36,7 @@ from latency_bench.stats import median, ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.connectors/1"
 DEFAULT_SIZES = "1KiB,64KiB,1MiB,16MiB,64MiB"
-BACKENDS = ("shm", "inproc")
+BACKENDS = ("shm", "inproc", "ray")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -77,6 +81,13 @@ def make_connector(backend: str, shm_pool_bytes: int | None = None) -> Any:
         from omni_rt.connectors.shm import ShmConnector
 
         return ShmConnector() if shm_pool_bytes is None else ShmConnector(pool_bytes=shm_pool_bytes)
+    if backend == "ray":
+        # a Ray instance of the bench's own (as a server without server.ray_address starts one)
+        from omni_rt.connectors.ray import RayConnector
+        from omni_rt.placement import connect
+
+        connect(None)
+        return RayConnector()
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 

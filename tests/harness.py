@@ -76,6 +76,10 @@ class CountingConnector(Connector):
         self._caller("get")
         return self.inner.get(handle)
 
+    async def aget(self, handle: Handle) -> Payload:
+        self._caller("get")
+        return self.inner.get(handle)
+
     def cleanup(self, request_id: str) -> int:
         return self.inner.cleanup(request_id)
 

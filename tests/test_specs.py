@@ -82,7 +82,8 @@ def test_pipeline_graph_errors():
 def test_defaults_are_valid():
     ov = DeployOverlay()
     assert ov.server.port == 8000 and ov.server.host == "127.0.0.1"
-    assert set(ov.connectors) == {"inproc", "shm"}
+    # ray is declared but only used by edges into or out of a remote placement
+    assert set(ov.connectors) == {"inproc", "shm", "ray"}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
