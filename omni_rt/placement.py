@@ -213,8 +213,16 @@ class StageActor:
             return
         state, _ins, out, task = entry
         try:
-            while (item := await out.get())[0] != "end":
-                yield item
+            ended = False
+            while not ended:  # what has queued up by now, in one item: fewer returns under load
+                batch = [await out.get()]
+                while not out.empty():
+                    batch.append(out.get_nowait())
+                if batch[-1][0] == "end":
+                    batch.pop()
+                    ended = True
+                if batch:
+                    yield ("outs", batch)
             yield ("usage", dict(state.usage))
             if not task.cancelled() and task.exception() is not None:
                 exc = task.exception()
@@ -222,19 +230,19 @@ class StageActor:
         finally:
             await self._close(request_id)
 
-    async def feed(self, request_id: str, name: str, handle: Handle, fence: Fence | None) -> None:
+    async def feed(self, request_id: str, name: str, handles: list[Handle], fence: Fence | None, last: bool) -> None:
+        """The next handles of one input (in order; a call carries whatever the
+        input had gathered), and its end if `last`."""
         entry = self.requests.get(request_id)
         if entry is None:
             return  # finished or aborted: a late chunk is dropped (as the orchestrator drops it)
         state, ins, _out, _task = entry
         if fence is not None:
             state.latest = fence
-        ins[name].feed(handle)
-
-    async def end(self, request_id: str, name: str) -> None:
-        entry = self.requests.get(request_id)
-        if entry is not None:
-            entry[1][name].end()
+        for handle in handles:
+            ins[name].feed(handle)
+        if last:
+            ins[name].end()
 
     async def abort(self, request_id: str) -> None:
         await self._close(request_id)
@@ -396,8 +404,9 @@ class RemoteStage(StageProcessor):
             try:
                 async for ref in outputs:
                     item = await ref
-                    if item[0] == "out":
-                        ctx.route(item[1], item[2], item[3])
+                    if item[0] == "outs":
+                        for _out, group, handle, last in item[1]:
+                            ctx.route(group, handle, last)
                     elif item[0] == "usage":
                         ctx.add_usage(**item[1])
                     elif item[0] == "error":
@@ -418,13 +427,16 @@ class RemoteStage(StageProcessor):
         in-process connector is put into the replica's connector first."""
         here = self.spec.placement.connector
         k = 0
-        async for handle in inp.handles():
-            if self.backends.get(handle.connector) != "ray":
-                payload = await self.connectors[handle.connector].aget(handle)
-                handle = self.connectors[here].put(ctx.request_id, f"{self.spec.name}/in/{name}/{k}", payload)
-                k += 1
-            await self.actor.feed.remote(ctx.request_id, name, handle, ctx._state.current_fence())
-        await self.actor.end.remote(ctx.request_id, name)
+        async for batch, last in inp.handle_batches():
+            sent: list[Handle] = []
+            for handle in batch:
+                if self.backends.get(handle.connector) != "ray":
+                    payload = await self.connectors[handle.connector].aget(handle)
+                    handle = self.connectors[here].put(ctx.request_id, f"{self.spec.name}/in/{name}/{k}", payload)
+                    k += 1
+                sent.append(handle)
+            # one call at a time keeps the order (an async actor may run calls out of order)
+            await self.actor.feed.remote(ctx.request_id, name, sent, ctx._state.current_fence(), last)
 
 
 __all__ = ["NAMESPACE", "RemoteStage", "StageActor", "connect", "digest"]

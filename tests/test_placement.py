@@ -239,3 +239,38 @@ async def test_real_snac_on_another_node_gives_the_in_process_audio(cluster, mod
     remote_audio, remote_chunks = await synth(models_dir, over, TEXT)
     assert len(remote_chunks) > 3 and len(local_chunks) > 3
     np.testing.assert_allclose(remote_audio, local, atol=ATOL, rtol=0)
+
+
+def test_ray_connector_inlines_small_payloads_and_stores_big_ones(cluster):
+    """A payload up to Ray's inline limit travels inside its handle; a bigger one is an
+    object in the store, read on another node by Ray's transfer and kept by its owner
+    until the request is cleaned up."""
+    import numpy as np
+
+    from omni_rt.connectors.ray import INLINE_MAX_BYTES, RayConnector
+    from omni_rt.payloads import Fence, Payload, PayloadKind
+
+    placement.connect(cluster.address)
+    conn = RayConnector()
+    fence = Fence("s")
+    small = Payload(PayloadKind.AUDIO, fence, {"x": np.arange(16, dtype=np.float32)})
+    big = Payload(PayloadKind.AUDIO, fence, {"x": np.ones(INLINE_MAX_BYTES, dtype=np.float32)})
+    hs, hb = conn.put("r", "small", small), conn.put("r", "big", big)
+    assert hs.locator is not None and hb.locator is not None
+    assert "ref" not in hs.locator and "ref" in hb.locator
+
+    @ray.remote(num_cpus=0, resources={"node_b": 0.1})
+    def read(handles: list[Any]) -> tuple[str, list[float]]:
+        import ray as r
+
+        reader = RayConnector()
+        return r.get_runtime_context().get_node_id(), [float(reader.get(h).arrays["x"].sum()) for h in handles]
+
+    node, sums = ray.get(read.remote([hs, hb]), timeout=60)
+    assert sums == [120.0, float(INLINE_MAX_BYTES)]
+    assert node == next(n["NodeID"] for n in ray.nodes() if "node_b" in n["Resources"])
+    assert node != ray.get_runtime_context().get_node_id()
+    assert conn.get(hs) is small  # in the writer's process the payload itself
+    health = conn.health()
+    assert health["puts"] == 2 and health["inlined"] == 1 and health["live_keys"] == 2
+    assert conn.cleanup("r") == 2 and conn.live_keys() == 0

@@ -4,7 +4,11 @@
 `put` stores the payload with `ray.put` (numpy arrays out of band: a reader on the same
 node maps them from the node's shared-memory object store without a copy, one on
 another node gets them by Ray's transfer) and returns a handle holding the reference.
-`get` / `aget` read it. The process that put an object owns it and keeps its reference
+`get` / `aget` read it. A payload of at most `inline_max_bytes` (Ray's own limit for
+inlining task arguments and returns, 100 KiB) travels inside its handle instead, as Ray
+itself carries small objects inside the calls that pass them: a chunk of codec tokens
+or of audio then costs no object-store round trip (create, seal, a reader's fetch
+through the raylet) on either side. The process that put an object owns it and keeps its reference
 until `cleanup(request_id)`: Ray frees an object once its owner and every borrower
 dropped it, and a reference that only travels inside another object (a handle
 streamed back by a stage's actor) may reach its reader after the owner let go
@@ -29,15 +33,18 @@ from omni_rt.payloads import Handle, Payload
 log = logging.getLogger("omni_rt.connectors.ray")
 
 GET_TIMEOUT_S = 60.0  # an object that does not arrive in this long is reported lost
+INLINE_MAX_BYTES = 100 * 1024  # Ray's max_direct_call_object_size
 
 
 class RayConnector(Connector):
-    def __init__(self, name: str = "ray") -> None:
+    def __init__(self, name: str = "ray", inline_max_bytes: int = INLINE_MAX_BYTES) -> None:
         self.name = name
+        self.inline_max_bytes = inline_max_bytes
         self._lock = threading.Lock()
-        self._held: dict[str, dict[str, Any]] = {}  # request_id -> key -> ObjectRef, until cleanup
+        self._held: dict[str, dict[str, Any]] = {}  # request_id -> key -> ObjectRef (None: inline), until cleanup
         self._on_cleanup: dict[str, list[Callable[[], Any]]] = {}
         self.puts = 0
+        self.inlined = 0
         self.gets = 0
 
     def put(self, request_id: str, key: str, payload: Payload, readers: int = 1) -> Handle:
@@ -47,14 +54,21 @@ class RayConnector(Connector):
             raise ValueError("readers must be >= 1")
         if not ray.is_initialized():
             raise ConnectorError(f"connector {self.name}: this process is not connected to Ray")
-        ref = ray.put(payload)
+        inline = payload.nbytes <= self.inline_max_bytes
+        ref = None if inline else ray.put(payload)
         with self._lock:
             keys = self._held.setdefault(request_id, {})
             if key in keys:
                 raise ConnectorError(f"key {key!r} already stored for request {request_id!r}")
             keys[key] = ref
             self.puts += 1
-        return Handle(self.name, request_id, key, payload.kind, payload.fence, payload.nbytes, readers, locator={"ref": ref})
+            if inline:
+                self.inlined += 1
+        locator = {"payload": payload} if inline else {"ref": ref}
+        return Handle(self.name, request_id, key, payload.kind, payload.fence, payload.nbytes, readers, locator=locator)
+
+    def _inline(self, handle: Handle) -> Payload | None:
+        return (handle.locator or {}).get("payload")
 
     def _ref(self, handle: Handle) -> Any:
         ref = (handle.locator or {}).get("ref")
@@ -76,6 +90,8 @@ class RayConnector(Connector):
     def get(self, handle: Handle) -> Payload:
         import ray
 
+        if (inline := self._inline(handle)) is not None:
+            return self._got(handle, inline)
         try:
             payload = ray.get(self._ref(handle), timeout=GET_TIMEOUT_S)
         except ConnectorError:
@@ -85,6 +101,8 @@ class RayConnector(Connector):
         return self._got(handle, payload)
 
     async def aget(self, handle: Handle) -> Payload:
+        if (inline := self._inline(handle)) is not None:
+            return self._got(handle, inline)
         try:
             payload = await asyncio.wait_for(self._ref(handle), GET_TIMEOUT_S)  # an ObjectRef is awaitable
         except ConnectorError:
@@ -123,4 +141,4 @@ class RayConnector(Connector):
         import ray
 
         return {"ok": ray.is_initialized(), "backend": "ray", "live_keys": self.live_keys(), "requests": len(self._held), "puts": self.puts,
-                "gets": self.gets}
+                "inlined": self.inlined, "gets": self.gets}
