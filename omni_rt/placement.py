@@ -5,8 +5,8 @@ replica exactly as the server would build it in process (`Runtime.local_replica`
 same engines and processor) and runs its requests there. The server keeps the
 orchestrator, the sessions and a proxy, `RemoteStage`, in the replica's place: a
 `StageProcessor` whose `run` forwards one request to the actor and routes what the
-actor publishes. Only handles cross: payloads go through a `ray` connector (Ray's
-object store), put and read where the stages run.
+actor publishes. Only handles cross: payloads go through a `ray` connector (inside
+the handle up to 100 KiB, Ray's object store above), put and read where the stages run.
 
 One request on a remote replica, as the proxy drives it:
 
@@ -14,12 +14,14 @@ One request on a remote replica, as the proxy drives it:
   its output groups (connector, readers) — the actor builds a `StageContext` over
   them and starts the processor;
 - `outputs`: a Ray streaming generator of what the processor publishes, each output
-  put into the group's connector there and yielded as a handle, then the usage it
-  counted, then the error it failed with (if it did);
-- `feed` / `end`: the handles fed to each input, with the request's current fence
-  (a chunk of an older turn is dropped there, at the connector-get hop, and the
-  engine-output hop checks the same fence); a client input held in the server's
-  in-process connector is put into the replica's connector first;
+  put into the group's connector there and yielded as a handle (what has queued up
+  by then in one item), then the usage it counted, then the error it failed with (if
+  it did);
+- `feed`: the handles fed to each input since the last call, in one call, with the
+  request's current fence (a chunk of an older turn is dropped there, at the
+  connector-get hop, and the engine-output hop checks the same fence) and the input's
+  end with its last ones; a client input held in the server's in-process connector is
+  put into the replica's connector first;
 - `abort`: a cancelled request (abort, barge-in, a client gone) stops the processor
   and its engine work in the actor;
 - `release_session`: a session ended (fire and forget).

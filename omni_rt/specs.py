@@ -76,8 +76,9 @@ class PlacementSpec(_Strict):
     of its own on this machine (GIL isolation), a Ray actor pinned to this node. `ray`:
     each replica a Ray actor anywhere on the cluster that has the resources asked for.
     A replica placed outside the server reads and writes its payloads through
-    `connector` (a `ray` connector: the object store, shared memory on one node), so
-    the edges into and out of it must use one."""
+    `connector` (a `ray` connector: small payloads inside the handle, big ones in the
+    object store, shared memory on one node), so the edges into and out of it must
+    use one."""
 
     kind: Literal["local", "process", "ray"] = "local"
     num_cpus: float = Field(default=1.0, ge=0, description="CPUs each replica's actor reserves")

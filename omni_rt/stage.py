@@ -85,18 +85,12 @@ class StageInput:
     async def read_all(self) -> list[Payload]:
         return [p async for p in self]
 
-    async def handles(self) -> AsyncIterator[Handle]:
-        """The input's handles as the orchestrator fed them, unread (a stage placed
-        outside the server reads them itself), until EOS."""
-        async for batch, _last in self.handle_batches():
-            for h in batch:
-                yield h
-
     async def handle_batches(self) -> AsyncIterator[tuple[list[Handle], bool]]:
-        """The same handles in order, as lists of whatever has arrived by the time
-        the reader asks (at least one, or none with EOS), each with whether EOS
-        follows it: a remote reader sends each list in one call, so the calls it
-        makes fall behind the chunks' rate by batching instead of by queueing."""
+        """The input's handles as the orchestrator fed them, unread (a stage placed
+        outside the server reads them itself), in order until EOS: lists of whatever
+        has arrived by the time the reader asks (at least one, or none with EOS), each
+        with whether EOS follows it. A remote reader sends each list in one call, so
+        its calls fall behind the chunks' rate by batching instead of by queueing."""
         while True:
             batch: list[Handle] = []
             item = await self._queue.get()

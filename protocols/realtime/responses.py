@@ -139,10 +139,9 @@ class Responses:
                 status = "failed"
                 if isinstance(err, ClientError):  # the request's own fault (e.g. context_length_exceeded)
                     error = {"type": err.type, "code": err.code, "message": err.message}
-                elif isinstance(err, EngineDead):  # an engine or a remote stage replica went away: the next turn may go on
-                    error = {"type": "server_error", "code": err.code, "message": err.public_message()}
-                else:
-                    error = {"type": "server_error", "code": "generation_failed", "message": err.public_message()}
+                else:  # an engine or a remote stage replica that went away says so: the next turn may go on
+                    code = err.code if isinstance(err, EngineDead) else "generation_failed"
+                    error = {"type": "server_error", "code": code, "message": err.public_message()}
                 details = {"type": "failed", "error": error}
         finally:
             await asyncio.shield(stream.close())

@@ -75,3 +75,22 @@ def drop(ws: Any) -> None:
 
 async def connect(h: Any, path: str, headers: dict[str, str] | None = None) -> Events:
     return Events(await h.client.ws_connect(path, headers=headers or {}))
+
+
+async def barge_in(ws: Events) -> tuple[str, dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """A scripted barge-in on a realtime socket with turn detection on: the user speaks,
+    a long answer starts, the user talks over it, then falls silent. Returns the first
+    answer's id, its `response.done`, the next answer's, and every event of the first
+    answer that arrived after its `response.done` (none, if nothing stale follows)."""
+    await ws.send("session.update", session={"type": "realtime", "max_output_tokens": 400})
+    await ws.until("session.updated")
+    for chunk in (quiet(0.2), tone(0.4), quiet(0.6)):
+        await ws.send("input_audio_buffer.append", audio=b64(chunk))
+    rid = (await ws.until("response.output_audio.delta"))["response_id"]
+    await ws.send("session.update", session={"type": "realtime", "max_output_tokens": 3})
+    await ws.send("input_audio_buffer.append", audio=b64(tone(0.3)))  # the user talks over the answer
+    done = await ws.until("response.done")
+    mark = len(ws.seen)
+    await ws.send("input_audio_buffer.append", audio=b64(quiet(0.6)))
+    second = await ws.until("response.done")
+    return rid, done, second, [e for e in ws.seen[mark:] if e.get("response_id") == rid]

@@ -13,7 +13,7 @@ import pytest
 from omni_rt.errors import ConnectorError
 from omni_rt.testing import serve
 from protocols.realtime import AUDIO_PLACEHOLDER
-from tests.protocols.helpers import Events, b64, connect, quiet, tone
+from tests.protocols.helpers import Events, b64, barge_in, connect, quiet, tone
 
 BETA = {"openai-beta": "realtime=v1"}
 BETA_ONLY = {"response.audio.delta", "response.audio.done", "response.audio_transcript.delta",
@@ -268,23 +268,12 @@ async def test_server_vad_turn(h):
 
 async def test_barge_in_cancels_the_answer_and_nothing_stale_follows(h):
     ws = await session(h, manual=False)
-    await ws.send("session.update", session={"type": "realtime", "max_output_tokens": 400})
-    await ws.until("session.updated")
-    for chunk in (quiet(0.2), tone(0.4), quiet(0.6)):
-        await ws.send("input_audio_buffer.append", audio=b64(chunk))
-    first = await ws.until("response.output_audio.delta")
-    rid = first["response_id"]
-    await ws.send("session.update", session={"type": "realtime", "max_output_tokens": 3})
-    await ws.send("input_audio_buffer.append", audio=b64(tone(0.3)))  # the user talks over the answer
-    done = await ws.until("response.done")
+    rid, done, second, stale = await barge_in(ws)
     assert done["response"]["id"] == rid and done["response"]["status"] == "cancelled"
     assert done["response"]["status_details"]["reason"] == "turn_detected"
     assert ws.types().index("input_audio_buffer.speech_started") < ws.types().index("response.done")
-    mark = len(ws.seen)
-    await ws.send("input_audio_buffer.append", audio=b64(quiet(0.6)))
-    second = await ws.until("response.done")
     assert second["response"]["id"] != rid and second["response"]["status"] == "completed"
-    assert [e for e in ws.seen[mark:] if e.get("response_id") == rid] == []
+    assert stale == []
 
 
 async def test_disconnect_mid_answer_frees_every_request_and_the_session(h):
