@@ -44,6 +44,13 @@ class PayloadKind(str, enum.Enum):
     OBSERVATION = "observation"  # a robot's observation: named arrays, strings in meta["text"]
 
 
+# Keys of a chat stage's TEXT payloads that carry no text (pipelines.tools): a piece of a
+# function call {index, id?, name?, arguments} (OpenAI's delta.tool_calls), and why the
+# answer ended ("stop", "length", "tool_calls"), the stage's last payload.
+TOOL_CALL = "tool_call"
+FINISH_REASON = "finish_reason"
+
+
 @dataclass(frozen=True, slots=True)
 class Fence:
     """Identifies the turn a piece of work belongs to.

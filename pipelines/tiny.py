@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipelines.chat_templates import TOOL_TOKENS, qwen_chat_template
 from pipelines.codec import CodecLayout
 
 SEED = 0
@@ -31,7 +32,7 @@ TALKER_DIRNAME = "tiny-orpheus-talker"
 CODE2WAV_DIRNAME = "tiny-snac-24khz"
 MARKER = ".complete"
 # Bump when what the builders write changes, so stale caches get rebuilt.
-BUILD_VERSION = 9
+BUILD_VERSION = 10
 
 # --- talker sizes ---------------------------------------------------------------
 TEXT_VOCAB_SIZE = 1024  # byte alphabet (256) + up to 768 BPE merges
@@ -232,9 +233,12 @@ def _train_tokenizer(
     special_map: dict[str, str] | None = None,
     bos: str | None = "<|begin_of_text|>",
     extra_config: dict[str, Any] | None = None,
+    added: tuple[str, ...] = (),
 ) -> int:
-    """Train the byte-level BPE, save tokenizer files, return the text vocab size."""
-    from tokenizers import decoders, processors
+    """Train the byte-level BPE, save tokenizer files, return the text vocab size.
+    `added`: tokens added after the special ones that are not special (decoded as
+    text), as the Qwen family's `<tool_call>` markers are."""
+    from tokenizers import AddedToken, decoders, processors
 
     tok = train_byte_bpe(TEXT_VOCAB_SIZE)
     tok.decoder = decoders.ByteLevel()
@@ -242,6 +246,7 @@ def _train_tokenizer(
     # Special tokens are added after training so they get ids text_vocab.. (as in
     # Llama 3, where they follow the 128000 text tokens) instead of 0...
     tok.add_special_tokens(list(special_tokens))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     if bos is not None:
         # Llama 3's tokenizer adds BOS through its post-processor; Orpheus prompts rely on it.
         tok.post_processor = processors.TemplateProcessing(
@@ -330,11 +335,9 @@ def _fill_code2wav(out: Path) -> None:
 
 
 THINKER_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio|>", "<|pad|>")
-# Qwen2-style chat template; `<|audio|>` marks where the audio encoder's embeddings go.
-THINKER_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# The Qwen2 family's chat template (with its function calling); `<|audio|>` marks
+# where the audio encoder's embeddings go.
+THINKER_CHAT_TEMPLATE = qwen_chat_template(None, multimodal=False)
 THINKER_CONFIG = {
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -368,11 +371,11 @@ def _fill_thinker(out: Path) -> None:
     hf_logging.disable_progress_bar()
     special_map = {"eos_token": "<|im_end|>", "pad_token": "<|pad|>"}
     text_vocab = _train_tokenizer(
-        out, THINKER_SPECIAL_TOKENS, special_map, bos=None, extra_config={"chat_template": THINKER_CHAT_TEMPLATE}
+        out, THINKER_SPECIAL_TOKENS, special_map, bos=None, extra_config={"chat_template": THINKER_CHAT_TEMPLATE}, added=TOOL_TOKENS
     )
     ids = {t: text_vocab + i for i, t in enumerate(THINKER_SPECIAL_TOKENS)}
     config = Qwen2Config(
-        vocab_size=-(-(text_vocab + len(THINKER_SPECIAL_TOKENS)) // 64) * 64,
+        vocab_size=-(-(text_vocab + len(THINKER_SPECIAL_TOKENS) + len(TOOL_TOKENS)) // 64) * 64,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|pad|>"],

@@ -34,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipelines.chat_templates import TOOL_TOKENS, qwen_chat_template
 from pipelines.tiny import TEXT_VOCAB_SIZE, THINKER_CONFIG, save_sampling, train_byte_bpe
 
 SEED = 11
@@ -70,29 +71,8 @@ NAMED_TOKENS = {
 DEFAULT_SYSTEM = "You are a helpful assistant."
 # The family's chat template: string contents as they are, list contents part by
 # part (audio, image and video parts as their placeholder spans), a default system
-# turn when the conversation has none.
-CHAT_TEMPLATE = (
-    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
-    "{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n" + DEFAULT_SYSTEM + "<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_bos|><|IMAGE|><|vision_eos|>"
-    "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
-    "{% set audio_count.value = audio_count.value + 1 %}{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}"
-    "<|audio_bos|><|AUDIO|><|audio_eos|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_bos|><|VIDEO|><|vision_eos|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# turn when the conversation has none, and the family's function calling.
+CHAT_TEMPLATE = qwen_chat_template(DEFAULT_SYSTEM, multimodal=True)
 
 # The legacy Qwen2 thinker's sizes (2 layers x 256, 4 heads, 2 kv heads), so the two
 # profiles compare on equal text models; M-RoPE over (time, height, width), its
@@ -168,12 +148,14 @@ VIDEO_PROCESSOR: dict[str, Any] = {
 
 
 def _tokenizer(out: Path) -> dict[str, int]:
-    from tokenizers import decoders
+    from tokenizers import AddedToken, decoders
 
     tok = train_byte_bpe(TEXT_VOCAB_SIZE)
     tok.decoder = decoders.ByteLevel()
     text_vocab = tok.get_vocab_size()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    # then the function-call markers, added tokens that are not special (as at 151657.. there)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tok.save(str(out / "tokenizer.json"))
     ids = {t: text_vocab + i for i, t in enumerate(SPECIAL_TOKENS)}
     special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
@@ -199,7 +181,7 @@ def fill(out: Path) -> None:
     hf_logging.disable_progress_bar()
     ids = _tokenizer(out)
     n_text = min(ids.values())
-    vocab_size = -(-(n_text + len(SPECIAL_TOKENS)) // 64) * 64
+    vocab_size = -(-(n_text + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)) // 64) * 64
     thinker = {
         "audio_config": AUDIO_CONFIG,
         "vision_config": VISION_CONFIG,

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
-from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
 from pipelines import checkpoint
 from pipelines.checkpoint import architectures, check_tokenizer_files
+from pipelines.tools import DEFAULT_MAX_WHITESPACE, ToolCalling, ToolStream, default_parser, is_tool_request, template_messages
 from pipelines.tts import checkpoint_sampling
 
 AUDIO_PLACEHOLDER = "<|audio|>"
@@ -269,9 +270,9 @@ def native_messages(messages: Sequence[Mapping[str, Any]], with_audio: bool) -> 
                 break
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        content = str(m.get("content", ""))
+        content = str(m.get("content") or "")
         if AUDIO_PLACEHOLDER not in content:
-            out.append({"role": m.get("role", "user"), "content": content})
+            out.append({**m, "role": m.get("role", "user"), "content": content})  # tool_calls, tool_call_id kept
             continue
         pieces = content.split(AUDIO_PLACEHOLDER)
         parts: list[dict[str, Any]] = []
@@ -301,7 +302,15 @@ class ThinkerProcessor(StageProcessor):
 
     # min_tokens: the stop token is masked until this many tokens are out (a voice
     # agent that answers nothing is never what a caller wants).
-    DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64, "min_tokens": 1}
+    # tool_parser: vLLM's tool-call parser (None: the family's, `pipelines.tools`; "none":
+    # no function calling); tool_strict_level: vLLM's --tool-strict-level ("parameter":
+    # every call's arguments satisfy its schema); tool_max_whitespace: consecutive
+    # whitespace inside a call's JSON (None: unbounded); tool_max_tokens: the token budget
+    # of an answer that may call a tool, when the request sets none (a call's JSON takes
+    # more tokens than a short spoken answer).
+    DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64, "min_tokens": 1,
+                                "tool_parser": None, "tool_strict_level": "parameter", "tool_max_whitespace": DEFAULT_MAX_WHITESPACE,
+                                "tool_max_tokens": 256}
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -332,6 +341,7 @@ class ThinkerProcessor(StageProcessor):
         self._fast: Any = None
         self._segments: SegmentEncoder | None = None
         self.embed: torch.Tensor | None = None
+        self.tool_calling: ToolCalling | None = None
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
@@ -356,6 +366,9 @@ class ThinkerProcessor(StageProcessor):
         self.text_vocab = min(self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.all_special_tokens)
         self._fast = rust_tokenizer(self.tokenizer)
         self._segments = SegmentEncoder.for_tokenizer(self._fast) if self._fast is not None else None
+        parser = self.args["tool_parser"] or default_parser(checkpoint.config(self.spec.model).get("model_type"))
+        if parser != "none":
+            self.tool_calling = ToolCalling(self.tokenizer, parser, self.args["tool_strict_level"], self.args["tool_max_whitespace"])
 
     def _load_embeddings(self) -> None:
         from safetensors import safe_open
@@ -371,11 +384,14 @@ class ThinkerProcessor(StageProcessor):
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], with_audio: bool = False) -> str:
-        """The prompt text, by the checkpoint's own chat template."""
+    def render(self, messages: Sequence[Mapping[str, Any]], with_audio: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text, by the checkpoint's own chat template (with the tools
+        offered to the model, and the calls and their results in the history)."""
+        extra = {"tools": list(tools)} if tools else {}
         if self.native:
-            return str(self.processor.apply_chat_template(native_messages(messages, with_audio), add_generation_prompt=True, tokenize=False))
-        return str(self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False))
+            msgs = native_messages(template_messages(messages), with_audio)
+            return str(self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **extra))
+        return str(self.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True, tokenize=False, **extra))
 
     def encode(self, text: str) -> list[int]:
         if self._segments is not None:
@@ -384,8 +400,8 @@ class ThinkerProcessor(StageProcessor):
             return list(self._fast.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], with_audio: bool = False) -> list[int]:
-        return self.encode(self.render(messages, with_audio))
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]], with_audio: bool = False, tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        return self.encode(self.render(messages, with_audio, tools))
 
     def decode(self, ids: list[int]) -> str:
         if self._fast is not None:
@@ -434,10 +450,18 @@ class ThinkerProcessor(StageProcessor):
         emb = torch.cat(parts)
         return emb, len(ids)
 
-    def sampling(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def tool_stream(self, params: Mapping[str, Any]) -> ToolStream | None:
+        """The request's tool parser and grammar (None: no tools, or tool_choice none)."""
+        if not is_tool_request(params):
+            return None
+        if self.tool_calling is None:
+            raise StageError(f"thinker {self.spec.model}: function calling is off for this stage (processor_args.tool_parser: none)")
+        return self.tool_calling.stream(params)
+
+    def sampling(self, params: Mapping[str, Any], tools: ToolStream | None = None) -> dict[str, Any]:
         """The engine sampling of one response (request params over the stage's)."""
         a = self.args
-        max_tokens = int(params.get("max_output_tokens") or a["max_tokens"])
+        max_tokens = int(params.get("max_output_tokens") or (a["tool_max_tokens"] if tools is not None else a["max_tokens"]))
         temperature, top_p = params.get("temperature"), params.get("top_p")
         sampling: dict[str, Any] = {
             "temperature": float(a["temperature"] if temperature is None else temperature),
@@ -450,6 +474,14 @@ class ThinkerProcessor(StageProcessor):
             # text tokens and the stop tokens only: never a chat control token
             "allowed_token_ranges": [[0, self.text_vocab], *([s, s + 1] for s in self.stop_ids)],
         }
+        if tools is not None:
+            assert self.tool_calling is not None
+            # the parser's call markers are control tokens in some vocabularies
+            sampling["allowed_token_ranges"] += [[t, t + 1] for t in self.tool_calling.marker_ids if t >= self.text_vocab]
+            if tools.structured_outputs is not None:
+                sampling["structured_outputs"] = tools.structured_outputs
+            if tools.forced:  # the grammar ends the answer after the call(s): the stop must not be masked
+                sampling["min_tokens"] = 0
         if params.get("seed") is not None:
             sampling["seed"] = int(params["seed"])
         return sampling
@@ -495,11 +527,13 @@ class ThinkerProcessor(StageProcessor):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
         if transcript is not None:  # the cascade: the transcript goes where the utterance is
             messages = put_transcript(messages, transcript)
+        tools = self.tool_stream(ctx.params)
+        offered = ctx.params.get("tools") if tools is not None else None  # tool_choice none: not offered
         prompt: dict[str, Any]
         if audio is not None:
             # native audio: token ids with the model's audio placeholder, the audio
             # itself beside them (vLLM's processor expands the placeholder)
-            ids = self.prompt_ids(messages, with_audio=True)
+            ids = self.prompt_ids(messages, with_audio=True, tools=offered)
             n_audio = self.audio_tokens(len(audio))
             prompt, n_in = {"prompt_token_ids": ids, **self.audio_prompt(audio)}, len(ids) - 1 + n_audio
             ctx.add_usage(input_audio_tokens=n_audio)
@@ -510,16 +544,21 @@ class ThinkerProcessor(StageProcessor):
             ctx.add_usage(input_audio_tokens=int(embeds.shape[0]))  # rows of the prompt that are audio
         else:
             # text only: token ids, the engine's fast path
-            ids = self.prompt_ids(messages)
+            ids = self.prompt_ids(messages, tools=offered)
             prompt, n_in = {"prompt_token_ids": ids}, len(ids)
-        sampling = self.sampling(ctx.params)
+        sampling = self.sampling(ctx.params, tools)
         ctx.add_usage(input_tokens=n_in)
         detok = self.detokenizer()
+        n_out, last = 0, None
         async for toks in self.ar.generate(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
             ctx.add_usage(output_tokens=len(toks))
-            delta = detok([t for t in toks if t not in self.stop_ids])
-            if delta:
-                await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=delta))
+            n_out, last = n_out + len(toks), toks[-1] if toks else last
+            text_ids = [t for t in toks if t not in self.stop_ids]
+            delta = detok(text_ids)
+            await emit_answer(ctx, tools, delta, text_ids)
+        await emit_answer(ctx, tools, "", [], finished=True)
+        length = n_out >= sampling["max_tokens"] and last not in self.stop_ids
+        await emit_finish(ctx, tools, length)
 
     def detokenizer(self) -> Callable[[list[int]], str]:
         """Text deltas of a growing token sequence, decoded incrementally: each token is
@@ -548,6 +587,26 @@ class ThinkerProcessor(StageProcessor):
             return delta
 
         return whole
+
+
+async def emit_answer(ctx: StageContext, tools: ToolStream | None, delta: str, ids: list[int], finished: bool = False) -> None:
+    """A text delta of the answer: as it is, or through the request's tool parser
+    (content as TEXT, each piece of a call as a TEXT payload with `meta["tool_call"]`)."""
+    if tools is None:
+        if delta:
+            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=delta))
+        return
+    for kind, piece in tools.feed(delta, ids, finished):
+        if kind == "text":
+            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=piece))
+        else:
+            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={TOOL_CALL: piece}))
+
+
+async def emit_finish(ctx: StageContext, tools: ToolStream | None, length: bool) -> None:
+    """Why the answer ended (OpenAI's finish_reason), as the stage's last payload."""
+    reason = "length" if length else "tool_calls" if tools is not None and tools.calls else "stop"
+    await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={FINISH_REASON: reason}))
 
 
 def put_transcript(messages: list[Mapping[str, Any]], transcript: str) -> list[Mapping[str, Any]]:

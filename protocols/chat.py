@@ -24,13 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError, RequestAborted
-from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
 from protocols.auth import principal_of
 from protocols.errors import error_body
 from protocols.http import Streamed, json_response, prepend, read_json, send_streamed, validate_body
 from protocols.registry import Mount
+from protocols.tools import parse_tool_choice, parse_tools
 from sessions import SessionManager
 
 AUDIO_PLACEHOLDER = "<|audio|>"
@@ -59,6 +60,24 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     n: int = Field(default=1, ge=1, le=1)
+    tools: Any = None  # checked by protocols.tools (its errors name the field)
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+def _tool_calls(msg: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, as the chat templates take them."""
+    raw = msg.get("tool_calls")
+    if not isinstance(raw, list):
+        raise ClientError(f"Invalid type for 'messages[{i}].tool_calls': expected an array.", param=f"messages[{i}].tool_calls", code="invalid_type")
+    out = []
+    for j, c in enumerate(raw):
+        p = f"messages[{i}].tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str) or not isinstance(c.get("id"), str):
+            raise ClientError(f"'{p}' must be {{id, type: 'function', function: {{name, arguments}}}}.", param=p, code="invalid_value")
+        out.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", "")}})
+    return out
 
 
 def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, list[tuple[str, str]]]:
@@ -108,27 +127,68 @@ def _decode_audio_parts(parts: list[tuple[str, str]]) -> np.ndarray:
     return audio
 
 
+class Answer:
+    """What the thinker said: text, function calls (index -> {id, name, arguments}),
+    and why it ended (OpenAI's finish_reason)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.calls: dict[int, dict[str, str]] = {}
+        self.reason: str | None = None
+
+    @property
+    def finish(self) -> str:
+        return "tool_calls" if self.calls and self.reason != "length" else self.reason or "stop"
+
+    def add(self, p: Payload) -> dict[str, Any] | None:
+        """One thinker payload; a piece of a call is returned."""
+        piece = p.meta.get(TOOL_CALL)
+        if piece is not None:
+            call = self.calls.setdefault(int(piece["index"]), {"id": str(piece.get("id") or ""), "name": str(piece.get("name") or ""), "arguments": ""})
+            call["arguments"] += piece.get("arguments") or ""
+            return dict(piece)
+        if FINISH_REASON in p.meta:
+            self.reason = str(p.meta[FINISH_REASON])
+        self.text += p.text or ""
+        return None
+
+
 class ChatService:
     def __init__(self, sessions: SessionManager, pipeline: PipelineSpec) -> None:
         self.sessions = sessions
         self.pipeline = pipeline
 
-    def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, str]], list[tuple[str, str]], str | None, str | None]:
+    def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, Any]], list[tuple[str, str]], str | None, str | None]:
         """The request, its messages, its audio parts (not decoded yet), voice, format."""
         req = validate_body(ChatRequest, raw)
         if req.model not in self.pipeline.models:
             raise ClientError(f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         audio: list[tuple[str, str]] = []
+        calls: set[str] = set()
         for i, m in enumerate(req.messages):
             role = m.get("role")
             if role == "developer":
                 role = "system"
-            if role not in ("system", "user", "assistant"):
+            if role not in ("system", "user", "assistant", "tool"):
                 raise ClientError(f"Invalid value for 'messages[{i}].role': {role!r}.", param=f"messages[{i}].role", code="invalid_value")
             text, parts = _content_parts(m, i)
+            msg: dict[str, Any] = {"role": role, "content": text}
+            if role == "assistant" and m.get("tool_calls") is not None:
+                msg["tool_calls"] = _tool_calls(m, i)
+                calls |= {c["id"] for c in msg["tool_calls"]}
+            if role == "tool":
+                if parts:
+                    raise ClientError(f"'messages[{i}]': a tool message carries text only.", param=f"messages[{i}].content", code="invalid_value")
+                call_id = m.get("tool_call_id")
+                if not isinstance(call_id, str):
+                    raise ClientError(f"Missing required parameter: 'messages[{i}].tool_call_id'.", param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
+                if call_id not in calls:
+                    raise ClientError(f"'messages[{i}].tool_call_id' {call_id!r} answers no tool call of an earlier assistant message.",
+                                      param=f"messages[{i}].tool_call_id", code="invalid_value")
+                msg["tool_call_id"] = call_id
             audio += parts
-            messages.append({"role": role, "content": text})
+            messages.append(msg)
         want_audio = "audio" in (req.modalities or ["text"])
         voice = fmt = None
         if want_audio:
@@ -147,12 +207,16 @@ class ChatService:
     async def complete(self, raw: Any, principal: str) -> tuple[dict[str, Any], dict[str, str]] | Streamed:
         """The answer: a chat.completion body (and its headers), or the SSE stream."""
         req, messages, audio_parts, voice, fmt = self.validate(raw)
+        tools = parse_tools(req.tools, "tools", nested=True)
+        choice = parse_tool_choice(req.tool_choice, tools, "tool_choice", nested=True) if tools or req.tool_choice not in (None, "none", "auto") else "auto"
         # decoding input audio can take a while: off the event loop
         audio = await asyncio.to_thread(_decode_audio_parts, audio_parts) if audio_parts else None
         t0 = time.monotonic()
         session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
         try:
             params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
+            if tools:
+                params.update(tools=list(tools), tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False)
             for key in ("temperature", "top_p"):  # the thinker's own defaults otherwise
                 if getattr(req, key) is not None:
                     params[key] = getattr(req, key)
@@ -170,11 +234,12 @@ class ChatService:
         cid = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
         if not req.stream:
+            answer = Answer()
             try:
-                text, pcm = "", []
+                pcm = []
                 async for stage, p, _ in stream.payloads():
                     if stage == "thinker":
-                        text += p.text or ""
+                        answer.add(p)
                     else:
                         pcm.append(p.arrays["pcm"])
                     session.touch()
@@ -183,7 +248,11 @@ class ChatService:
             finally:
                 await self.sessions.end(session, "completed")
             usage = self._usage(stream.done.usage if stream.done else None)
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            text = answer.text
+            message: dict[str, Any] = {"role": "assistant", "content": text if text or not answer.calls else None, "refusal": None}
+            if answer.calls:
+                message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                         for _, c in sorted(answer.calls.items())]
             if voice is not None:
                 enc = StreamingEncoder(fmt or "wav")
                 data = await asyncio.to_thread(lambda: enc.encode(np.concatenate(pcm) if pcm else np.zeros(0, np.float32)) + enc.finish())
@@ -192,7 +261,7 @@ class ChatService:
                 message["audio"] = {"id": f"audio_{secrets.token_hex(8)}", "data": base64.b64encode(data).decode(), "expires_at": created + 3600, "transcript": text}
             metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
             body = {"id": cid, "object": "chat.completion", "created": created, "model": req.model,
-                    "choices": [{"index": 0, "message": message, "finish_reason": "stop", "logprobs": None}], "usage": usage}
+                    "choices": [{"index": 0, "message": message, "finish_reason": answer.finish, "logprobs": None}], "usage": usage}
             return body, {"x-session-id": session.id}
         include_usage = bool((req.stream_options or {}).get("include_usage"))
         # The first output comes before the response starts: a request the model refuses
@@ -242,20 +311,29 @@ class ChatService:
         first_text = first_audio = True
         try:
             yield chunk({"role": "assistant", "content": "" if not audio else None})
+            answer = Answer()
             async for stage, p, _ in outputs:
                 session.touch()
                 if stage == "thinker":
                     if first_text:
                         metrics.TTFT_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
                         first_text = False
-                    yield text_delta(p.text or "")
+                    piece = answer.add(p)
+                    if piece is not None:  # a piece of a call, as OpenAI streams delta.tool_calls
+                        call: dict[str, Any] = {"index": piece["index"], "function": {"arguments": piece.get("arguments") or ""}}
+                        if "id" in piece:
+                            call.update(id=piece["id"], type="function")
+                            call["function"]["name"] = piece.get("name") or ""
+                        yield chunk({"tool_calls": [call]})
+                    elif p.text:
+                        yield text_delta(p.text)
                 else:
                     if first_audio:
                         metrics.TTFP_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
                         first_audio = False
                     data = pcm16_bytes(p.arrays["pcm"])
                     yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
-            yield chunk({}, finish="stop")
+            yield chunk({}, finish=answer.finish)
             if include_usage:
                 yield chunk({}, usage=self._usage(stream.done.usage if stream.done else None))
             yield b"data: [DONE]\n\n"

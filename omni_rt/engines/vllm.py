@@ -89,6 +89,7 @@ SAMPLING_KEYS = frozenset(
         "detokenize",
         "skip_special_tokens",
         "extra_args",
+        "structured_outputs",  # vLLM's StructuredOutputsParams, or its fields as a dict
         ALLOWED_TOKEN_RANGES,  # ours: [[lo, hi), ...], see TokenRangeLogitsProcessor
     }
 )
@@ -345,6 +346,15 @@ class VllmEngine(Engine):
             if kwargs.get("allowed_token_ids") is not None:
                 raise EngineRequestError(f"{self.name}: pass allowed_token_ids or {ALLOWED_TOKEN_RANGES}, not both")
             kwargs["extra_args"] = {**(kwargs.get("extra_args") or {}), ALLOWED_TOKEN_RANGES: checked}
+        so = kwargs.get("structured_outputs")
+        if isinstance(so, Mapping):
+            # vLLM's structured outputs ({"json": schema} | {"structural_tag": ...} | ...)
+            from vllm.sampling_params import StructuredOutputsParams
+
+            try:
+                kwargs["structured_outputs"] = StructuredOutputsParams(**so)
+            except (TypeError, ValueError) as e:
+                raise EngineRequestError(f"{self.name}: bad structured_outputs: {e}") from e
         # DELTA: each RequestOutput carries only the tokens new since the last one.
         kwargs["output_kind"] = RequestOutputKind.DELTA
         try:

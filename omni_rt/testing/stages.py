@@ -9,6 +9,10 @@ run exactly as they do over real models. Outputs are deterministic:
 - `FakeThinker` (thinker): one word `"w<token> "` per engine token; `seen` records
   what each request was given (messages, rows of speech: embedding rows, or one per
   40 ms of audio where the thinker takes audio itself, as the default profile's does).
+  With tools and `tool_choice` `required` or a named function it calls that tool (the
+  first for `required`) with arguments that satisfy its schema (`sample_arguments`),
+  four characters per engine token, as the real thinker streams a call; `auto` never
+  calls (as a random model would not). Its last payload says why it ended.
 - `FakeTalker` (talker): `frames_per_word` codec frames per word of its text.
 - the real `Code2WavProcessor` runs over `vocode` (`code2wav_fn`): a short tone per
   frame, 2048 samples, a pure function of the frame (stream = batch).
@@ -32,7 +36,7 @@ import numpy as np
 
 from omni_rt.engines.base import ArEngine, DiffusionEngine, Engine, StepEngine
 from omni_rt.errors import StageError
-from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageProcessor
 
@@ -115,9 +119,69 @@ class FakeThinker(StageProcessor):
         sampling: dict[str, Any] = {"max_tokens": int(ctx.params.get("max_output_tokens") or self.max_tokens)}
         if ctx.params.get("seed") is not None:
             sampling["seed"] = int(ctx.params["seed"])
+        call = forced_call(ctx.params)
+        n = 0
         async for toks in self.ar.generate(f"{ctx.request_id}-thinker", prompt_token_ids=prompt, sampling=sampling):
             ctx.add_usage(output_tokens=len(toks))
-            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text="".join(f"w{t} " for t in toks)))
+            if call is None:
+                await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text="".join(f"w{t} " for t in toks)))
+                n += len(toks)
+                continue
+            for _ in toks:  # a call: four characters of its JSON per token
+                name, args = call
+                piece: dict[str, Any] = {"index": 0, "arguments": args[4 * n : 4 * n + 4]}
+                if n == 0:
+                    piece.update(id=f"call_{ctx.request_id[-12:]}", name=name)
+                n += 1
+                if piece["arguments"] or n == 1:
+                    await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={TOOL_CALL: piece}))
+                if 4 * n >= len(args):
+                    break
+            if 4 * n >= len(call[1]):
+                break
+        length = call is None or 4 * n < len(call[1])  # the fake runs to its token limit unless a call completes
+        reason = "length" if length else "tool_calls"
+        await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={FINISH_REASON: reason}))
+
+
+def sample_arguments(schema: Mapping[str, Any] | None) -> Any:
+    """A value that satisfies a (simple) JSON schema: what a grammar would let through."""
+    schema = schema or {}
+    if "enum" in schema:
+        return schema["enum"][0]
+    if "const" in schema:
+        return schema["const"]
+    for key in ("anyOf", "oneOf"):
+        if schema.get(key):
+            return sample_arguments(schema[key][0])
+    t = schema.get("type", "object")
+    t = t[0] if isinstance(t, list) else t
+    if t == "object":
+        props = schema.get("properties") or {}
+        return {k: sample_arguments(v) for k, v in props.items() if k in (schema.get("required") or props)}
+    if t == "array":
+        return [sample_arguments(schema.get("items"))] * int(schema.get("minItems", 0))
+    if t == "integer":
+        return int(schema.get("minimum", 1))
+    if t == "number":
+        return float(schema.get("minimum", 1.5))
+    if t == "boolean":
+        return True
+    if t == "null":
+        return None
+    return "w" * max(1, int(schema.get("minLength", 1)))
+
+
+def forced_call(params: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The (name, arguments JSON) a forced tool_choice makes the fake call."""
+    import json
+
+    tools, choice = params.get("tools") or [], params.get("tool_choice", "auto")
+    if not tools or choice in ("auto", "none"):
+        return None
+    name = choice["function"]["name"] if isinstance(choice, Mapping) else tools[0]["function"]["name"]
+    fn = next(t["function"] for t in tools if t["function"]["name"] == name)
+    return name, json.dumps(sample_arguments(fn.get("parameters")))
 
 
 class FakeTalker(StageProcessor):

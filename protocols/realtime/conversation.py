@@ -28,6 +28,7 @@ from protocols.realtime.models import DEFAULT_TRANSCRIPTION, Config, WireModel, 
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.responses import Responses
 from protocols.realtime.vad import VadFactory, silero_vad
+from protocols.tools import MAX_OUTPUT_CHARS, MAX_SCHEMA_CHARS
 from protocols.wire_json import load_json
 from sessions import Session, SessionManager
 
@@ -83,6 +84,25 @@ class ItemIn(WireModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system"]
     content: list[ContentIn] = Field(min_length=1)
+
+
+class FunctionCallIn(WireModel):
+    """A call the client puts in the history (e.g. replaying a conversation)."""
+
+    id: str | None = None
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=MAX_SCHEMA_CHARS)
+
+
+class FunctionCallOutputIn(WireModel):
+    """The result of a call the model made, for the next response to answer."""
+
+    id: str | None = None
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1, max_length=128)
+    output: str = Field(max_length=MAX_OUTPUT_CHARS)
 
 
 class Conversation:
@@ -141,12 +161,26 @@ class Conversation:
         if self.ga and done:
             self.emit("conversation.item.done", previous_item_id=prev, item=item.wire(self.ga))
 
-    def messages(self, instructions: str) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": instructions}] if instructions else []
+    def messages(self, instructions: str) -> list[dict[str, Any]]:
+        """The conversation as chat messages: function calls join the assistant turn
+        they belong to (`tool_calls`), their results are `tool` messages."""
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+        calls: dict[str, str] = {}  # call_id -> name
         for it in self.items.values():
-            text = it.text_for_prompt()
-            if text:
-                msgs.append({"role": it.role if it.role in ("user", "assistant", "system") else "user", "content": text})
+            if it.type == "function_call":
+                calls[it.call_id] = it.name
+                call = {"id": it.call_id, "type": "function", "function": {"name": it.name, "arguments": it.arguments}}
+                last = msgs[-1] if msgs else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif it.type == "function_call_output":
+                msgs.append({"role": "tool", "content": it.output, "tool_call_id": it.call_id, "name": calls.get(it.call_id, "")})
+            else:
+                text = it.text_for_prompt()
+                if text:
+                    msgs.append({"role": it.role if it.role in ("user", "assistant", "system") else "user", "content": text})
         return msgs
 
     async def latest_speech(self) -> list[Payload]:
@@ -247,9 +281,26 @@ class Conversation:
         else:
             raise ClientError(f"Invalid value: '{t}'. Supported event types are the Realtime client events.", param="type")
 
+    def function_item(self, raw: Mapping[str, Any]) -> Item:
+        """A function_call or function_call_output item from the client. An output
+        must answer a call in this conversation."""
+        if raw.get("type") == "function_call":
+            fc = parse(FunctionCallIn, raw, "item")
+            return Item(fc.id or new_id("item"), "", [], type="function_call", call_id=fc.call_id, name=fc.name, arguments=fc.arguments)
+        out = parse(FunctionCallOutputIn, raw, "item")
+        if not any(it.type == "function_call" and it.call_id == out.call_id for it in self.items.values()):
+            raise ClientError(f"No function call with call_id '{out.call_id}' in this conversation.", code="invalid_value", param="item.call_id")
+        return Item(out.id or new_id("item"), "", [], type="function_call_output", call_id=out.call_id, output=out.output)
+
     async def item_create(self, ev: Mapping[str, Any]) -> None:
         if not isinstance(ev.get("item"), Mapping):
             raise ClientError("Missing required parameter: 'item'.", code="missing_required_parameter", param="item")
+        if ev["item"].get("type") in ("function_call", "function_call_output"):
+            fn = self.function_item(ev["item"])
+            if fn.id in self.items:
+                raise ClientError(f"An item with id '{fn.id}' already exists.", param="item.id")
+            self.add_item(fn)
+            return
         item = parse(ItemIn, ev["item"], "item")
         parts: list[dict[str, Any]] = []
         audio: np.ndarray | None = None
@@ -274,7 +325,7 @@ class Conversation:
         if not isinstance(item_id, str) or item_id not in self.items:
             raise ClientError(f"Item with item_id '{item_id}' not found.", code="item_not_found", param="item_id")
         active = self.responses.active
-        if active is not None and active.item.id == item_id:
+        if active is not None and (active.item.id == item_id or active.open_call is not None and active.open_call.id == item_id):
             raise ClientError("The item of the active response cannot be deleted; cancel it first.", param="item_id")
         del self.items[item_id]
         self.emit("conversation.item.deleted", item_id=item_id)

@@ -46,8 +46,18 @@ class Item:
     speech: asyncio.Future[list[Payload]] | None = None  # user audio as the thinker takes it (the latest utterance only)
     audio_ms: int = 0  # assistant audio produced
     transcript: str = ""  # assistant text / transcript
+    type: str = "message"  # | "function_call" | "function_call_output"
+    call_id: str = ""  # function_call, function_call_output
+    name: str = ""  # function_call
+    arguments: str = ""  # function_call: JSON text
+    output: str = ""  # function_call_output
 
     def wire(self, ga: bool) -> dict[str, Any]:
+        base = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
+        if self.type == "function_call":
+            return {**base, "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {**base, "call_id": self.call_id, "output": self.output}
         content = []
         for c in self.content:
             c = dict(c)
@@ -83,8 +93,14 @@ class Response:
     started: float = field(default_factory=time.monotonic)
     epoch: int = 0
     metadata: dict[str, str] | None = None  # response.create's, echoed on response.created / .done
+    outputs: list[Item] = field(default_factory=list)  # in output_index order: the message (once it says something), calls
+    calls: dict[int, Item] = field(default_factory=dict)  # the thinker's call index -> its function_call item
+    open_call: Item | None = None  # the call whose arguments are streaming
+    finish: str | None = None  # the thinker's finish_reason
+    message_index: int = 0  # the message's output_index (it comes first when it says anything)
+    message_added: bool = False
 
     @property
     def ids(self) -> dict[str, Any]:
-        """The fields every content event of this response carries."""
-        return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
+        """The fields every content event of this response's message carries."""
+        return {"response_id": self.id, "item_id": self.item.id, "output_index": self.message_index, "content_index": 0}

@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 
 from omni_rt.errors import ClientError
 from protocols.http import validation_error
+from protocols.tools import parse_tool_choice, parse_tools, realtime_choice_wire, realtime_tools_wire
 
 RATE = 24000
 
@@ -71,6 +72,8 @@ class Config:
     speed: float = 1.0
     transcription: dict[str, Any] | None = None  # input transcription {model, language, prompt}; None: off
     transcription_only: bool = False  # a transcription session: utterances are transcribed, never answered
+    tools: tuple[dict[str, Any], ...] = ()  # function tools, in the chat shape (protocols.tools)
+    tool_choice: Any = "auto"  # auto | none | required | {"type": "function", "function": {"name"}}
 
     def wire(self, ga: bool, session_id: str) -> dict[str, Any]:
         td = self.turn_detection.wire() if self.turn_detection else None
@@ -96,8 +99,8 @@ class Config:
                     "input": {"format": fmt, "transcription": self.transcription, "noise_reduction": None, "turn_detection": td},
                     "output": {"format": fmt, "voice": self.voice, "speed": self.speed},
                 },
-                "tools": [],
-                "tool_choice": "auto",
+                "tools": realtime_tools_wire(self.tools),
+                "tool_choice": realtime_choice_wire(self.tool_choice),
                 "max_output_tokens": limit,
                 "tracing": None,
                 "truncation": "auto",
@@ -115,8 +118,8 @@ class Config:
             "output_audio_format": "pcm16",
             "input_audio_transcription": self.transcription,
             "turn_detection": td,
-            "tools": [],
-            "tool_choice": "auto",
+            "tools": realtime_tools_wire(self.tools),
+            "tool_choice": realtime_choice_wire(self.tool_choice),
             "temperature": self.temperature,
             "max_response_output_tokens": limit,
             "speed": self.speed,
@@ -273,6 +276,8 @@ class SessionUpdate(WireModel):
     max_response_output_tokens: MaxTokens | None = None
     max_output_tokens: MaxTokens | None = None
     audio: AudioIn | None = None
+    tools: Any = None  # checked by protocols.tools (its errors name the field)
+    tool_choice: Any = None
 
 
 class ResponseOverrides(WireModel):
@@ -286,6 +291,8 @@ class ResponseOverrides(WireModel):
     max_response_output_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     metadata: Metadata | None = None
+    tools: Any = None
+    tool_choice: Any = None
 
 
 class _FieldError(Exception):
@@ -366,6 +373,14 @@ def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Co
             changes["speed"] = out.speed
     if s.type is not None:
         changes["transcription_only"] = s.type == "transcription"
+    tools = cfg.tools
+    if _given(s, "tools"):
+        tools = changes["tools"] = parse_tools(s.tools, "session.tools", nested=False)
+    if _given(s, "tool_choice") or _given(s, "tools"):
+        raw = s.tool_choice if _given(s, "tool_choice") else realtime_choice_wire(cfg.tool_choice)
+        if not _given(s, "tool_choice") and (raw == "required" and not tools or isinstance(raw, dict) and raw["name"] not in {t["function"]["name"] for t in tools}):
+            raw = "auto"  # what it named went away with the new tool list
+        changes["tool_choice"] = parse_tool_choice(raw, tools, "session.tool_choice", nested=False)
     new = replace(cfg, **changes)
     if new.transcription_only and new.transcription is None:
         new = replace(new, transcription=DEFAULT_TRANSCRIPTION)

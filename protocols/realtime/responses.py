@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.errors import ClientError, EngineDead, RequestAborted
-from omni_rt.payloads import Payload
+from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload
 from protocols.audio_formats import pcm16_bytes
 from protocols.errors import to_omni
 from protocols.realtime.items import Item, Response, new_id
 from protocols.realtime.models import RATE, ResponseOverrides, parse, voice_of
+from protocols.tools import parse_tool_choice, parse_tools, realtime_choice_wire
 
 if TYPE_CHECKING:
     from protocols.realtime.conversation import Conversation
@@ -51,6 +52,14 @@ class Responses:
         for key in ("max_output_tokens", "max_response_output_tokens"):
             if key in o.model_fields_set:
                 max_tokens = getattr(o, key)
+        tools = parse_tools(o.tools, "response.tools", nested=False) if "tools" in o.model_fields_set else cfg.tools
+        if "tool_choice" in o.model_fields_set:
+            choice = parse_tool_choice(o.tool_choice, tools, "response.tool_choice", nested=False)
+        elif "tools" in o.model_fields_set:
+            # the session's choice over this response's tools (a named one must be among them)
+            choice = parse_tool_choice(realtime_choice_wire(cfg.tool_choice), tools, "session.tool_choice", nested=False)
+        else:
+            choice = cfg.tool_choice
         part0: dict[str, Any] = {"type": "output_audio", "transcript": ""} if audio_out else {"type": "output_text", "text": ""}
         item = Item(new_id("item"), "assistant", [part0], status="in_progress")
         resp = Response(new_id("resp"), item, audio_out, epoch=conv.session.epoch, metadata=o.metadata)
@@ -61,6 +70,10 @@ class Responses:
             "max_output_tokens": max_tokens,
             "temperature": o.temperature if o.temperature is not None else cfg.temperature,
         }
+        if tools:
+            # A forced choice makes one call per response (the agent answers it, then
+            # asks again); under auto the model may make several.
+            params.update(tools=list(tools), tool_choice=choice, parallel_tool_calls=choice == "auto")
         # The user's speech (its audio, or what the profile's front stage made of it
         # while it was appended) goes straight to the thinker, this request's entry.
         session = conv.session
@@ -84,7 +97,7 @@ class Responses:
             "object": "realtime.response",
             "status": status,
             "status_details": details,
-            "output": [resp.item.wire(ga)] if status != "in_progress" else [],
+            "output": [o.wire(ga) for o in resp.outputs] if status != "in_progress" else [],
             "usage": usage,
             "conversation_id": self.conv.session.id,
             "metadata": resp.metadata,
@@ -101,25 +114,83 @@ class Responses:
         out["type"] = "audio" if resp.audio_out else "text"
         return out
 
+    def _add_output(self, resp: Response, item: Item) -> int:
+        index = len(resp.outputs)
+        resp.outputs.append(item)
+        self.conv.emit("response.output_item.added", response_id=resp.id, output_index=index, item=item.wire(self.conv.ga))
+        self.conv.add_item(item, done=False)
+        return index
+
+    def _message(self, resp: Response) -> None:
+        """The answer's message item, once it has something to say (a pure call has none)."""
+        if not resp.message_added:
+            resp.message_added = True
+            resp.message_index = self._add_output(resp, resp.item)
+            self.conv.emit("response.content_part.added", part=self._part(resp, resp.item.content[0]), **resp.ids)
+
+    def _call_piece(self, resp: Response, piece: dict[str, Any], fence: Any) -> None:
+        """A piece of a function call: a new call's item, or more of its arguments."""
+        conv = self.conv
+        item = resp.calls.get(piece["index"])
+        if item is None:
+            self._close_call(resp, "completed")  # the model went on to the next call
+            item = resp.calls[piece["index"]] = Item(new_id("item"), "", [], status="in_progress", type="function_call",
+                                                     call_id=str(piece.get("id") or new_id("call")), name=str(piece.get("name") or ""))
+            resp.open_call = item
+            self._add_output(resp, item)
+        delta = str(piece.get("arguments") or "")
+        if delta:
+            item.arguments += delta
+            conv.emit("response.function_call_arguments.delta", fence, response_id=resp.id, item_id=item.id,
+                      output_index=_index(resp, item), call_id=item.call_id, delta=delta)
+
+    def _close_call(self, resp: Response, status: str) -> None:
+        item, resp.open_call = resp.open_call, None
+        if item is None:
+            return
+        conv, index = self.conv, _index(resp, item)
+        item.status = status
+        conv.emit("response.function_call_arguments.done", response_id=resp.id, item_id=item.id, output_index=index,
+                  call_id=item.call_id, name=item.name, arguments=item.arguments)
+        conv.emit("response.output_item.done", response_id=resp.id, output_index=index, item=item.wire(conv.ga))
+        if conv.ga and item.id in conv.items:
+            conv.emit("conversation.item.done", previous_item_id=None, item=item.wire(conv.ga))
+
+    def _drop_call(self, resp: Response) -> None:
+        """A call cut by a cancel: nothing more of it is sent, and it leaves the
+        conversation (a call without its arguments is no history)."""
+        item, resp.open_call = resp.open_call, None
+        if item is None:
+            return
+        resp.outputs = [o for o in resp.outputs if o is not item]
+        if self.conv.items.pop(item.id, None) is not None:
+            self.conv.emit("conversation.item.deleted", item_id=item.id)
+
     async def _run(self, resp: Response) -> None:
         conv = self.conv
         assert resp.stream is not None
-        stream, item, ids = resp.stream, resp.item, resp.ids
+        stream, item = resp.stream, resp.item
         fence = conv.session.fence
         output = conv.transport.output
         status: str = "completed"
         details: dict[str, Any] | None = None
-        conv.emit("response.output_item.added", response_id=resp.id, output_index=0, item=item.wire(conv.ga))
-        conv.add_item(item, done=False)
-        conv.emit("response.content_part.added", part=self._part(resp, item.content[0]), **ids)
         text_delta = "response.audio_transcript.delta" if resp.audio_out else "response.text.delta"
         samples = 0
         try:
             async for stage, payload, _ in stream.payloads():
                 if stage == "thinker":
-                    item.transcript += payload.text or ""
-                    conv.emit(text_delta, fence, delta=payload.text or "", **ids)
+                    meta = payload.meta
+                    if TOOL_CALL in meta:
+                        self._call_piece(resp, meta[TOOL_CALL], fence)
+                    elif FINISH_REASON in meta:
+                        resp.finish = meta[FINISH_REASON]
+                        self._close_call(resp, "incomplete" if resp.finish == "length" else "completed")
+                    elif payload.text:
+                        self._message(resp)
+                        item.transcript += payload.text
+                        conv.emit(text_delta, fence, delta=payload.text, **resp.ids)
                 else:
+                    self._message(resp)
                     pcm = payload.arrays["pcm"]
                     if not samples:
                         metrics.TTFP_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
@@ -149,6 +220,14 @@ class Responses:
             # cancelled while its last payloads were in flight: the stream may end
             # without raising (stale outputs are skipped), but the answer was cut
             status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
+        if status == "completed" and resp.finish == "length" and any(c.status == "incomplete" for c in resp.calls.values()):
+            status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}  # a call cut short
+        if status == "cancelled" or status == "failed":
+            self._drop_call(resp)
+        else:
+            self._close_call(resp, "completed")
+        if not resp.outputs:  # nothing said and no call: an empty answer is still an answer
+            self._message(resp)
         self._finish(resp, status, details, dict(stream.done.usage or {}) if stream.done is not None else {})
 
     def _finish(self, resp: Response, status: str, details: Any, usage: dict[str, int]) -> None:
@@ -161,19 +240,20 @@ class Responses:
             # audio tokens: the rows of the user's encoded speech in the prompt
             "input_token_details": {"text_tokens": n_in - n_audio, "audio_tokens": n_audio, "cached_tokens": 0},
         }
-        c = item.content[0]
-        c["transcript" if resp.audio_out else "text"] = item.transcript
-        item.status = "completed" if status == "completed" else "incomplete"
-        if status == "completed":
-            if resp.audio_out:
-                conv.emit("response.audio.done", **ids)
-                conv.emit("response.audio_transcript.done", transcript=item.transcript, **ids)
-            else:
-                conv.emit("response.text.done", text=item.transcript, **ids)
-            conv.emit("response.content_part.done", part=self._part(resp, c), **ids)
-        conv.emit("response.output_item.done", response_id=resp.id, output_index=0, item=item.wire(conv.ga))
-        if conv.ga and item.id in conv.items:
-            conv.emit("conversation.item.done", previous_item_id=None, item=item.wire(conv.ga))
+        if resp.message_added:
+            c = item.content[0]
+            c["transcript" if resp.audio_out else "text"] = item.transcript
+            item.status = "completed" if status == "completed" else "incomplete"
+            if status in ("completed", "incomplete"):
+                if resp.audio_out:
+                    conv.emit("response.audio.done", **ids)
+                    conv.emit("response.audio_transcript.done", transcript=item.transcript, **ids)
+                else:
+                    conv.emit("response.text.done", text=item.transcript, **ids)
+                conv.emit("response.content_part.done", part=self._part(resp, c), **ids)
+            conv.emit("response.output_item.done", response_id=resp.id, output_index=resp.message_index, item=item.wire(conv.ga))
+            if conv.ga and item.id in conv.items:
+                conv.emit("conversation.item.done", previous_item_id=None, item=item.wire(conv.ga))
         conv.emit("response.done", response=self.wire(resp, status, details, wire_usage))
         metrics.E2E_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
         if self.active is resp:
@@ -193,3 +273,8 @@ class Responses:
         if resp.task is not None:
             await asyncio.shield(resp.task)
         return True
+
+
+def _index(resp: Response, item: Item) -> int:
+    """The item's output_index (items compare by identity: two may hold equal fields)."""
+    return next(i for i, o in enumerate(resp.outputs) if o is item)

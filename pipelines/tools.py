@@ -1,0 +1,187 @@
+"""Function calling in a chat stage (the voice pipeline's thinker, the cascade's chat LM),
+on vLLM's own machinery, chosen per stage as vLLM's server chooses it:
+
+* the tool-call parser (`processor_args.tool_parser`, vLLM's `--tool-call-parser`):
+  `hermes` for the Qwen2 / Qwen2.5 / Qwen2.5-Omni / Qwen3 families, `llama3_json` for
+  Llama 3.x, ... (`default_parser`); vLLM's `ParserManager` composes it and each
+  request gets its own instance, which turns the streamed text into content and
+  tool-call deltas;
+* structured outputs: the parser's `adjust_request` gives the request its grammar
+  (an xgrammar structural tag in the model's own call format). `tool_strict_level`
+  (vLLM's `--tool-strict-level`) defaults to `parameter`: every call's arguments
+  are held to its tool's JSON schema, with `tool_choice: auto` too, so even a random
+  model makes calls whose arguments parse and validate; `required` and a named
+  function force a call.
+
+Requests carry `params["tools"]` (OpenAI chat shape: `{"type": "function", "function":
+{name, description, parameters}}`), `params["tool_choice"]` (`auto`, `none`,
+`required`, `{"type": "function", "function": {"name"}}`) and
+`params["parallel_tool_calls"]`. A stage streams content as TEXT payloads and
+each piece of a call as a TEXT payload without text whose `meta["tool_call"]` is
+`{index, id?, name?, arguments}` (id and name on the call's first piece), the way
+OpenAI streams `delta.tool_calls`; talkers see no text in them and say nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_rt.stage import StageError
+
+# config.json model_type -> vLLM's tool-call parser for the family
+FAMILY_PARSERS = {
+    "qwen2": "hermes",
+    "qwen2_5_omni": "hermes",
+    "qwen2_5_omni_thinker": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "qwen3_omni_moe": "hermes",
+    "qwen2_audio": "hermes",
+    "llama": "llama3_json",
+    "mistral": "mistral",
+    "voxtral": "mistral",
+}
+STRICT_LEVELS = ("auto", "function", "parameter")
+# Consecutive whitespace allowed inside a call's JSON (the grammar's max_whitespace_cnt):
+# models write compact JSON; unbounded, a weak model can fill its token budget with it.
+DEFAULT_MAX_WHITESPACE = 2
+
+
+def default_parser(model_type: str | None) -> str:
+    return FAMILY_PARSERS.get(model_type or "", "hermes")
+
+
+def is_tool_request(params: Mapping[str, Any]) -> bool:
+    return bool(params.get("tools")) and params.get("tool_choice", "auto") != "none"
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: a call's arguments as an object (the
+    templates `tojson` them), as vLLM's server hands them over."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict(c.get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # not JSON: the template gets the string
+                calls.append({**c, "function": fn})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def _cap_whitespace(node: Any, limit: int) -> None:
+    """Every JSON-schema format in a structural tag gets `max_whitespace_cnt`."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node and node.get("max_whitespace_cnt") is None:
+            node["max_whitespace_cnt"] = limit
+        for v in node.values():
+            _cap_whitespace(v, limit)
+    elif isinstance(node, list):
+        for v in node:
+            _cap_whitespace(v, limit)
+
+
+@dataclass
+class ToolStream:
+    """One request's parser: text deltas in, content and call deltas out."""
+
+    parser: Any
+    request: Any  # vLLM's ChatCompletionRequest (tools, tool_choice), after adjust_request
+    structured_outputs: dict[str, Any] | None
+    forced: bool  # required or a named function: the grammar allows nothing but calls
+    calls: dict[int, dict[str, str]] = field(default_factory=dict)  # index -> {id, name, arguments}
+
+    def feed(self, text: str, token_ids: Sequence[int], finished: bool = False) -> list[tuple[str, Any]]:
+        """("text", str) and ("call", {index, id?, name?, arguments}) pieces."""
+        # prompt_token_ids: given, the parser checks it for an open reasoning block (none
+        # here: without a reasoning parser the answer is content and calls from the start)
+        delta = self.parser.parse_delta(text, list(token_ids), self.request, [], finished=finished)
+        out: list[tuple[str, Any]] = []
+        if delta is None:
+            return out
+        if delta.content:
+            out.append(("text", delta.content))
+        for tc in delta.tool_calls or []:
+            fn = tc.function
+            name = getattr(fn, "name", None) if fn is not None else None
+            args = (getattr(fn, "arguments", None) if fn is not None else None) or ""
+            if isinstance(fn, Mapping):  # some parsers hand over dumps
+                name, args = fn.get("name"), fn.get("arguments") or ""
+            call = self.calls.get(tc.index)
+            piece: dict[str, Any] = {"index": int(tc.index), "arguments": args}
+            if call is None:
+                call = self.calls[tc.index] = {"id": tc.id or f"call_{len(self.calls)}", "name": name or "", "arguments": ""}
+                piece.update(id=call["id"], name=call["name"])
+            elif name and not call["name"]:
+                call["name"] = piece["name"] = name
+            call["arguments"] += args
+            if args or "id" in piece:
+                out.append(("call", piece))
+        return out
+
+
+class ToolCalling:
+    """A stage's tool calling: its parser class, strictness and grammar settings."""
+
+    def __init__(self, tokenizer: Any, parser_name: str, strict_level: str = "parameter", max_whitespace: int | None = DEFAULT_MAX_WHITESPACE) -> None:
+        from vllm.parser.parser_manager import ParserManager
+
+        if strict_level not in STRICT_LEVELS:
+            raise StageError(f"tool_strict_level {strict_level!r}: use one of {', '.join(STRICT_LEVELS)}")
+        self.tokenizer = tokenizer
+        self.parser_name = parser_name
+        self.max_whitespace = max_whitespace
+        try:
+            self.parser_cls = ParserManager.get_parser(
+                tool_parser_name=parser_name, enable_auto_tools=True, tool_strict_level=strict_level, tokenizer=tokenizer
+            )
+        except (TypeError, KeyError, ValueError) as exc:
+            raise StageError(f"tool_parser {parser_name!r}: {exc}") from exc
+        assert self.parser_cls is not None
+        probe = self.parser_cls(tokenizer, None).tool_parser
+        # the parser's marker tokens (e.g. <tool_call>, </tool_call>): a stage that
+        # masks control tokens lets these through when tools are on
+        self.marker_ids = sorted(
+            {int(v) for k, v in vars(probe).items() if k.endswith("token_id") and isinstance(v, int) and v >= 0}
+            | {int(i) for k, v in vars(probe).items() if k.endswith("token_ids") and isinstance(v, list) for i in v if isinstance(i, int)}
+        )
+        for attr in ("tool_call_start_token", "tool_call_end_token", "bot_token"):
+            tok = getattr(probe, attr, None)
+            if isinstance(tok, str) and tok in tokenizer.get_vocab():
+                self.marker_ids = sorted({*self.marker_ids, int(tokenizer.convert_tokens_to_ids(tok))})
+
+    def stream(self, params: Mapping[str, Any]) -> ToolStream:
+        """The parser and grammar of one request with tools."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        choice = params.get("tool_choice", "auto")
+        try:
+            # the parser reads only tools and tool_choice; the prompt is rendered by the stage
+            req = ChatCompletionRequest(
+                model="-", messages=[{"role": "user", "content": ""}], tools=list(params["tools"]), tool_choice=choice,
+                parallel_tool_calls=params.get("parallel_tool_calls", True),
+            )
+            parser = self.parser_cls(self.tokenizer, req.tools)
+            req = parser.adjust_request(req)
+        except (ValueError, TypeError) as exc:
+            raise StageError(f"tools refused: {exc}") from exc
+        so = req.structured_outputs
+        structured: dict[str, Any] | None = None
+        if so is not None:
+            structured = {k: v for k, v in (("json", so.json), ("structural_tag", so.structural_tag)) if v is not None}
+            if structured.get("structural_tag") and self.max_whitespace is not None:
+                tag = json.loads(structured["structural_tag"])
+                _cap_whitespace(tag, self.max_whitespace)
+                structured["structural_tag"] = json.dumps(tag)
+        return ToolStream(parser, req, structured or None, forced=choice != "auto")
