@@ -156,15 +156,16 @@ class Responses:
         if conv.ga and item.id in conv.items:
             conv.emit("conversation.item.done", previous_item_id=None, item=item.wire(conv.ga))
 
-    def _drop_call(self, resp: Response) -> None:
+    def _drop_call(self, resp: Response) -> bool:
         """A call cut by a cancel: nothing more of it is sent, and it leaves the
-        conversation (a call without its arguments is no history)."""
+        conversation (a call without its arguments is no history). True if there was one."""
         item, resp.open_call = resp.open_call, None
         if item is None:
-            return
+            return False
         resp.outputs = [o for o in resp.outputs if o is not item]
         if self.conv.items.pop(item.id, None) is not None:
             self.conv.emit("conversation.item.deleted", item_id=item.id)
+        return True
 
     async def _run(self, resp: Response) -> None:
         conv = self.conv
@@ -222,11 +223,12 @@ class Responses:
             status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
         if status == "completed" and resp.finish == "length" and any(c.status == "incomplete" for c in resp.calls.values()):
             status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}  # a call cut short
+        dropped = False
         if status == "cancelled" or status == "failed":
-            self._drop_call(resp)
+            dropped = self._drop_call(resp)
         else:
             self._close_call(resp, "completed")
-        if not resp.outputs:  # nothing said and no call: an empty answer is still an answer
+        if not resp.outputs and not dropped:  # nothing said and no call: an empty answer is still an answer
             self._message(resp)
         self._finish(resp, status, details, dict(stream.done.usage or {}) if stream.done is not None else {})
 
