@@ -100,7 +100,9 @@ def parse_tool_choice(raw: Any, tools: Sequence[Mapping[str, Any]], param: str, 
     if isinstance(raw, str):
         if raw not in CHOICES:
             raise ClientError(f"Invalid value for '{param}': {raw!r}; use auto, none, required or a function.", param=param)
-        if raw == "required" and not tools:
+        if raw == "required" and not tools and nested:
+            # chat refuses it, as OpenAI's does; a Realtime session may set its choice
+            # before its tools (pipecat does): there a response without tools answers
             raise ClientError(f"'{param}' is 'required' but no tools are given.", param=param)
         return raw
     if not isinstance(raw, Mapping) or raw.get("type") != "function":

@@ -14,7 +14,7 @@ import asyncio
 import importlib
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -125,6 +125,58 @@ async def test_openai_agents_interrupt_truncates_and_retrieves(server, caplog):
     assert not client_errors(caplog, "openai.agents"), client_errors(caplog, "openai.agents")
 
 
+async def test_openai_agents_function_tool_round_trip(server, caplog):
+    """A RealtimeAgent with a @function_tool: the first response is made to call it
+    (a raw response.create with tool_choice required: the tiny model would not on its
+    own), the agent runs the tool, sends its result and asks again; the answer is spoken."""
+    caplog.set_level(logging.WARNING)
+    rt = _agents()
+    from agents import function_tool
+    from agents.realtime.model_inputs import RealtimeModelSendRawMessage
+
+    ran: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Lima"]) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return f"Sunny in {city}."
+
+    agent = rt.RealtimeAgent(name="Assistant", instructions="Use your tools.", tools=[get_weather])
+    runner = rt.RealtimeRunner(agent)
+    session = await runner.run(model_config={"url": f"{ws_url(server)}?model={REALTIME_MODEL}", "api_key": ALICE_KEY})
+    seen: dict[str, Any] = {"events": [], "server": [], "errors": [], "audio_after_tool": 0}
+    async with session:
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]}
+        await session.model.send_event(RealtimeModelSendRawMessage(message={"type": "conversation.item.create", "other_data": {"item": item}}))
+        await session.model.send_event(RealtimeModelSendRawMessage(message={"type": "response.create", "other_data": {"response": {"tool_choice": "required"}}}))
+
+        async def loop() -> None:
+            ended = False
+            async for ev in session:
+                seen["events"].append(ev.type)
+                if ev.type == "raw_model_event" and ev.data.type == "raw_server_event":
+                    seen["server"].append(ev.data.data.get("type"))
+                    if ev.data.data.get("type") == "error":
+                        seen["errors"].append(ev.data.data.get("error"))
+                elif ev.type == "error":
+                    seen["errors"].append(ev.error)
+                elif ev.type == "tool_end":
+                    ended = True
+                elif ev.type == "audio" and ended:
+                    seen["audio_after_tool"] += len(ev.audio.data)
+                elif ev.type == "agent_end" and ended and seen["audio_after_tool"]:
+                    return
+
+        await asyncio.wait_for(loop(), TURN_TIMEOUT_S)
+    assert not seen["errors"], (seen["errors"], server_log_tail(server))
+    assert ran and ran[0] in ("Paris", "Lima"), seen["events"]
+    assert "tool_start" in seen["events"] and "tool_end" in seen["events"]
+    assert "response.function_call_arguments.done" in seen["server"]
+    assert seen["audio_after_tool"] > 0  # the agent answered the tool's result out loud
+    assert not client_errors(caplog, "openai.agents"), client_errors(caplog, "openai.agents")
+
+
 # ----------------------------------------------------------------------------- pipecat
 
 
@@ -146,9 +198,10 @@ class _LoguruErrors:
         self._logger.remove(self._id)
 
 
-async def _run_pipeline(processor, frames: list, until: type, timeout: float = TURN_TIMEOUT_S) -> tuple[list, list]:
+async def _run_pipeline(processor, frames: list, until: type, timeout: float = TURN_TIMEOUT_S, predicate: Any = None) -> tuple[list, list]:
     """pipecat.tests.utils.run_test's pipeline (source -> processor -> sink), ended once a
-    frame of type `until` comes downstream (or an ErrorFrame either way)."""
+    frame of type `until` comes downstream (or an ErrorFrame either way); with
+    `predicate(frame, frames so far)`, only an `until` frame it accepts ends it."""
     from pipecat.frames.frames import EndFrame, ErrorFrame
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.pipeline.worker import PipelineParams, PipelineWorker
@@ -186,7 +239,7 @@ async def _run_pipeline(processor, frames: list, until: type, timeout: float = T
             except asyncio.TimeoutError:
                 continue
             got_down.append(f)
-            if isinstance(f, (until, ErrorFrame)):
+            if isinstance(f, ErrorFrame) or isinstance(f, until) and (predicate is None or predicate(f, got_down)):
                 break
         await worker.queue_frame(EndFrame())
 
@@ -241,6 +294,55 @@ async def test_pipecat_openai_realtime_llm(server):
     audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
     assert audio and sum(len(f.audio) for f in audio) > 0, names
     assert any(isinstance(f, LLMFullResponseEndFrame) for f in down), names
+    assert not errors.records, errors.records
+
+
+async def test_pipecat_openai_realtime_llm_function_call(server):
+    """OpenAIRealtimeLLMService with a registered function, and the assistant context
+    aggregator that asks for the answer once a result is in: the session forces a
+    call, pipecat runs the handler (which lets the model answer freely from then on,
+    as an app switching tool_choice would), sends the result, and the answer is spoken."""
+    _pipecat()
+    from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+    from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
+    from pipecat.frames.frames import ErrorFrame, LLMRunFrame, LLMUpdateSettingsFrame, TTSAudioRawFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+    from pipecat.services.openai.realtime import events
+    from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+
+    weather = FunctionSchema(name="get_weather", description="The weather in a city.",
+                             properties={"city": {"type": "string", "enum": ["Paris", "Lima"]}}, required=["city"])
+    ran: list[dict] = []
+    errors = _LoguruErrors()
+    try:
+        settings = OpenAIRealtimeLLMService.Settings(
+            model=REALTIME_MODEL, system_instruction="Use your tools.", session_properties=events.SessionProperties(tool_choice="required"))
+        llm = OpenAIRealtimeLLMService(api_key=ALICE_KEY, base_url=ws_url(server), settings=settings)
+
+        async def get_weather(params) -> None:
+            ran.append(dict(params.arguments))
+            await params.llm.queue_frame(LLMUpdateSettingsFrame(
+                delta=OpenAIRealtimeLLMService.Settings(session_properties=events.SessionProperties(tool_choice="none"))))
+            await params.result_callback({"conditions": "sunny", "temp_c": 21})
+
+        llm.register_function("get_weather", get_weather)
+        context = LLMContext(messages=[{"role": "user", "content": "Weather in Paris?"}], tools=ToolsSchema(standard_tools=[weather]))
+        aggregators = LLMContextAggregatorPair(context)
+        # the forced response is a pure call (no audio): audio once the function ran is the answer
+        pipeline = Pipeline([aggregators.user(), llm, aggregators.assistant()])
+        down, up = await _run_pipeline(pipeline, [LLMRunFrame()], until=TTSAudioRawFrame,
+                                       predicate=lambda f, got: bool(ran))
+    finally:
+        errors.close()
+    errs = [f for f in down + up if isinstance(f, ErrorFrame)]
+    assert not errs, (errs, server_log_tail(server))
+    names = [type(f).__name__ for f in down]
+    assert ran and ran[0]["city"] in ("Paris", "Lima"), names
+    assert "TTSAudioRawFrame" in names, (names, server_log_tail(server))  # the answer to the result was spoken
+    roles = [m.get("role") for m in context.get_messages() if isinstance(m, dict)]
+    assert "tool" in roles, context.get_messages()  # the aggregator recorded the call's result
     assert not errors.records, errors.records
 
 
@@ -321,6 +423,68 @@ async def test_livekit_openai_realtime_model_generate_reply(server, caplog, inst
     assert not client_errors(caplog, "livekit"), client_errors(caplog, "livekit")
 
 
+async def test_livekit_openai_realtime_model_function_tool_round_trip(server, caplog):
+    """RealtimeModel with a function tool: generate_reply(tool_choice="required") yields
+    the call on the generation's function stream (arguments valid for the tool's
+    schema), its output goes back through update_chat_ctx, and the next reply is spoken."""
+    caplog.set_level(logging.WARNING)
+    lk = _livekit()
+    import json
+    import aiohttp
+    from livekit.agents import llm
+
+    @llm.function_tool
+    async def get_weather(city: Literal["Paris", "Lima"]) -> str:
+        """The weather in a city."""
+        return f"Sunny in {city}."
+
+    async def drain(gen) -> tuple[list, int]:
+        calls: list = []
+        samples = 0
+
+        async def functions() -> None:
+            async for fc in gen.function_stream:
+                calls.append(fc)
+
+        task = asyncio.create_task(functions())
+        async for msg in gen.message_stream:
+            async for frame in msg.audio_stream:
+                samples += frame.samples_per_channel
+        await task
+        return calls, samples
+
+    async with aiohttp.ClientSession() as http:
+        model = lk.realtime.RealtimeModel(base_url=f"{server.url}/v1", api_key=ALICE_KEY, http_session=http)
+        sess = model.session()
+        errors: list = []
+        server_events: list[dict] = []
+        sess.on("error", errors.append)
+        sess.on("openai_server_event_received", server_events.append)
+        try:
+            await sess.update_tools([get_weather])
+            ctx = sess.chat_ctx.copy()
+            ctx.add_message(role="user", content="What is the weather in Lima?")
+            await sess.update_chat_ctx(ctx)
+            gen = await asyncio.wait_for(sess.generate_reply(tool_choice="required"), 20)
+            calls, samples = await asyncio.wait_for(drain(gen), TURN_TIMEOUT_S)
+            assert len(calls) == 1 and samples == 0, (calls, samples)  # a pure call says nothing
+            fc = calls[0]
+            assert fc.name == "get_weather" and json.loads(fc.arguments)["city"] in ("Paris", "Lima"), fc
+            ctx = sess.chat_ctx.copy()
+            ctx.items.append(llm.FunctionCallOutput(call_id=fc.call_id, name=fc.name, output="Sunny in Lima.", is_error=False))
+            await sess.update_chat_ctx(ctx)
+            gen = await asyncio.wait_for(sess.generate_reply(tool_choice="none"), 20)
+            calls, samples = await asyncio.wait_for(drain(gen), TURN_TIMEOUT_S)
+        finally:
+            await sess.aclose()
+            await model.aclose()
+    assert not errors, (errors, [e for e in server_events if e.get("type") == "error"], server_log_tail(server))
+    assert not calls and samples > 0  # the answer to the result, out loud
+    outputs = [e for e in server_events if e.get("type") == "conversation.item.added" and e["item"]["type"] == "function_call_output"]
+    assert outputs and outputs[0]["item"]["call_id"] == fc.call_id
+    assert not client_errors(caplog, "livekit"), client_errors(caplog, "livekit")
+
+
 # ----------------------------------------------------------------------------- litellm
 
 
@@ -341,7 +505,7 @@ async def test_litellm_acompletion(server):
     litellm = _litellm()
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there!"}]
     r = await litellm.acompletion(model=f"openai/{CHAT_MODEL}", api_base=f"{server.url}/v1", api_key=ALICE_KEY, messages=messages, max_tokens=16)
-    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].finish_reason == "length"  # the test server's answers run to max_tokens
     assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 16
 
@@ -355,7 +519,24 @@ async def test_litellm_acompletion_stream(server):
     chunks = [c async for c in stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) > 1 and text
-    assert any(c.choices and c.choices[0].finish_reason == "stop" for c in chunks)
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+
+
+async def test_litellm_acompletion_with_tools_round_trip(server):
+    litellm = _litellm()
+    import json
+
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]}}, "required": ["city"]}}}
+    messages: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = {"model": f"openai/{CHAT_MODEL}", "api_base": f"{server.url}/v1", "api_key": ALICE_KEY, "tools": [tool]}
+    r = await litellm.acompletion(messages=messages, tool_choice="required", parallel_tool_calls=False, **kw)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Lima")
+    messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "Sunny."}]
+    r2 = await litellm.acompletion(messages=messages, tool_choice="none", max_tokens=8, **kw)
+    assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
 
 
 async def test_litellm_realtime_client_secret_opens_a_realtime_socket(server):

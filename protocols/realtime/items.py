@@ -99,6 +99,7 @@ class Response:
     finish: str | None = None  # the thinker's finish_reason
     message_index: int = 0  # the message's output_index (it comes first when it says anything)
     message_added: bool = False
+    forced: bool = False  # tool_choice required or a named function
 
     @property
     def ids(self) -> dict[str, Any]:

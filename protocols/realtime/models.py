@@ -378,7 +378,7 @@ def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Co
         tools = changes["tools"] = parse_tools(s.tools, "session.tools", nested=False)
     if _given(s, "tool_choice") or _given(s, "tools"):
         raw = s.tool_choice if _given(s, "tool_choice") else realtime_choice_wire(cfg.tool_choice)
-        if not _given(s, "tool_choice") and (raw == "required" and not tools or isinstance(raw, dict) and raw["name"] not in {t["function"]["name"] for t in tools}):
+        if not _given(s, "tool_choice") and isinstance(raw, dict) and raw["name"] not in {t["function"]["name"] for t in tools}:
             raw = "auto"  # what it named went away with the new tool list
         changes["tool_choice"] = parse_tool_choice(raw, tools, "session.tool_choice", nested=False)
     new = replace(cfg, **changes)

@@ -74,6 +74,7 @@ class Responses:
             # A forced choice makes one call per response (the agent answers it, then
             # asks again); under auto the model may make several.
             params.update(tools=list(tools), tool_choice=choice, parallel_tool_calls=choice == "auto")
+            resp.forced = choice not in ("auto", "none")
         # The user's speech (its audio, or what the profile's front stage made of it
         # while it was appended) goes straight to the thinker, this request's entry.
         session = conv.session
@@ -221,8 +222,9 @@ class Responses:
             # cancelled while its last payloads were in flight: the stream may end
             # without raising (stale outputs are skipped), but the answer was cut
             status, details = "cancelled", {"type": "cancelled", "reason": resp.cancel_reason}
-        if status == "completed" and resp.finish == "length" and any(c.status == "incomplete" for c in resp.calls.values()):
-            status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}  # a call cut short
+        if status == "completed" and resp.finish == "length" and (resp.forced or any(c.status == "incomplete" for c in resp.calls.values())):
+            # a call cut short (or a forced one that never got going): the answer is not whole
+            status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
         dropped = False
         if status == "cancelled" or status == "failed":
             dropped = self._drop_call(resp)

@@ -213,7 +213,6 @@ BAD_SESSIONS = [
     ({"tools": [{**TOOL, "name": "get weather!"}]}, "session.tools[0].name"),
     ({"tools": [{**TOOL, "type": "mcp"}]}, "session.tools[0].type"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "book_flight"}}, "session.tool_choice"),
-    ({"tool_choice": "required"}, "session.tool_choice"),
     ({"tool_choice": "sometimes"}, "session.tool_choice"),
     ({"tools": [{**TOOL, "name": f"t{i}"} for i in range(MAX_TOOLS + 1)]}, "session.tools"),
     ({"tools": [{**TOOL, "parameters": {"type": "object", "description": "x" * MAX_SCHEMA_CHARS}}]}, "session.tools[0].parameters"),
@@ -229,6 +228,18 @@ async def test_bad_tools_get_an_error_naming_the_field_and_the_session_goes_on(h
     await ws.send("session.update", session={"type": "realtime", "tools": [TOOL]})
     assert (await ws.until("session.updated"))["session"]["tools"] == [TOOL]  # nothing of the bad update stuck
     conforms(ws, False)
+
+
+async def test_a_choice_set_before_the_tools_is_kept_and_answers_until_they_come(h):
+    ws = await session(h, tool_choice="required")  # pipecat's first session.update
+    assert ws.seen[-1]["session"]["tool_choice"] == "required" and ws.seen[-1]["session"]["tools"] == []
+    await say(ws, "hi")
+    await ws.send("response.create", response={"max_output_tokens": 2})
+    assert [o["type"] for o in (await ws.until("response.done"))["response"]["output"]] == ["message"]
+    await ws.send("session.update", session={"type": "realtime", "tools": [TOOL]})
+    assert (await ws.until("session.updated"))["session"]["tool_choice"] == "required"
+    await ws.send("response.create")
+    assert (await ws.until("response.done"))["response"]["output"][0]["type"] == "function_call"
 
 
 async def test_bad_function_items_and_overrides_get_errors(h):
