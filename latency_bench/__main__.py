@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech, else noise")
     r.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
     r.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (server VAD; default 0)")
+    r.add_argument("--tools", type=int, default=0, metavar="N",
+                   help="also run N forced function calls against N unguided answers: end of speech -> arguments done, guided/unguided per-token cost")
     _server_target(r, "ws://host:port/v1/realtime", 8200)
 
     d = sub.add_parser(

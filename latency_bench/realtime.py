@@ -7,7 +7,9 @@ Per turn, measured from the commit (end of speech): TTFP (first audio delta), TT
 (first transcript delta), E2E (response.done), audio seconds, RTF = (E2E - TTFP) /
 audio seconds (generation time per second of audio once it flows). Per level:
 percentiles, failures, audio seconds per wall second. Targets: RTF p50 < 1 at 8
-sessions; TTFP p50 at 8 / at 1 <= 3.
+sessions; TTFP p50 at 8 / at 1 <= 3. `--tools N`: N forced function calls against
+N guided/unguided chat pairs (`tool_trials`): end of speech -> arguments done, and
+guided / unguided decode time per token (goal <= 1.2).
 
 Against a running server (`--url`) or a server it starts itself (default).
 """
@@ -122,17 +124,98 @@ async def barge_in_trials(url: str, api_key: str | None, pcm: bytes, trials: int
     return {"trials": trials, "measured": len(ms), "skipped": skipped, "speech_started_to_done_ms": summarize(ms), "samples_ms": ms}
 
 
+# The bench's tool (its arguments need a dozen or two tokens of JSON on any tokenizer).
+WEATHER_TOOL = {
+    "type": "function", "name": "get_weather", "description": "The weather forecast for a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Lima", "Oslo", "Tokyo"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}},
+}
+
+
+CHAT_MODEL = "gpt-4o-audio-preview"
+
+
+async def _chat_seconds(http: Any, url: str, body: dict[str, Any]) -> tuple[float, int]:
+    """One chat completion: wall seconds, completion tokens."""
+    t0 = time.perf_counter()
+    r = await http.post(url, json=body)
+    r.raise_for_status()
+    return time.perf_counter() - t0, int(r.json()["usage"]["completion_tokens"])
+
+
+async def per_token_pair(http: Any, url: str, tokens: int) -> tuple[float | None, float | None]:
+    """Decode time per token, guided (forced calls: the tool-call grammar masks every
+    step; parallel calls allowed, so it runs to `tokens`) and unguided (the same
+    question, no tools), each as (t(N tokens) - t(1 token)) / (n - 1): the prompt's
+    prefill, which the tools lengthen, cancels out."""
+    q = {"model": CHAT_MODEL, "messages": [{"role": "user", "content": DEFAULT_TEXT}], "temperature": 0.8}
+    tools = {"tools": [{"type": "function", "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"}}], "tool_choice": "required"}
+    out: list[float | None] = []
+    for extra in (tools, {}):
+        t1, _ = await _chat_seconds(http, url, {**q, **extra, "max_tokens": 1})
+        tn, n = await _chat_seconds(http, url, {**q, **extra, "max_tokens": tokens})
+        out.append((tn - t1) * 1000 / (n - 1) if n > 1 else None)
+    return out[0], out[1]
+
+
+async def tool_trials(url: str, api_key: str | None, pcm: bytes, turns: int, tokens: int = 48) -> dict[str, Any]:
+    """Function calling: `turns` spoken turns in one session answered by a forced call
+    (tool_choice required): end of speech (commit) -> `response.function_call_arguments.done`,
+    the call's arguments checked against the tool's schema; then `turns` pairs of chat
+    requests, guided and unguided alternating (A/B, so drift in the machine's load hits
+    both alike), for the decode cost per token of guided decoding (goal <= 1.2x)."""
+    import json
+
+    import httpx
+
+    client = await RealtimeClient.connect(url, api_key)
+    calls: list[dict[str, Any]] = []
+    valid = 0
+    async with client:
+        await client.update(audio={"input": {"turn_detection": None}}, output_modalities=["text"])
+        for _ in range(turns):
+            r = await client.turn(pcm, tools=[WEATHER_TOOL], tool_choice="required")
+            ok = r.status == "completed" and len(r.calls) == 1
+            if ok:
+                try:
+                    args = json.loads(r.calls[0]["arguments"])
+                    props = WEATHER_TOOL["parameters"]["properties"]  # type: ignore[index]
+                    valid += int(set(args) == {"city", "days"} and args["city"] in props["city"]["enum"] and 1 <= args["days"] <= 7)
+                except (ValueError, TypeError):
+                    pass
+            calls.append({"ok": ok, "status": r.status, "speech_end_to_args_done_s": r.call_done_s, "ttfc_s": r.ttfc_s,
+                          "output_tokens": (r.usage or {}).get("output_tokens")})
+    chat_url = url.replace("ws://", "http://").replace("wss://", "https://").split("/v1/")[0] + "/v1/chat/completions"
+    guided: list[float] = []
+    unguided: list[float] = []
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+        for _ in range(turns):
+            g, u = await per_token_pair(http, chat_url, tokens)
+            if g is not None and u is not None:
+                guided.append(g)
+                unguided.append(u)
+    gs, us = summarize(guided), summarize(unguided)
+    return {"turns": turns, "calls_ok": sum(c["ok"] for c in calls), "calls_schema_valid": valid,
+            "speech_end_to_args_done_s": summarize([c["speech_end_to_args_done_s"] for c in calls if c["ok"]]),
+            "per_token_tokens": tokens, "guided_per_token_ms": gs, "unguided_per_token_ms": us,
+            "guided_over_unguided_p50": ratio(gs.get("p50"), us.get("p50")), "samples": calls,
+            "pairs_ms": [{"guided": g, "unguided": u} for g, u in zip(guided, unguided, strict=True)]}
+
+
 def run(url: str, api_key: str | None, levels: list[int], turns: int, wav: str | None, max_tokens: int | None, warmup: int,
-        barge_in: int = 0) -> dict[str, Any]:
+        barge_in: int = 0, tools: int = 0) -> dict[str, Any]:
     pcm, source = utterance(wav)
 
-    async def go() -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[str, Any] | None]:
         if warmup:
             await run_level(url, api_key, 1, warmup, pcm, max_tokens)
         levels_ = [await run_level(url, api_key, s, turns, pcm, max_tokens) for s in levels]
-        return levels_, (await barge_in_trials(url, api_key, pcm, barge_in) if barge_in else None)
+        barge = await barge_in_trials(url, api_key, pcm, barge_in) if barge_in else None
+        return levels_, barge, (await tool_trials(url, api_key, pcm, tools) if tools else None)
 
-    lv, barge = asyncio.run(go())
+    lv, barge, tool = asyncio.run(go())
     by = {lvl["sessions"]: lvl for lvl in lv}
     targets: dict[str, Any] = {}
     if 8 in by:
@@ -144,9 +227,12 @@ def run(url: str, api_key: str | None, levels: list[int], turns: int, wav: str |
     if barge is not None:
         p99 = barge["speech_started_to_done_ms"].get("p99")
         targets["barge_in_p99_ms"] = {"goal": "<= 100", "value": p99, "met": p99 is not None and p99 <= 100}
+    if tool is not None:
+        r = tool["guided_over_unguided_p50"]
+        targets["guided_per_token_over_unguided"] = {"goal": "<= 1.2", "value": r, "met": r is not None and r <= 1.2}
     return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "url": url, "utterance": source,
             "utterance_s": round(len(pcm) / 48000, 3), "turns_per_session": turns, "max_output_tokens": max_tokens,
-            "levels": lv, "barge_in": barge, "targets": targets}
+            "levels": lv, "barge_in": barge, "tools": tool, "targets": targets}
 
 
 def main_realtime(args: Any) -> int:
@@ -157,7 +243,7 @@ def main_realtime(args: Any) -> int:
     from latency_bench.server import bench_url
 
     with bench_url(args, "realtime", "ws", "/v1/realtime") as url:
-        result = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup, args.barge_in)
+        result = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup, args.barge_in, args.tools)
     print(f"realtime bench ({result['utterance']}, {result['utterance_s']} s utterance, {args.turns} turns per session)")
     print(f"{'S':>3} {'turns':>6} {'fail':>5} {'TTFP p50':>9} {'TTFP p90':>9} {'E2E p50':>8} {'RTF p50':>8} {'audio s/s':>9}")
     for lvl in result["levels"]:
@@ -168,5 +254,10 @@ def main_realtime(args: Any) -> int:
         b = result["barge_in"]
         print(f"barge-in: {b['measured']} measured ({b['skipped']} skipped): speech_started -> response.done ms "
               f"p50 {b['speech_started_to_done_ms']['p50']} p99 {b['speech_started_to_done_ms']['p99']}")
+    if result["tools"]:
+        t = result["tools"]
+        print(f"tools: {t['calls_ok']}/{t['turns']} forced calls ({t['calls_schema_valid']} schema-valid); end of speech -> arguments done s "
+              f"p50 {t['speech_end_to_args_done_s'].get('p50')} p90 {t['speech_end_to_args_done_s'].get('p90')}; per token ms guided "
+              f"{t['guided_per_token_ms'].get('p50')} / unguided {t['unguided_per_token_ms'].get('p50')} = {t['guided_over_unguided_p50']}")
     finish(args.json, result)
-    return 1 if any(lvl["failed"] for lvl in result["levels"]) else 0
+    return 1 if any(lvl["failed"] for lvl in result["levels"]) or (result["tools"] and result["tools"]["calls_ok"] < result["tools"]["turns"]) else 0
