@@ -430,6 +430,7 @@ async def test_livekit_openai_realtime_model_function_tool_round_trip(server, ca
     caplog.set_level(logging.WARNING)
     lk = _livekit()
     import json
+
     import aiohttp
     from livekit.agents import llm
 
@@ -556,3 +557,20 @@ async def test_litellm_realtime_client_secret_opens_a_realtime_socket(server):
     async with rt.realtime.connect(model=REALTIME_MODEL) as conn:
         created = await asyncio.wait_for(conn.recv(), 30)
     assert created.type == "session.created"
+
+
+def test_the_voice_agent_tools_example_runs_its_round_trip(server, tmp_path):
+    """examples/voice_agent_tools.py as a user runs it: the tool runs, the answer is spoken."""
+    import subprocess
+    import sys
+    import wave
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "voice_agent_tools.py"
+    out = tmp_path / "answer.wav"
+    p = subprocess.run([sys.executable, str(example), "--url", f"{ws_url(server)}?model={REALTIME_MODEL}", "--api-key", ALICE_KEY,
+                        "--city", "Oslo", "--out", str(out), "--timeout", "90"], capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, (p.stdout, p.stderr[-3000:], server_log_tail(server))
+    assert "tool: get_weather(city=" in p.stdout
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000 and w.getnframes() > 0

@@ -71,7 +71,8 @@ def test_chat_streamed_calls_arrive_as_tool_call_deltas(server, choice):
     c = sync_client(server)
     stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[CHAT_TOOL],
                                        tool_choice=CHOICES[choice], parallel_tool_calls=False, stream=True)
-    pieces, finish = [], None
+    pieces: list[Any] = []
+    finish = None
     for chunk in stream:
         if chunk.choices:
             pieces += chunk.choices[0].delta.tool_calls or []
@@ -98,7 +99,7 @@ async def test_realtime_forced_call_its_result_and_the_spoken_answer(server, dia
     if dialect == "ga":
         from openai.types.realtime import RealtimeServerEvent
     else:
-        from openai.types.beta.realtime import RealtimeServerEvent  # type: ignore[assignment]
+        from openai.types.beta.realtime import RealtimeServerEvent
     ta = TypeAdapter(RealtimeServerEvent)
     c = async_client(server)
     rt = c.realtime if dialect == "ga" else c.beta.realtime
@@ -177,7 +178,7 @@ def test_the_thinker_renders_tools_calls_and_results_with_the_checkpoints_templa
     from omni_rt.testing.engines import FakeArEngine
     from pipelines.voice import ThinkerProcessor
 
-    msgs = [{"role": "user", "content": "Weather in Oslo?"},
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
             {"role": "tool", "content": '{"temp_c": 4}', "tool_call_id": "c1", "name": "get_weather"}]
     for model in ("tiny-qwen2.5-omni", "tiny-qwen2-thinker"):
