@@ -370,6 +370,18 @@ async def test_livekit_openai_tts_synthesize(server, caplog):
     assert not client_errors(caplog, "livekit"), client_errors(caplog, "livekit")
 
 
+def _livekit_session(lk, server, http) -> tuple[Any, Any, list, list[dict]]:
+    """A RealtimeModel and its session on the server, recording errors and the server's
+    events. Outside a job there is no utils.http_context: the HTTP session is passed in."""
+    model = lk.realtime.RealtimeModel(base_url=f"{server.url}/v1", api_key=ALICE_KEY, http_session=http)
+    sess = model.session()
+    errors: list = []
+    server_events: list[dict] = []
+    sess.on("error", errors.append)
+    sess.on("openai_server_event_received", server_events.append)
+    return model, sess, errors, server_events
+
+
 @pytest.mark.parametrize("instructions", [True, False], ids=["instructions", "bare_greeting"])
 async def test_livekit_openai_realtime_model_generate_reply(server, caplog, instructions):
     """RealtimeModel.session() then generate_reply(), as an agent's greeting does: with
@@ -380,13 +392,7 @@ async def test_livekit_openai_realtime_model_generate_reply(server, caplog, inst
     import aiohttp
 
     async with aiohttp.ClientSession() as http:
-        # outside a job there is no utils.http_context: the session is passed in
-        model = lk.realtime.RealtimeModel(base_url=f"{server.url}/v1", api_key=ALICE_KEY, http_session=http)
-        sess = model.session()
-        errors: list = []
-        server_events: list[dict] = []
-        sess.on("error", errors.append)
-        sess.on("openai_server_event_received", server_events.append)
+        model, sess, errors, server_events = _livekit_session(lk, server, http)
         try:
             if instructions:
                 await sess.update_instructions("You are a helpful voice assistant. Answer briefly.")
@@ -455,12 +461,7 @@ async def test_livekit_openai_realtime_model_function_tool_round_trip(server, ca
         return calls, samples
 
     async with aiohttp.ClientSession() as http:
-        model = lk.realtime.RealtimeModel(base_url=f"{server.url}/v1", api_key=ALICE_KEY, http_session=http)
-        sess = model.session()
-        errors: list = []
-        server_events: list[dict] = []
-        sess.on("error", errors.append)
-        sess.on("openai_server_event_received", server_events.append)
+        model, sess, errors, server_events = _livekit_session(lk, server, http)
         try:
             await sess.update_tools([get_weather])
             ctx = sess.chat_ctx.copy()

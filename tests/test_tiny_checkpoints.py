@@ -182,7 +182,7 @@ def test_thinker_segment_encoder_equals_whole_prompt_encoding(tiny: dict[str, Pa
 
     from transformers import AutoTokenizer
 
-    from pipelines.voice import SegmentEncoder
+    from pipelines.tokenizing import SegmentEncoder
 
     tok = AutoTokenizer.from_pretrained(str(tiny["thinker"]))
     fast = tok.backend_tokenizer
@@ -231,7 +231,7 @@ def _sentencepiece_like():
 def test_segment_encoder_leaves_normalized_added_tokens_to_the_tokenizer() -> None:
     import random
 
-    from pipelines.voice import SegmentEncoder
+    from pipelines.tokenizing import SegmentEncoder
 
     tok = _sentencepiece_like()
     enc = SegmentEncoder.for_tokenizer(tok)
@@ -246,7 +246,7 @@ def test_segment_encoder_leaves_normalized_added_tokens_to_the_tokenizer() -> No
 def test_rust_tokenizer_drops_the_truncation_a_tokenizer_json_carries() -> None:
     from transformers import PreTrainedTokenizerFast
 
-    from pipelines.voice import SegmentEncoder, rust_tokenizer
+    from pipelines.tokenizing import SegmentEncoder, rust_tokenizer
 
     wrapper = PreTrainedTokenizerFast(tokenizer_object=_sentencepiece_like())
     wrapper.backend_tokenizer.enable_truncation(8)  # as a tokenizer.json saved with truncation loads
@@ -261,7 +261,7 @@ def test_rust_tokenizer_drops_the_truncation_a_tokenizer_json_carries() -> None:
 
 
 def test_segment_encoder_is_not_used_where_added_tokens_strip_whitespace() -> None:
-    from pipelines.voice import SegmentEncoder
+    from pipelines.tokenizing import SegmentEncoder
 
     class Added:
         def __init__(self, content: str, lstrip: bool) -> None:

@@ -94,6 +94,13 @@ async def events(conn, ta: TypeAdapter, stop: str, seen: list[dict[str, Any]]) -
         assert ev["type"] != "error", ev
 
 
+async def forced_session(conn, ta: TypeAdapter, seen: list[dict[str, Any]]) -> None:
+    """A GA session in manual mode whose responses must call get_weather."""
+    await events(conn, ta, "session.created", seen)
+    await conn.session.update(session={"type": "realtime", "tools": [RT_TOOL], "tool_choice": "required", "audio": {"input": {"turn_detection": None}}})
+    await events(conn, ta, "session.updated", seen)
+
+
 @pytest.mark.parametrize("dialect", ["ga", "beta"])
 async def test_realtime_forced_call_its_result_and_the_spoken_answer(server, dialect):
     if dialect == "ga":
@@ -137,9 +144,7 @@ async def test_realtime_cancel_during_the_arguments_sends_no_half_call(server):
     ta = TypeAdapter(RealtimeServerEvent)
     seen: list[dict[str, Any]] = []
     async with async_client(server).realtime.connect(model="gpt-realtime") as conn:
-        await events(conn, ta, "session.created", seen)
-        await conn.session.update(session={"type": "realtime", "tools": [RT_TOOL], "tool_choice": "required", "audio": {"input": {"turn_detection": None}}})
-        await events(conn, ta, "session.updated", seen)
+        await forced_session(conn, ta, seen)
         await conn.response.create()
         first = await events(conn, ta, "response.function_call_arguments.delta", seen)
         await conn.response.cancel()
@@ -161,9 +166,7 @@ async def test_realtime_call_cut_by_max_output_tokens_is_incomplete(server):
     ta = TypeAdapter(RealtimeServerEvent)
     seen: list[dict[str, Any]] = []
     async with async_client(server).realtime.connect(model="gpt-realtime") as conn:
-        await events(conn, ta, "session.created", seen)
-        await conn.session.update(session={"type": "realtime", "tools": [RT_TOOL], "tool_choice": "required", "audio": {"input": {"turn_detection": None}}})
-        await events(conn, ta, "session.updated", seen)
+        await forced_session(conn, ta, seen)
         await conn.response.create(response={"max_output_tokens": 6})
         done = (await events(conn, ta, "response.done", seen))["response"]
         assert done["status"] == "incomplete" and done["status_details"]["reason"] == "max_output_tokens", done

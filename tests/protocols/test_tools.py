@@ -15,7 +15,7 @@ from pydantic import TypeAdapter
 
 from omni_rt.testing import Speeds, serve
 from protocols.tools import MAX_SCHEMA_CHARS, MAX_TOOLS
-from tests.protocols.helpers import Events, connect
+from tests.protocols.helpers import Events, b64, connect, quiet, tone
 
 WEATHER = {
     "type": "object",
@@ -175,6 +175,27 @@ async def test_cancel_during_a_calls_arguments_sends_nothing_more_of_it():
         # nothing of it follows, and the conversation goes on without it
         await ws.send("conversation.item.retrieve", item_id=first["item_id"])
         assert (await ws.until("error"))["error"]["code"] == "item_retrieve_invalid_item_id"
+        assert not [e for e in ws.seen[mark:] if e.get("response_id") == done["id"]]
+        conforms(ws, False)
+
+
+async def test_barge_in_during_a_calls_arguments_cancels_it():
+    """Server VAD on: the user speaks, a forced call starts streaming, the user talks
+    over it. The call is cancelled (turn_detected) and nothing of it is sent after."""
+    async with serve(["voice"], speeds=Speeds(token_s=0.05)) as h:
+        ws = await session(h, tools=[TOOL], tool_choice="required")
+        for chunk in (quiet(0.2), tone(0.4), quiet(0.6)):
+            await ws.send("input_audio_buffer.append", audio=b64(chunk))
+        first = await ws.until("response.function_call_arguments.delta", timeout=10)
+        await ws.send("input_audio_buffer.append", audio=b64(tone(0.3)))  # the user cuts in
+        done = (await ws.until("response.done"))["response"]
+        assert done["id"] == first["response_id"], done
+        assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected" and done["output"] == []
+        mark = len(ws.seen)
+        assert "response.function_call_arguments.done" not in ws.types()
+        await ws.send("input_audio_buffer.append", audio=b64(quiet(0.6)))  # the next turn: a whole call
+        nxt = (await ws.until("response.done", timeout=10))["response"]
+        assert nxt["status"] == "completed" and nxt["output"][0]["type"] == "function_call"
         assert not [e for e in ws.seen[mark:] if e.get("response_id") == done["id"]]
         conforms(ws, False)
 
