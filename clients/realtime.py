@@ -46,7 +46,6 @@ class TurnResult:
     calls: list[dict[str, Any]] = field(default_factory=list)  # function_call items of response.done
     ttfc_s: float | None = None  # end of input -> first function_call_arguments.delta
     call_done_s: float | None = None  # end of input -> the first function_call_arguments.done
-    ttfd_s: float | None = None  # end of input -> first delta of any kind (text, transcript, arguments)
 
     @property
     def audio_s(self) -> float:
@@ -152,7 +151,7 @@ class RealtimeClient:
     async def collect(self, t_end: float) -> TurnResult:
         """Read events until response.done; timings are measured from `t_end`."""
         text, audio = [], bytearray()
-        ttfp = ttft = ttfc = call_done = ttfd = None
+        ttfp = ttft = ttfc = call_done = None
         names: list[str] = []
         while True:
             ev = await self.recv()
@@ -160,8 +159,6 @@ class RealtimeClient:
             names.append(t)
             if t == "error":
                 raise RealtimeError(ev)
-            if ttfd is None and t.endswith(".delta") and "audio." not in t:
-                ttfd = time.perf_counter() - t_end
             if t == "response.function_call_arguments.delta" and ttfc is None:
                 ttfc = time.perf_counter() - t_end
             elif t == "response.function_call_arguments.done" and call_done is None:
@@ -178,7 +175,7 @@ class RealtimeClient:
                 r = ev["response"]
                 calls = [o for o in r.get("output") or [] if o.get("type") == "function_call"]
                 return TurnResult(r["id"], r["status"], "".join(text), bytes(audio), ttfp, ttft, time.perf_counter() - t_end, names, r.get("usage"),
-                                  calls, ttfc, call_done, ttfd)
+                                  calls, ttfc, call_done)
 
     async def turn(self, pcm16: bytes | None = None, text: str | None = None, manual: bool = True, **response: Any) -> TurnResult:
         """One turn: speak `pcm16` (or say `text`), get the answer. With `manual`, the

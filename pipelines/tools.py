@@ -100,7 +100,7 @@ class ToolStream:
     request: Any  # vLLM's ChatCompletionRequest (tools, tool_choice), after adjust_request
     structured_outputs: dict[str, Any] | None
     forced: bool  # required or a named function: the grammar allows nothing but calls
-    calls: dict[int, dict[str, str]] = field(default_factory=dict)  # index -> {id, name, arguments}
+    calls: dict[int, str] = field(default_factory=dict)  # the parser's call index -> the call's id
 
     def feed(self, text: str, token_ids: Sequence[int], finished: bool = False) -> list[tuple[str, Any]]:
         """("text", str) and ("call", {index, id?, name?, arguments}) pieces."""
@@ -114,19 +114,14 @@ class ToolStream:
             out.append(("text", delta.content))
         for tc in delta.tool_calls or []:
             fn = tc.function
-            name = getattr(fn, "name", None) if fn is not None else None
-            args = (getattr(fn, "arguments", None) if fn is not None else None) or ""
-            if isinstance(fn, Mapping):  # some parsers hand over dumps
-                name, args = fn.get("name"), fn.get("arguments") or ""
-            call = self.calls.get(tc.index)
-            piece: dict[str, Any] = {"index": int(tc.index), "arguments": args}
-            if call is None:
-                call = self.calls[tc.index] = {"id": tc.id or f"call_{len(self.calls)}", "name": name or "", "arguments": ""}
-                piece.update(id=call["id"], name=call["name"])
-            elif name and not call["name"]:
-                call["name"] = piece["name"] = name
-            call["arguments"] += args
-            if args or "id" in piece:
+            if fn is not None and not isinstance(fn, Mapping):  # vLLM's DeltaFunctionCall (some parsers hand over its dump)
+                fn = fn.model_dump(exclude_none=True)
+            fn = fn or {}
+            piece: dict[str, Any] = {"index": int(tc.index), "arguments": fn.get("arguments") or ""}
+            if tc.index not in self.calls:
+                self.calls[tc.index] = piece["id"] = tc.id or f"call_{len(self.calls)}"
+                piece["name"] = fn.get("name") or ""
+            if piece["arguments"] or "id" in piece:
                 out.append(("call", piece))
         return out
 

@@ -120,27 +120,25 @@ class FakeThinker(StageProcessor):
         if ctx.params.get("seed") is not None:
             sampling["seed"] = int(ctx.params["seed"])
         call = forced_call(ctx.params)
-        n = 0
+        sent = 0  # characters of the call's arguments out
         async for toks in self.ar.generate(f"{ctx.request_id}-thinker", prompt_token_ids=prompt, sampling=sampling):
             ctx.add_usage(output_tokens=len(toks))
             if call is None:
                 await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text="".join(f"w{t} " for t in toks)))
-                n += len(toks)
                 continue
+            name, args = call
             for _ in toks:  # a call: four characters of its JSON per token
-                name, args = call
-                piece: dict[str, Any] = {"index": 0, "arguments": args[4 * n : 4 * n + 4]}
-                if n == 0:
+                piece: dict[str, Any] = {"index": 0, "arguments": args[sent : sent + 4]}
+                if sent == 0:
                     piece.update(id=f"call_{ctx.request_id[-12:]}", name=name)
-                n += 1
-                if piece["arguments"] or n == 1:
-                    await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={TOOL_CALL: piece}))
-                if 4 * n >= len(args):
+                sent += 4
+                await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={TOOL_CALL: piece}))
+                if sent >= len(args):
                     break
-            if 4 * n >= len(call[1]):
+            if sent >= len(args):
                 break
-        length = call is None or 4 * n < len(call[1])  # the fake runs to its token limit unless a call completes
-        reason = "length" if length else "tool_calls"
+        # the fake runs to its token limit unless a call completes
+        reason = "tool_calls" if call is not None and sent >= len(call[1]) else "length"
         await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={FINISH_REASON: reason}))
 
 
