@@ -49,6 +49,12 @@ class PayloadKind(str, enum.Enum):
 # answer ended ("stop", "length", "tool_calls"), the stage's last payload.
 TOOL_CALL = "tool_call"
 FINISH_REASON = "finish_reason"
+# A thinker's first payload when its talker conditions on the thinker's own states
+# (pipelines.omni): no text; arrays `prompt_ids` (and `audio`, 16 kHz, when the user spoke).
+TALKER_PROMPT = "talker_prompt"
+# Stages whose outputs are an answer's speech (AUDIO payloads), by profile: the split
+# talker's SNAC decoder, or Qwen-Omni's token2wav.
+SPEECH_STAGES = frozenset({"code2wav", "token2wav"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,8 @@ def resolve_profiles(overlay: DeployOverlay, source: str) -> tuple[dict[str, Pro
     enabled = {n: s for n, s in specs.items() if overlay.pipelines.get(n, PipelineOverlay()).enabled}
     overlay = share_stage_overrides(overlay, enabled, source)
     profiles = {name: apply_overlay(spec, overlay, source) for name, spec in enabled.items()}
+    # a profile that speaks with its model's own speakers brings its voices
+    enabled = {n: s if profiles[n].voices is None else s.model_copy(update={"voices": profiles[n].voices}) for n, s in enabled.items()}
     return profiles, enabled
 
 

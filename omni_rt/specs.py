@@ -112,6 +112,7 @@ class ProfileSpec(_Strict):
     stages: list[StageSpec]
     edges: list[EdgeSpec] = []
     final_outputs: list[str] = Field(min_length=1)
+    voices: dict[str, str] | None = Field(default=None, description="the pipeline's voices when this profile runs (its model's own speakers)")
 
     @model_validator(mode="after")
     def _check_graph(self) -> ProfileSpec:
@@ -549,7 +550,7 @@ def apply_overlay(pipeline: PipelineSpec, overlay: DeployOverlay, source: str = 
             )
     try:
         return ProfileSpec.model_validate(
-            {"entry": profile.entry, "stages": stages, "edges": edges, "final_outputs": profile.final_outputs}
+            {"entry": profile.entry, "stages": stages, "edges": edges, "final_outputs": profile.final_outputs, "voices": profile.voices}
         )
     except ValidationError as err:
         raise SpecError(_format_validation(err, base_key)) from None

@@ -108,6 +108,46 @@ VISION_CONFIG: dict[str, Any] = {
     "out_hidden_size": TEXT_CONFIG["hidden_size"],
     "fullatt_block_indexes": [0],
 }
+# The talker (Qwen2_5OmniTalkerForConditionalGeneration, a Qwen2 decoder over codec
+# tokens fed the thinker's states): 2 layers x 128, M-RoPE sections over head_dim / 2.
+# Codec ids as in the real one, scaled: codes 0..1023 (the real 0..8192), then pad,
+# start, end and mask where 8292, 8293, 8294 and 8296 are.
+CODEC_CODES = 1024
+TALKER_CONFIG: dict[str, Any] = {
+    "vocab_size": 1152,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 8192,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
+    "tts_codec_pad_token_id": CODEC_CODES + 100,
+    "tts_codec_start_token_id": CODEC_CODES + 101,
+    "tts_codec_end_token_id": CODEC_CODES + 102,
+    "tts_codec_mask_token_id": CODEC_CODES + 104,
+    "position_id_per_seconds": 25,
+    "seconds_per_chunk": 2,
+    "tie_word_embeddings": False,
+}
+# token2wav: the flow-matching DiT (codes at 50 Hz -> 80-bin mel at 100 Hz, in blocks of
+# 24 mel frames with one block of look-back / look-ahead in some layers, as the real
+# one) and BigVGAN (mel -> 24 kHz, 240 samples a frame: the real upsampling rates)
+TOKEN2WAV_CONFIG: dict[str, Any] = {
+    "dit_config": {
+        "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 32, "ff_mult": 2, "emb_dim": 32,
+        "block_size": 24, "look_ahead_layers": [1], "look_backward_layers": [0, 2], "repeats": 2, "num_embeds": CODEC_CODES,
+        "mel_dim": 80, "dropout": 0.0, "enc_emb_dim": 192, "enc_dim": 32, "enc_channels": [32, 32, 32, 32, 96],
+        "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1], "enc_attention_channels": 16,
+        "enc_res2net_scale": 2, "enc_se_channels": 16, "max_position_embeddings": 32768,
+    },
+    "bigvgan_config": {
+        "mel_dim": 80, "upsample_initial_channel": 64, "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]],
+        "upsample_rates": [5, 3, 2, 2, 2, 2], "upsample_kernel_sizes": [11, 7, 4, 4, 4, 4],
+    },
+}
+SPEAKERS = ("Chelsie", "Ethan")
 FEATURE_EXTRACTOR: dict[str, Any] = {
     "feature_extractor_type": "WhisperFeatureExtractor",
     "feature_size": NUM_MEL_BINS,
@@ -181,7 +221,9 @@ def fill(out: Path) -> None:
     hf_logging.disable_progress_bar()
     ids = _tokenizer(out)
     n_text = min(ids.values())
-    vocab_size = -(-(n_text + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)) // 64) * 64
+    # the talker's text-stream ids and one start id per speaker come after the pieces
+    reserved = n_text + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+    vocab_size = -(-(reserved + 3 + len(SPEAKERS)) // 64) * 64
     thinker = {
         "audio_config": AUDIO_CONFIG,
         "vision_config": VISION_CONFIG,
@@ -200,11 +242,26 @@ def fill(out: Path) -> None:
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": False,
     }
-    # enable_audio_output false: the thinker alone (the talker's config keeps its
-    # defaults, whose token ids belong to the real vocabulary; nothing reads them)
+    talker = {
+        **TALKER_CONFIG,
+        "embedding_size": TEXT_CONFIG["hidden_size"],
+        "audio_token_index": ids["<|AUDIO|>"],
+        "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"],
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+        "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"],
+        # thinker-vocabulary rows the talker's text stream uses (unnamed ids past the
+        # tokenizer's pieces, as 151859.. are in the real vocabulary)
+        "tts_text_pad_token_id": reserved,
+        "tts_text_start_token_id": reserved + 1,
+        "tts_text_end_token_id": reserved + 2,
+    }
     hf_logging.set_verbosity_error()
     try:
-        config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False, torch_dtype="float32")
+        config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=TOKEN2WAV_CONFIG,
+                                   enable_audio_output=True, torch_dtype="float32")
     finally:
         hf_logging.set_verbosity_warning()
     config.architectures = ["Qwen2_5OmniForConditionalGeneration"]
@@ -217,8 +274,11 @@ def fill(out: Path) -> None:
     (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2) + "\n")
     (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     # the speakers file every Qwen2.5-Omni repo ships (transformers' from_pretrained
-    # requires it): the real voices' names and shapes (an x-vector `cond`, a reference
-    # mel, the talker's text-start token); zeros here, as the tiny has no talker
-    speakers = {name: {"cond": torch.zeros(192), "ref_mel": torch.zeros(1, 300, 80), "bos_token": 151870 + i}
-                for i, name in enumerate(("Chelsie", "Ethan"))}
+    # requires it): per voice an x-vector `cond` (the DiT's speaker embedding), a
+    # reference mel (`ref_mel`, what the DiT's ECAPA encoder reads) and the thinker-
+    # vocabulary id that starts the talker's text stream
+    gen = torch.Generator().manual_seed(SEED + 1)
+    speakers = {name: {"cond": torch.randn(192, generator=gen), "ref_mel": torch.randn(1, 300, 80, generator=gen) * 0.5 - 4.0,
+                       "bos_token": reserved + 3 + i}
+                for i, name in enumerate(SPEAKERS)}
     torch.save(speakers, str(out / "spk_dict.pt"))

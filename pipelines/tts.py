@@ -290,14 +290,17 @@ class StreamingDecoder:
         chunking: ChunkingSpec | None,
         clock: Callable[[], float] = time.monotonic,
         meter: RtfMeter | None = None,
+        samples_per_frame: int = SAMPLES_PER_FRAME,
+        width: int = 7,
     ) -> None:
         self._decode = decode
+        self.samples_per_frame = samples_per_frame
         self._meter = meter  # told of every chunk emitted (load-aware admission reads it)
         self._meter_key = meter.new_stream() if meter is not None else 0
         self.chunking = chunking
         self._clock = clock
         self._play_end: float | None = None  # when the audio emitted so far has played (real time)
-        self._buf = np.zeros((0, 7), dtype=np.int32)
+        self._buf = np.zeros((0, width), dtype=np.int32)  # frames of `width` codes
         self._base = 0  # absolute index of _buf[0]
         self.total = 0  # frames received
         self.emitted = 0  # frames whose audio has been produced
@@ -309,10 +312,10 @@ class StreamingDecoder:
     async def _window(self, start: int, end: int, keep_from: int, keep_to: int) -> np.ndarray:
         lo, hi = start - self._base, end - self._base
         audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]), deadline=self.deadline(keep_from))
-        a = (keep_from - start) * SAMPLES_PER_FRAME
-        b = (keep_to - start) * SAMPLES_PER_FRAME
+        a = (keep_from - start) * self.samples_per_frame
+        b = (keep_to - start) * self.samples_per_frame
         if self._meter is not None:
-            self._meter.chunk(self._meter_key, (keep_to - keep_from) * SAMPLES_PER_FRAME / SAMPLE_RATE, self._clock())
+            self._meter.chunk(self._meter_key, (keep_to - keep_from) * self.samples_per_frame / SAMPLE_RATE, self._clock())
         return audio[a:b]
 
     def deadline(self, keep_from: int) -> float:
@@ -352,7 +355,7 @@ class StreamingDecoder:
             start = max(0, self.emitted - c.left_context_frames)
             out.append(await self._window(start, end + c.lookahead_frames, self.emitted, end))
             now = self._clock()
-            self._play_end = max(now, self._play_end if self._play_end is not None else now) + size * SAMPLES_PER_FRAME / SAMPLE_RATE
+            self._play_end = max(now, self._play_end if self._play_end is not None else now) + size * self.samples_per_frame / SAMPLE_RATE
             self.emitted = end
             self._trim()
         return out

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
-from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload, PayloadKind
+from omni_rt.payloads import FINISH_REASON, TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
 from pipelines import checkpoint
@@ -217,10 +217,12 @@ class ThinkerProcessor(StageProcessor):
     # every call's arguments satisfy its schema); tool_max_whitespace: consecutive
     # whitespace inside a call's JSON (None: unbounded); tool_max_tokens: the token budget
     # of an answer that may call a tool, when the request sets none (a call's JSON takes
-    # more tokens than a short spoken answer).
+    # more tokens than a short spoken answer); talker_states: the talker conditions on
+    # this thinker's own states (the omni profile, `pipelines.omni`): the prompt's token
+    # ids and audio go out first, and every text delta carries its token ids.
     DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64, "min_tokens": 1,
                                 "tool_parser": None, "tool_strict_level": "parameter", "tool_max_whitespace": DEFAULT_MAX_WHITESPACE,
-                                "tool_max_tokens": 256}
+                                "tool_max_tokens": 256, "talker_states": False}
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -459,6 +461,12 @@ class ThinkerProcessor(StageProcessor):
             prompt, n_in = {"prompt_token_ids": ids}, len(ids)
         sampling = self.sampling(ctx.params, tools)
         ctx.add_usage(input_tokens=n_in)
+        states = bool(self.args["talker_states"])
+        if states:
+            arrays = {"prompt_ids": np.asarray(prompt.get("prompt_token_ids", ()), np.int64)}
+            if audio is not None:
+                arrays["audio"] = audio
+            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, arrays=arrays, meta={TALKER_PROMPT: True}))
         detok = self.detokenizer()
         n_out, last = 0, None
         async for toks in self.ar.generate(f"{ctx.request_id}-thinker", sampling=sampling, **prompt):
@@ -466,7 +474,7 @@ class ThinkerProcessor(StageProcessor):
             n_out, last = n_out + len(toks), toks[-1] if toks else last
             text_ids = [t for t in toks if t not in self.stop_ids]
             delta = detok(text_ids)
-            await emit_answer(ctx, tools, delta, text_ids)
+            await emit_answer(ctx, tools, delta, text_ids, states)
         await emit_answer(ctx, tools, "", [], finished=True)
         length = n_out >= sampling["max_tokens"] and last not in self.stop_ids
         await emit_finish(ctx, tools, length)
@@ -500,12 +508,15 @@ class ThinkerProcessor(StageProcessor):
         return whole
 
 
-async def emit_answer(ctx: StageContext, tools: ToolStream | None, delta: str, ids: list[int], finished: bool = False) -> None:
-    """A text delta of the answer: as it is, or through the request's tool parser
-    (content as TEXT, each piece of a call as a TEXT payload with `meta["tool_call"]`)."""
+async def emit_answer(ctx: StageContext, tools: ToolStream | None, delta: str, ids: list[int], finished: bool = False,
+                      with_ids: bool = False) -> None:
+    """A text delta of the answer: as it is (with its token ids, `with_ids`), or
+    through the request's tool parser (content as TEXT, each piece of a call as a TEXT
+    payload with `meta["tool_call"]`; a talker re-encodes content pieces)."""
     if tools is None:
-        if delta:
-            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=delta))
+        if delta or (with_ids and ids):
+            arrays = {"token_ids": np.asarray(ids, np.int64)} if with_ids else {}
+            await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text=delta, arrays=arrays))
         return
     for kind, piece in tools.feed(delta, ids, finished):
         if kind == "text":

@@ -223,7 +223,7 @@ class ChatService:
             if voice is not None:
                 params["voice"] = voice
             # No input audio: nothing for the audio encoder, the request enters at the thinker.
-            stream = session.submit(params, outputs={"thinker", "code2wav"} if voice is not None else {"thinker"},
+            stream = session.submit(params, outputs={"thinker", *session.speech_outputs()} if voice is not None else {"thinker"},
                                     entry=None if audio is not None else "thinker")
             if audio is not None:
                 session.send_input(stream, Payload(PayloadKind.AUDIO, session.fence, arrays={"pcm": audio}, meta={"sample_rate": 24000}))

@@ -403,6 +403,13 @@ class SessionManager:
         }
 
     # ---- used by Session -------------------------------------------------------------
+    def final_outputs(self, pipeline: str) -> set[str]:
+        """The stages whose outputs a request of `pipeline` may ask for."""
+        if self.orchestrator is None:
+            raise RuntimeError("this session manager has no orchestrator")
+        profile = self.orchestrator.pipelines.get(pipeline)
+        return set(profile.final_outputs) if profile is not None else set()
+
     def orchestrator_submit(self, pipeline: str, **kw: Any) -> RequestStream:
         if self.orchestrator is None:
             raise RuntimeError("this session manager has no orchestrator")

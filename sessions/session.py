@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
-from omni_rt.payloads import Fence, Payload
+from omni_rt.payloads import SPEECH_STAGES, Fence, Payload
 from sessions.errors import IllegalTransition, StaleFence
 
 if TYPE_CHECKING:
@@ -177,6 +177,13 @@ class Session:
         orch = self._manager.orchestrator
         profile = orch.pipelines.get(name) if orch is not None and name is not None else None
         return profile.entry if profile is not None else None
+
+    def speech_outputs(self) -> set[str]:
+        """The stages of this session's pipeline that speak its answers (the split
+        talker's `code2wav`, or Qwen-Omni's `token2wav`, as the profile has it)."""
+        if self.pipeline is None:
+            return set()
+        return self._manager.final_outputs(self.pipeline) & SPEECH_STAGES
 
     def submit(
         self,

@@ -78,7 +78,7 @@ class Responses:
         # The user's speech (its audio, or what the profile's front stage made of it
         # while it was appended) goes straight to the thinker, this request's entry.
         session = conv.session
-        resp.stream = session.submit(params, outputs={"thinker", "code2wav"} if audio_out else {"thinker"}, entry="thinker")
+        resp.stream = session.submit(params, outputs={"thinker", *session.speech_outputs()} if audio_out else {"thinker"}, entry="thinker")
         self.active = resp
         try:
             for p in speech:

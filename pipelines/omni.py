@@ -1,0 +1,363 @@
+"""The voice pipeline's `omni` profile: one Qwen2.5-Omni checkpoint, three stages.
+
+    thinker (vLLM: text + the user's audio -> text, `talker_states`)
+      -> omni_talker (torch: the thinker's states -> codec tokens, `OmniTalkerModule`)
+      -> token2wav (torch: codes -> 24 kHz PCM, `Token2WavModule`, in chunks)
+
+How the talker gets the thinker's states: the thinker's first payload carries the
+prompt's token ids and audio, and every text delta its token ids (`TALKER_PROMPT`,
+`token_ids`); the talker stage recomputes the embeddings and last hidden states with the
+checkpoint's own thinker weights, incrementally. docs/design.md says why (vLLM streams
+tokens, not states) and what it costs (the thinker's weights twice; its compute once
+more, without sampling).
+
+The talker's sampling and stopping are the reference's (`Qwen2_5OmniForConditionalGeneration.generate`:
+top-k 40, top-p 0.8, temperature 0.9, repetition penalty 1.05, codec pad/end stop);
+with the same thinker tokens and greedy decoding its codes equal the reference's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_rt.engines.base import Engine, StepEngine
+from omni_rt.load import GENERATION
+from omni_rt.payloads import TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
+from omni_rt.specs import StageSpec
+from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from pipelines import checkpoint
+from pipelines.omni_models import OmniTalkerModule, Token2WavModule, load_speakers
+from pipelines.tts import StreamingDecoder, _Emitter
+
+OMNI_ARCHITECTURES = {"Qwen2_5OmniForConditionalGeneration"}
+THINKER_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+
+
+def check_omni(model_dir: str, what: str, part: str) -> dict[str, Any]:
+    """A Qwen2.5-Omni directory with `part` (talker_config / token2wav_config) and its
+    speakers, from the files alone."""
+    checkpoint.check_architecture(model_dir, what, "Qwen2_5OmniForConditionalGeneration (a Qwen2.5-Omni checkpoint)",
+                                  lambda a: a in OMNI_ARCHITECTURES)
+    cfg = checkpoint.config(model_dir)
+    missing = [k for k in ("thinker_config", part) if not isinstance(cfg.get(k), dict)]
+    if missing:
+        raise StageError(f"{what} {model_dir}: config.json has no {', '.join(missing)}")
+    if cfg.get("enable_audio_output") is False:
+        raise StageError(f"{what} {model_dir}: config.json says enable_audio_output false (a thinker-only checkpoint)")
+    if not (Path(model_dir) / "spk_dict.pt").is_file():
+        raise StageError(f"{what} {model_dir}: no spk_dict.pt (the checkpoint's speakers)")
+    if not any(Path(model_dir).glob("*.safetensors")):
+        raise StageError(f"{what} {model_dir}: no *.safetensors weights")
+    return cfg
+
+
+def speaker_of(speakers: Mapping[str, Any], params: Mapping[str, Any]) -> str:
+    """The request's voice as one of the checkpoint's speakers (the pipeline's voice
+    map has turned OpenAI names into speakers; the first speaker when none is set)."""
+    voice = params.get("voice")
+    if voice is None:
+        return next(iter(speakers))
+    for name in speakers:
+        if name.lower() == str(voice).lower():
+            return name
+    raise StageError(f"unknown voice {voice!r}; this checkpoint speaks {', '.join(speakers)}")
+
+
+class _Reply:
+    """The thinker's reply as the talker reads it: token ids as they stream in."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.ended = False
+        self.changed = asyncio.Event()
+
+
+class OmniTalkerProcessor(StageProcessor):
+    """thinker payloads -> codec tokens (CODES [n, 1]), the reference's talker.
+
+    processor_args: sampling (`temperature`, `top_k`, `top_p`, `repetition_penalty`;
+    `greedy`), the budget (`max_codes`; `base_codes` + `codes_per_token` x reply tokens,
+    a bound a trained model never reaches). The module's cache has
+    `OmniTalkerModule.SLOTS` rows (requests decoding at once; more wait for a row) of
+    `MAX_LEN` positions (prompt and codes).
+    """
+
+    DEFAULTS: dict[str, Any] = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "greedy": False,
+                                "max_codes": 4096, "base_codes": 25, "codes_per_token": 12}
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        check_omni(model_dir, "talker", "talker_config")
+        checkpoint.check_tokenizer_files(model_dir, "talker")
+        if not checkpoint.config(model_dir, "preprocessor_config.json").get("feature_extractor_type"):
+            raise StageError(f"talker {model_dir}: no preprocessor_config.json with a feature extractor (the thinker's audio front end)")
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
+        return lambda: OmniTalkerModule(model_dir)
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        check_processor_args(spec.processor_args, self.DEFAULTS, "talker")
+        self.args = {**self.DEFAULTS, **spec.processor_args}
+        self.steps = self.engine_as(StepEngine)
+        assert spec.model is not None
+        self.model_dir = spec.model
+        self.free: asyncio.Queue[int] = asyncio.Queue()
+        for s in range(OmniTalkerModule.SLOTS):
+            self.free.put_nowait(s)
+        self.speakers: dict[str, Any] = {}
+        self.processor: Any = None
+
+    def _load(self) -> None:
+        from transformers import AutoProcessor
+
+        from omni_rt.vllm_plugin import register
+
+        register()  # the processor's video half needs what the plugin provides
+        self.processor = AutoProcessor.from_pretrained(self.model_dir)
+        self.speakers = load_speakers(self.model_dir)
+        cfg = checkpoint.config(self.model_dir)
+        tc = cfg["talker_config"]
+        self.codec = {k: int(tc[f"tts_codec_{k}_token_id"]) for k in ("start", "end", "pad", "mask")}
+        self.text = {k: int(tc[f"tts_text_{k}_token_id"]) for k in ("end", "pad")}
+        self.n_codes = int(cfg["token2wav_config"]["dit_config"]["num_embeds"])
+        self.vocab = int(tc["vocab_size"])
+        self.stops = {self.codec["pad"], self.codec["end"]}  # the reference's talker_eos_token_id
+        fe = self.processor.feature_extractor
+        self.n_fft, self.hop = int(fe.n_fft), int(fe.hop_length)
+        self.audio_token = int(cfg["thinker_config"]["audio_token_index"])
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        rows = await self.steps.run({"ids": np.array([self.text["end"], self.text["pad"]], np.int64)}, op="text_embed", priority=0)
+        self.eos_row, self.pad_row = rows[0], rows[1]
+
+    def release_session(self, session_id: str) -> None:
+        pass  # slots are per request, returned when it ends
+
+    def _features(self, audio: np.ndarray) -> dict[str, np.ndarray]:
+        """The audio as the thinker's processor prepares it (padded just past the audio,
+        as the thinker stage asks vLLM to: the frames are the same)."""
+        pad = -(-(len(audio) + self.n_fft) // self.hop) * self.hop
+        out = self.processor(text=THINKER_AUDIO, audio=[audio], audio_kwargs={"max_length": pad}, return_tensors="np")
+        n = int((out["input_ids"][0] == self.audio_token).sum())
+        return {"features": out["input_features"][0].astype(np.float32), "feature_mask": out["feature_attention_mask"][0].astype(np.int64),
+                "n_audio": np.array(n)}
+
+    def _sampler(self, ctx: StageContext, prompt_codes: list[int]) -> Callable[[np.ndarray, list[int]], int]:
+        from transformers import (
+            LogitsProcessorList,
+            RepetitionPenaltyLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        a, p = self.args, ctx.params
+        greedy = bool(a["greedy"]) or p.get("temperature") == 0
+        procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(float(a["repetition_penalty"]))])
+        if not greedy:
+            procs += [TemperatureLogitsWarper(float(p.get("temperature") or a["temperature"])), TopKLogitsWarper(int(a["top_k"])),
+                      TopPLogitsWarper(float(a["top_p"]))]
+        # only codes the vocoder embeds, and the stops (the start token is suppressed in the reference too)
+        allowed = torch.full((self.vocab,), float("-inf"))
+        allowed[: self.n_codes + 1] = 0
+        for s in self.stops:
+            allowed[s] = 0
+        gen = torch.Generator()
+        gen.manual_seed(int(p["seed"]) if p.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,))))
+
+        def sample(logits: np.ndarray, out: list[int]) -> int:
+            ids = torch.tensor([prompt_codes + out])
+            scores = procs(ids, torch.from_numpy(np.asarray(logits, np.float32)).view(1, -1) + allowed)
+            if greedy:
+                return int(scores.argmax(-1))
+            return int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen))
+
+        return sample
+
+    async def _read(self, inp: AsyncIterator[Payload], reply: _Reply) -> None:
+        """Token ids of the reply's text (a talker speaks content, never a call)."""
+        tokenizer = self.processor.tokenizer
+        try:
+            async for p in inp:
+                if TOOL_CALL in p.meta:
+                    continue
+                ids = p.arrays.get("token_ids")
+                if ids is not None:
+                    reply.ids.extend(int(t) for t in np.asarray(ids).reshape(-1))
+                elif p.text:  # content pieces of a tool-parsed answer: re-encoded
+                    reply.ids.extend(tokenizer.encode(p.text, add_special_tokens=False))
+                reply.changed.set()
+        finally:
+            reply.ended = True
+            reply.changed.set()
+
+    async def run(self, ctx: StageContext) -> None:
+        inp = ctx.input().__aiter__()
+        first = await anext(inp, None)
+        if first is None:
+            return
+        if not first.meta.get(TALKER_PROMPT):
+            raise StageError("the omni talker needs the thinker's prompt first (thinker processor_args.talker_states: true)")
+        speaker = self.speakers[speaker_of(self.speakers, ctx.params)]
+        ids = np.asarray(first.arrays["prompt_ids"], np.int64)
+        audio = first.arrays.get("audio")
+        think: dict[str, np.ndarray] = {}
+        audio_len = None
+        if audio is not None:
+            f = await asyncio.to_thread(self._features, np.asarray(audio, np.float32))
+            at = int(np.flatnonzero(ids == self.audio_token)[0])
+            ids = np.concatenate([ids[:at], np.full(int(f["n_audio"]), self.audio_token, np.int64), ids[at + 1 :]])
+            think = {"features": f["features"], "feature_mask": f["feature_mask"]}
+            audio_len = np.array(int(f["feature_mask"].sum()), np.int64)
+        reply = _Reply()
+        reader = asyncio.get_running_loop().create_task(self._read(inp, reply))
+        slot = await self.free.get()
+        try:
+            await self._talk(ctx, slot, ids, think, audio_len, speaker, reply)
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            try:
+                await self.steps.run({"slot": np.array(slot, np.int64)}, op="release", priority=0)
+            finally:
+                self.free.put_nowait(slot)
+
+    async def _talk(self, ctx: StageContext, slot: int, ids: np.ndarray, think: dict[str, np.ndarray],
+                    audio_len: np.ndarray | None, speaker: Mapping[str, Any], reply: _Reply) -> None:
+        steps, s = self.steps, np.array(slot, np.int64)
+        pr = await steps.run({"slot": s, "ids": ids, **think}, op="think_prompt", priority=0)
+        rows: list[np.ndarray] = []  # per reply token: hidden + embedding
+        fed = 0
+
+        async def rows_for(n: int) -> bool:
+            """Wait until `n` reply rows exist (True) or the reply ended short of them."""
+            nonlocal fed
+            while True:
+                if fed < len(reply.ids):
+                    new = np.asarray(reply.ids[fed:], np.int64)
+                    fed = len(reply.ids)
+                    out = await steps.run({"slot": s, "ids": new}, op="think_reply", priority=0)
+                    rows.extend(out["hidden"] + out["embeds"])
+                    continue
+                if len(rows) >= n:
+                    return True
+                if reply.ended:
+                    return False
+                reply.changed.clear()
+                await reply.changed.wait()
+
+        if not await rows_for(1):
+            return  # nothing to say
+        room = OmniTalkerModule.MAX_LEN - len(ids) - 2
+        if room <= 0:
+            raise StageError(f"the conversation is {len(ids)} tokens; the talker's cache holds {OmniTalkerModule.MAX_LEN} positions")
+        bos = int(speaker["bos_token"])
+        bos_row = (await steps.run({"ids": np.array([bos], np.int64)}, op="text_embed", priority=0))[0]
+        embeds = np.concatenate([pr["hidden"] + pr["embeds"], bos_row[None], rows[0][None]]).astype(np.float32)
+        text_ids = np.concatenate([ids, [bos, reply.ids[0]]]).astype(np.int64)
+        prefill = {"slot": s, "embeds": embeds, "text_ids": text_ids}
+        if audio_len is not None:
+            prefill["audio_lengths"] = audio_len
+        logits = await steps.run(prefill, op="talk_prefill", priority=0)
+        prompt_codes = [self.codec["mask"]] * len(ids) + [self.codec["pad"], self.codec["start"]]
+        sample = self._sampler(ctx, prompt_codes)
+        a = self.args
+        out: list[int] = []
+        while True:
+            code = sample(logits, out)
+            if code in self.stops:
+                break
+            await ctx.emit(Payload(PayloadKind.CODES, ctx.fence, arrays={"frames": np.array([[code]], np.int32)},
+                                   meta={"frame_start": len(out)}))
+            out.append(code)
+            k = len(out)  # this step feeds reply row k (then the text end, then pads)
+            have = await rows_for(k + 1)
+            budget = min(int(a["max_codes"]), int(a["base_codes"]) + int(a["codes_per_token"]) * len(rows))
+            if (not have and k >= budget) or k >= room:
+                break
+            row = rows[k] if have else self.eos_row if k == len(rows) else self.pad_row
+            logits = await steps.run({"slot": s, "code": np.array(code, np.int64), "reply": row}, op="talk_step")
+        ctx.add_usage(output_audio_tokens=len(out))
+
+
+class Token2WavProcessor(StageProcessor):
+    """codec tokens -> 24 kHz PCM in chunks (the edge's chunking, in codes): each
+    window decodes `left_context_frames` codes before the chunk and `lookahead_frames`
+    after it, from noise drawn per code position, so a streamed decode equals the same
+    chunks decoded at once. processor_args: the DiT's ODE (`steps` 10, `guidance` 0.5,
+    `sway` -1.0: the reference's)."""
+
+    DEFAULTS: dict[str, Any] = {"steps": 10, "guidance": 0.5, "sway": -1.0}
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        check_omni(model_dir, "token2wav", "token2wav_config")
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
+        return lambda: Token2WavModule(model_dir)
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        check_processor_args(spec.processor_args, self.DEFAULTS, "token2wav")
+        self.args = {**self.DEFAULTS, **spec.processor_args}
+        self.steps = self.engine_as(StepEngine)
+        assert spec.model is not None
+        self.model_dir = spec.model
+        self.speakers: dict[str, Any] = {}
+
+    def _load(self) -> None:
+        self.speakers = load_speakers(self.model_dir)
+        cfg = checkpoint.config(self.model_dir)["token2wav_config"]
+        dit = cfg["dit_config"]
+        self.repeats, self.mel_dim = int(dit.get("repeats", 2)), int(dit.get("mel_dim", 80))
+        self.samples_per_code = self.repeats * int(np.prod(cfg["bigvgan_config"]["upsample_rates"]))
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    async def run(self, ctx: StageContext) -> None:
+        inp = ctx.input()
+        decoder = StreamingDecoder(self.decoder(ctx), inp.chunking if inp.mode == "chunk" else None, meter=GENERATION,
+                                   samples_per_frame=self.samples_per_code, width=2)
+        emit = _Emitter(ctx)
+        n = 0
+        async for payload in inp:
+            codes = np.asarray(payload.arrays["frames"], np.int32).reshape(-1)
+            frames = np.stack([codes, np.arange(n, n + len(codes), dtype=np.int32)], 1)  # (code, position)
+            n += len(codes)
+            await emit(await decoder.push(frames))
+        await emit(await decoder.finish())
+
+    def decoder(self, ctx: StageContext) -> Callable[..., Any]:
+        """A window decode for `StreamingDecoder`: frames are (code, position) rows;
+        the noise of each position is the request's, drawn in order."""
+        sp = self.speakers[speaker_of(self.speakers, ctx.params)]
+        cond = sp["cond"].float().numpy()
+        ref_mel = sp["ref_mel"][0].float().numpy()
+        gen = torch.Generator()
+        gen.manual_seed(int(ctx.params["seed"]) if ctx.params.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,))))
+        noise: list[np.ndarray] = []  # per code: [repeats, mel]
+        a = self.args
+        ode = {"steps": np.array(int(a["steps"])), "guidance": np.array(float(a["guidance"]), np.float32),
+               "sway": np.array(float(a["sway"]), np.float32)}
+
+        async def decode(frames: np.ndarray, deadline: float | None = None) -> np.ndarray:
+            lo, hi = int(frames[0, 1]), int(frames[-1, 1]) + 1
+            while len(noise) < hi:
+                noise.append(torch.randn(self.repeats, self.mel_dim, generator=gen).numpy())
+            x = {"codes": frames[:, 0].astype(np.int64), "noise": np.concatenate(noise[lo:hi]), "cond": cond, "ref_mel": ref_mel, **ode}
+            mel = await self.steps.run(x, op="mel", deadline=deadline)
+            wav: np.ndarray = await self.steps.run({"mel": mel}, op="vocode", deadline=deadline)
+            return wav
+
+        return decode

@@ -1,0 +1,222 @@
+"""The omni profile's talker and token2wav against transformers' own Qwen2.5-Omni.
+
+The stages run in-process on the real torch engine (`Runtime`), entered with what the
+thinker would send them (its prompt's ids and audio, then its reply's token ids), and
+are compared with `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)`
+on the same tiny checkpoint:
+
+* the talker's codes equal the reference's (greedy), with the user's audio and without;
+* token2wav decoding all codes at once equals the reference's waveform for the same seed;
+* token2wav streamed (chunk by chunk as the talker produces codes) equals the same chunks
+  decoded from all the codes at once; against the one-window decode it differs by the
+  DiT's chunking only, within the bound stated below.
+
+About the reference: transformers 5.19's `generate` drops the attention mask it builds
+for the talker before the talker's `forward` sees it, and that forward then skips what
+it does with a mask: the thinker prompt's M-RoPE positions and the codec start / pad
+rows it adds to the prompt's last two positions. The checkpoints were trained with both
+(Qwen's own inference code, and this forward given its mask). The reference here is
+therefore `generate` with the mask restored by a forward pre-hook; everything else is
+transformers' code as it ships.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pipelines
+from omni_rt.payloads import TALKER_PROMPT, Fence, Payload, PayloadKind
+from omni_rt.runtime import Runtime
+from omni_rt.specs import ChunkingSpec, ProfileSpec, parse_overlay
+from omni_rt.specs import apply_overlay as apply
+from tests.harness import speech_pcm16
+
+pytestmark = [pytest.mark.integration]
+
+SEED = 3
+PROMPT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+AUDIO_PART = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+MAX_CODES = 80
+# streamed (chunks of 12, then 50 codes, with 24 codes before and 12 after each) against
+# the whole answer in one DiT window: relative L2 difference of the waveforms. Measured
+# 3e-7 on the tiny checkpoint, whose random DiT carries little across its 24-frame
+# blocks; a trained one's look-back / look-ahead layers make chunk edges audible only
+# where the context falls short (the profile's 0.5 s / 0.24 s cover both).
+CHUNKED_REL_L2 = 1e-4
+
+
+def _speech() -> np.ndarray:
+    pcm = np.frombuffer(speech_pcm16("Tell me something nice.", rate=16000), "<i2")
+    return pcm.astype(np.float32) / 32768.0
+
+
+@pytest.fixture(scope="module")
+def omni_dir(models_dir):
+    from pipelines.tiny import build_tiny
+
+    return build_tiny(models_dir)["omni"]
+
+
+@pytest.fixture(scope="module")
+def reference(omni_dir):
+    """transformers' model and processor on the checkpoint, with the talker's mask restored."""
+    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+
+    from omni_rt.vllm_plugin import register
+
+    register()
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(omni_dir), dtype=torch.float32).eval()
+
+    def with_mask(_module, args, kwargs):
+        if kwargs.get("attention_mask") is None:
+            past = kwargs.get("past_key_values")
+            x = kwargs["inputs_embeds"] if kwargs.get("inputs_embeds") is not None else kwargs["input_ids"]
+            kwargs["attention_mask"] = torch.ones(x.shape[0], (past.get_seq_length() if past is not None else 0) + x.shape[1], dtype=torch.long)
+        return args, kwargs
+
+    model.talker.register_forward_pre_hook(with_mask, with_kwargs=True, prepend=True)
+    return model, AutoProcessor.from_pretrained(str(omni_dir))
+
+
+def _generate(reference, audio: np.ndarray | None) -> dict:
+    """The reference's thinker tokens, talker codes and waveform (greedy, seeded)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model, processor = reference
+    tc = model.config.talker_config
+    n_codes = model.config.token2wav_config.dit_config.num_embeds
+    if audio is not None:
+        pad = -(-(len(audio) + 400) // 160) * 160
+        inputs = processor(text=PROMPT.format(AUDIO_PART), audio=[audio], return_tensors="pt", audio_kwargs={"max_length": pad})
+    else:
+        inputs = processor(text=PROMPT.format("Hello there, how are you today?"), return_tensors="pt")
+
+    class CodesOnly(LogitsProcessor):  # what the stage samples from: codes the vocoder embeds, and the stops
+        def __call__(self, ids, scores):
+            keep = torch.full_like(scores, float("-inf"))
+            keep[:, : n_codes + 1] = 0
+            keep[:, [tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id]] = 0
+            return scores + keep
+
+    got: dict = {}
+    decode = model.token2wav.forward
+
+    def capture(code, conditioning, reference_mel, **kw):
+        got["codes"] = code[0].tolist()
+        torch.manual_seed(SEED)  # the DiT's initial noise
+        return decode(code, conditioning, reference_mel, **kw)
+
+    model.token2wav.forward = capture
+    try:
+        seq, wav = model.generate(**inputs, speaker="Ethan", thinker_max_new_tokens=10, thinker_do_sample=False, talker_do_sample=False,
+                                  talker_max_new_tokens=MAX_CODES, talker_logits_processor=LogitsProcessorList([CodesOnly()]))
+    finally:
+        model.token2wav.forward = decode
+    stops = {model.config.thinker_config.text_config.eos_token_id}
+    reply = [int(t) for t in seq[0, inputs["input_ids"].shape[1] :] if int(t) not in stops]
+    if len(reply) == 10:  # ended at the budget: the reference never feeds its last token back
+        reply = reply[:-1]
+    plain = processor.tokenizer(PROMPT.format(AUDIO_PART if audio is not None else "Hello there, how are you today?"))["input_ids"]
+    return {"prompt_ids": plain, "reply": reply, "codes": got["codes"], "wav": wav.numpy()}
+
+
+def _stages(mode: str, entry: str) -> ProfileSpec:
+    """The omni profile's talker and token2wav on their own, entered at `entry`."""
+    spec = pipelines.load_builtin("voice")
+    prof = apply(spec, parse_overlay({"pipelines": {"voice": {
+        "profile": "omni",
+        "stages": {"omni_talker": {"processor_args": {"greedy": True, "max_codes": MAX_CODES}}},
+        "edges": {"omni_talker->token2wav": {"mode": mode}},
+    }}}, "test"))
+    keep = {"omni_talker", "token2wav"} if entry == "omni_talker" else {"token2wav"}
+    stages = [s.model_copy(update={"input": "text"}) if s.name == entry else s for s in prof.stages if s.name in keep]
+    edges = [e for e in prof.edges if e.src in keep and e.dst in keep]
+    return ProfileSpec(entry=entry, stages=stages, edges=edges, final_outputs=sorted(keep))
+
+
+async def _run(omni_dir, profile: ProfileSpec, inputs: list[Payload]) -> tuple[list[int], np.ndarray, list[int]]:
+    rt = Runtime({"voice": profile}, {}, lambda m, key: str(omni_dir))
+    await rt.start()
+    try:
+        fence = inputs[0].fence
+        stream = rt.orchestrator.submit("voice", fence=fence, params={"voice": "Ethan", "seed": SEED})
+        for p in inputs:
+            stream.send_input(p)
+        stream.end_input()
+        codes, pcm = [], []
+        async for stage, p, _ in stream.payloads():
+            if stage == "omni_talker":
+                codes.extend(int(c) for c in p.arrays["frames"].reshape(-1))
+            else:
+                pcm.append(p.arrays["pcm"].copy())
+        await stream.close()
+        assert stream.done.status == "completed", stream.done
+        return codes, np.concatenate(pcm), [len(c) for c in pcm]
+    finally:
+        await rt.stop()
+
+
+async def _decode_at_once(omni_dir, codes: list[int], chunking: ChunkingSpec) -> list[np.ndarray]:
+    from types import SimpleNamespace
+
+    from omni_rt.engines.torch_engine import TorchEngine
+    from pipelines.omni import Token2WavProcessor
+    from pipelines.tts import StreamingDecoder
+
+    spec = _stages("chunk", "token2wav").stage("token2wav").model_copy(update={"model": str(omni_dir)})
+    engine = TorchEngine(Token2WavProcessor.torch_module(str(omni_dir), "main"), name="token2wav")
+    await engine.start()
+    try:
+        proc = Token2WavProcessor(spec, engine, {})
+        await proc.start()
+        ctx = SimpleNamespace(params={"voice": "Ethan", "seed": SEED})
+        dec = StreamingDecoder(proc.decoder(ctx), chunking, samples_per_frame=proc.samples_per_code, width=2)
+        frames = np.stack([np.asarray(codes, np.int32), np.arange(len(codes), dtype=np.int32)], 1)
+        return [*(await dec.push(frames)), *(await dec.finish())]
+    finally:
+        await engine.stop()
+
+
+def _thinker_payloads(ref: dict, audio: np.ndarray | None) -> list[Payload]:
+    fence = Fence("s")
+    arrays = {"prompt_ids": np.asarray(ref["prompt_ids"], np.int64)}
+    if audio is not None:
+        arrays["audio"] = audio
+    out = [Payload(PayloadKind.TEXT, fence, arrays=arrays, meta={TALKER_PROMPT: True})]
+    # the reply in pieces, as the thinker streams it
+    for i in range(0, len(ref["reply"]), 3):
+        out.append(Payload(PayloadKind.TEXT, fence, text="x", arrays={"token_ids": np.asarray(ref["reply"][i : i + 3], np.int64)}))
+    return out
+
+
+@pytest.mark.parametrize("with_audio", [True, False], ids=["speech", "text"])
+async def test_codes_and_waveform_equal_the_reference(omni_dir, reference, with_audio):
+    audio = _speech() if with_audio else None
+    ref = _generate(reference, audio)
+    assert len(ref["codes"]) > 20
+    codes, pcm, _ = await _run(omni_dir, _stages("batch", "omni_talker"), _thinker_payloads(ref, audio))
+    assert codes == ref["codes"]
+    # one window over every code (batch edge), the same noise: the reference's waveform
+    assert pcm.shape == ref["wav"].shape
+    np.testing.assert_allclose(pcm, ref["wav"], atol=1e-4)
+
+
+async def test_streamed_token2wav_equals_its_chunks_decoded_at_once(omni_dir, reference):
+    ref = _generate(reference, None)
+    payloads = _thinker_payloads(ref, None)
+    codes, streamed, sizes = await _run(omni_dir, _stages("chunk", "omni_talker"), payloads)
+    assert codes == ref["codes"]
+    c = ChunkingSpec(first_chunk_frames=12, chunk_frames=50)
+    spc = 480  # samples a code: 2 mel frames x 240
+    assert sizes[0] == c.first_chunk_frames * spc  # first audio after 12 codes, not the whole answer
+    assert len(sizes) > 1
+    # the same codes given to token2wav's decoder at once: the same chunks, the same samples
+    at_once = await _decode_at_once(omni_dir, codes, _stages("chunk", "omni_talker").edges[0].chunking)
+    assert [len(a) for a in at_once] == sizes
+    np.testing.assert_allclose(streamed, np.concatenate(at_once), atol=1e-5)
+    # against the one-window decode only the DiT's chunking differs
+    rel = float(np.linalg.norm(streamed - ref["wav"]) / np.linalg.norm(ref["wav"]))
+    print(f"chunked vs one window: relative L2 {rel:.2e}")
+    assert rel < CHUNKED_REL_L2, rel
