@@ -267,6 +267,13 @@ def fill(out: Path) -> None:
     config.architectures = ["Qwen2_5OmniForConditionalGeneration"]
     torch.manual_seed(SEED)
     model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    # BigVGAN's random init passes almost nothing through its ten conv stages (~1e-8 at
+    # the output): its last conv is scaled so the tiny speaks at an audible level (RMS
+    # ~0.1 for a DiT-like mel), or every answer would be silence at 16 bits
+    vocoder = model.token2wav.code2wav_bigvgan_model
+    with torch.no_grad():
+        rms = vocoder(torch.randn(1, 80, 200, generator=torch.Generator().manual_seed(SEED))).float().pow(2).mean().sqrt()
+        vocoder.conv_post.weight.mul_(0.1 / float(rms))
     model.save_pretrained(str(out), safe_serialization=True)
     save_sampling(out, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"], 0.7)
     pre = {**FEATURE_EXTRACTOR, **IMAGE_PROCESSOR, "processor_class": "Qwen2_5OmniProcessor"}

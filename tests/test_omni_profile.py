@@ -1,0 +1,113 @@
+"""The omni voice profile end to end (its own server: the tiny Qwen2.5-Omni serves the
+thinker on vLLM, its own talker and its own token2wav), through the official SDK: a
+spoken turn is answered in the checkpoint's own voice, the speakers are the session's
+voices (OpenAI names map to them, others are refused naming the choices), a barge-in
+stops the answer, and /v1/chat/completions speaks through the same stages."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.harness import silence, speech_pcm16
+from tests.test_realtime import append, until
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def omni_server(models_dir, tmp_path_factory):
+    from latency_bench.server import ServerProcess
+    from tests.conftest import _free_port
+
+    tmp = tmp_path_factory.mktemp("omni")
+    deploy = tmp / "deploy.yaml"
+    off = {name: {"enabled": False} for name in ("tts", "robot", "image", "world", "video", "video_edit")}
+    deploy.write_text(yaml.safe_dump({"pipelines": {**off, "voice": {"profile": "omni"}}}))
+    proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=tmp / "server.log", cwd=REPO,
+                         env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
+    proc.start()
+    try:
+        proc.wait_ready(timeout_s=300)
+    except Exception:
+        print((tmp / "server.log").read_text()[-4000:])
+        proc.stop()
+        raise
+    yield proc
+    proc.stop()
+
+
+def _client(server):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1", api_key="x")
+
+
+async def test_spoken_turn_answered_in_the_checkpoints_voice(omni_server):
+    speech = speech_pcm16("Hello, can you tell me what the weather is like today?")
+    async with _client(omni_server).realtime.connect(model="gpt-realtime") as conn:
+        created = await conn.recv()
+        assert created.type == "session.created"
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 8, "audio": {"output": {"voice": "ash"}}})
+        updated = await conn.recv()
+        assert updated.type == "session.updated"
+        assert updated.session.audio.output.voice == "ash"
+        await append(conn, silence(0.6) + speech + silence(1.0), chunk=4800)
+        seen: list = []
+        done = await until(conn, "response.done", seen)
+        assert done.response.status == "completed", done.response.status_details
+        pcm = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
+        audio = np.frombuffer(pcm, "<i2")
+        # token2wav's 24 kHz audio, in 20 ms codes: a spoken answer, not silence
+        assert len(audio) >= 24000 * 0.2 and len(audio) % 480 == 0
+        assert np.abs(audio).max() > 0
+        transcript = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+        assert transcript == done.response.output[0].content[0].transcript
+
+
+async def test_voices_are_the_checkpoints_speakers(omni_server):
+    async with _client(omni_server).realtime.connect(model="gpt-realtime") as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "Chelsie"}}})
+        assert (await conn.recv()).type == "session.updated"
+        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "tara"}}})  # Orpheus', not this model's
+        err = await conn.recv()
+        assert err.type == "error"
+        assert "chelsie" in err.error.message and "ethan" in err.error.message
+
+
+async def test_barge_in_cancels_the_spoken_answer(omni_server):
+    async with _client(omni_server).realtime.connect(model="gpt-realtime") as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 32, "audio": {"input": {"turn_detection": None}}})
+        assert (await conn.recv()).type == "session.updated"
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story."}]})
+        await conn.response.create()
+        seen: list = []
+        await until(conn, "response.output_audio.delta", seen)
+        await conn.response.cancel()
+        done = await until(conn, "response.done", seen)
+        assert done.response.status == "cancelled"
+        # the session goes on: the next answer is spoken again
+        await conn.response.create(response={"max_output_tokens": 4})
+        after: list = []
+        done = await until(conn, "response.done", after)
+        assert done.response.status == "completed"
+        assert any(e.type == "response.output_audio.delta" for e in after)
+
+
+async def test_chat_completion_speaks_through_the_omni_stages(omni_server):
+    out = await _client(omni_server).chat.completions.create(
+        model="gpt-4o-audio-preview", modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"}, max_tokens=6,
+        messages=[{"role": "user", "content": "Say something."}],
+    )
+    audio = out.choices[0].message.audio
+    assert audio is not None and base64.b64decode(audio.data)[:4] == b"RIFF"
+    assert audio.transcript == out.choices[0].message.content or audio.transcript
