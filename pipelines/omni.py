@@ -35,7 +35,8 @@ from pipelines import checkpoint
 from pipelines.omni_models import OmniTalkerModule, Token2WavModule, load_speakers
 from pipelines.tts import StreamingDecoder, _Emitter
 
-OMNI_ARCHITECTURES = {"Qwen2_5OmniForConditionalGeneration"}
+# the hub repos declare Qwen2_5OmniModel; transformers saves Qwen2_5OmniForConditionalGeneration
+OMNI_ARCHITECTURES = {"Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel"}
 THINKER_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 
 

@@ -31,6 +31,20 @@ CHECKPOINTS: dict[str, dict[str, str]] = {
         "vocab.json": "{}",
         "merges.txt": "",
     },
+    # the same repo's 7B, as the omni profile reads it: thinker, talker and token2wav
+    # configs, the speakers, sharded weights
+    "Qwen2.5-Omni-7B": {
+        "config.json": json.dumps({"architectures": ["Qwen2_5OmniModel"], "model_type": "qwen2_5_omni", "enable_audio_output": True,
+                                   "thinker_config": {"audio_token_index": 151646}, "talker_config": {"vocab_size": 8448},
+                                   "token2wav_config": {"dit_config": {}, "bigvgan_config": {}}}),
+        "preprocessor_config.json": json.dumps({**WHISPER_FE, "processor_class": "Qwen2_5OmniProcessor", "image_processor_type": "Qwen2VLImageProcessor"}),
+        "chat_template.json": json.dumps({"chat_template": "{{ messages }}"}),
+        "vocab.json": "{}",
+        "merges.txt": "",
+        "spk_dict.pt": "",
+        "model.safetensors.index.json": json.dumps({"weight_map": {}}),
+        "model-00001-of-00005.safetensors": "",
+    },
     "orpheus-3b-0.1-ft": {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}), "tokenizer.json": "{}"},
     "snac_24khz": {
         "config.json": json.dumps({"sampling_rate": 24000, "codebook_size": 4096, "vq_strides": [4, 2, 1], "decoder_rates": [8, 8, 4, 2]}),
@@ -130,6 +144,18 @@ def test_documented_overlays_pass_the_check(name, profile, tmp_path, models_dir,
     assert tts["talker"]["model"] == stages["talker"]["model"]
 
 
+def test_the_omni_voice_overlay_passes_the_check(tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise("qwen2.5-omni-voice.yaml", tmp_path, tmp_path / "models")
+    rc, out, err = _check(overlay, capsys)
+    assert rc == 0, err
+    resolved = json.loads(out)
+    stages = {s["name"]: s for s in resolved["voice"]["stages"]}
+    assert {stages[n]["model"] for n in ("thinker", "omni_talker", "token2wav")} == {str(tmp_path / "models" / "Qwen2.5-Omni-7B")}
+    assert resolved["voice"]["final_outputs"] == ["thinker", "token2wav", "asr"]
+    assert "tts" not in resolved
+
+
 @pytest.mark.parametrize("name", ["pi0.yaml", "pi0-droid.yaml"])
 def test_documented_policy_overlays_pass_the_check(name, tmp_path, models_dir, monkeypatch, capsys):
     monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
@@ -165,6 +191,12 @@ def test_the_video_overlays_pass_the_check(name, pipeline, ckpt, tmp_path, model
     ("qwen2.5-omni.yaml", "Qwen2.5-Omni-3B", {"config.json": json.dumps({"architectures": ["Qwen2AudioForConditionalGeneration"]})},
      "Qwen2AudioForConditionalGeneration is neither a chat LM"),
     ("qwen2.5-omni.yaml", "Qwen2.5-Omni-3B", {"chat_template.json": None}, "no chat template"),
+    ("qwen2.5-omni-voice.yaml", "Qwen2.5-Omni-7B", {"spk_dict.pt": None}, "no spk_dict.pt (the checkpoint's speakers)"),
+    ("qwen2.5-omni-voice.yaml", "Qwen2.5-Omni-7B", {"config.json": json.dumps({"architectures": ["Qwen2_5OmniModel"], "thinker_config": {}})},
+     "config.json has no talker_config"),
+    ("qwen2.5-omni-voice.yaml", "Qwen2.5-Omni-7B", {"config.json": json.dumps({"architectures": ["Qwen2_5OmniModel"], "thinker_config": {},
+                                                                               "talker_config": {}, "token2wav_config": {}, "enable_audio_output": False})},
+     "enable_audio_output false"),
     ("cascade.yaml", "whisper-large-v3-turbo", {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]})},
      "is not WhisperForConditionalGeneration"),
     ("cascade.yaml", "Llama-3.2-3B-Instruct", {"tokenizer.json": None}, "no tokenizer files"),
