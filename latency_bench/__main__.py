@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (server VAD; default 0)")
     r.add_argument("--tools", type=int, default=0, metavar="N",
                    help="also run N forced function calls against N unguided answers: end of speech -> arguments done, guided/unguided per-token cost")
+    r.add_argument("--profiles", help="comma-separated voice profiles to compare in one run (e.g. default,omni): a server per profile, "
+                                      "one after the other, with only the voice pipeline on")
     _server_target(r, "ws://host:port/v1/realtime", 8200)
 
     d = sub.add_parser(

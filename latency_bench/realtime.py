@@ -66,7 +66,9 @@ async def _session(url: str, api_key: str | None, pcm: bytes, turns: int, max_to
                 continue
             ok = r.status == "completed" and r.ttfp_s is not None
             rtf = (r.e2e_s - r.ttfp_s) / r.audio_s if ok and r.ttfp_s is not None and r.audio_s > 0 else None
-            out.append({"ok": ok, "status": r.status, "ttfp_s": r.ttfp_s, "ttft_s": r.ttft_s, "e2e_s": r.e2e_s,
+            # first audio after the thinker's first token: what the talker and vocoder add
+            after = r.ttfp_s - r.ttft_s if ok and r.ttfp_s is not None and r.ttft_s is not None else None
+            out.append({"ok": ok, "status": r.status, "ttfp_s": r.ttfp_s, "ttft_s": r.ttft_s, "first_audio_after_token_s": after, "e2e_s": r.e2e_s,
                         "audio_s": r.audio_s, "rtf": rtf, "start_s": t0 - t_ref, "end_s": time.perf_counter() - t_ref})
     return out
 
@@ -85,6 +87,7 @@ async def run_level(url: str, api_key: str | None, sessions: int, turns: int, pc
         "wall_s": round(wall, 3),
         "ttfp_s": summarize([t["ttfp_s"] for t in ok]),
         "ttft_s": summarize([t["ttft_s"] for t in ok]),
+        "first_audio_after_token_s": summarize([t["first_audio_after_token_s"] for t in ok]),
         "e2e_s": summarize([t["e2e_s"] for t in ok]),
         "rtf": summarize([t["rtf"] for t in ok]),
         "audio_s_per_s": round(sum(t["audio_s"] for t in ok) / wall, 3) if wall > 0 else None,
@@ -234,6 +237,27 @@ def run(url: str, api_key: str | None, levels: list[int], turns: int, wav: str |
             "levels": lv, "barge_in": barge, "tools": tool, "targets": targets}
 
 
+def compare_profiles(args: Any, levels: list[int]) -> dict[str, Any]:
+    """One server per voice profile (only the voice pipeline on), the same levels on each."""
+
+    import yaml
+
+    from latency_bench.server import bench_url
+
+    off = {n: {"enabled": False} for n in ("tts", "robot", "image", "world", "video", "video_edit", "asr")}
+    out: dict[str, Any] = {}
+    for profile in [p.strip() for p in str(args.profiles).split(",") if p.strip()]:
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump({"pipelines": {**off, "voice": {"profile": profile}}}, f)
+        a = type(args)(**{**vars(args), "deploy": f.name, "url": None})
+        with bench_url(a, f"realtime-{profile}", "ws", "/v1/realtime") as url:
+            out[profile] = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup)
+        Path(f.name).unlink(missing_ok=True)
+    first = next(iter(out.values()))
+    return {**{k: first[k] for k in ("schema", "created", "machine", "utterance", "utterance_s", "turns_per_session", "max_output_tokens")},
+            "profiles": out}
+
+
 def main_realtime(args: Any) -> int:
     levels = [int(x) for x in str(args.sessions).split(",") if x.strip()]
     if not levels or min(levels) < 1 or args.turns < 1:
@@ -241,6 +265,20 @@ def main_realtime(args: Any) -> int:
         return 2
     from latency_bench.server import bench_url
 
+    if getattr(args, "profiles", None):
+        if args.url:
+            print("error: --profiles starts its own servers (no --url)")
+            return 2
+        cmp = compare_profiles(args, levels)
+        print(f"realtime bench by voice profile ({cmp['utterance']}, {cmp['utterance_s']} s utterance, {args.turns} turns per session)")
+        print(f"{'profile':>8} {'S':>3} {'fail':>5} {'TTFT p50':>9} {'1st audio after token p50':>26} {'TTFP p50':>9} {'RTF p50':>8}")
+        for name, res in cmp["profiles"].items():
+            for lvl in res["levels"]:
+                g = lambda d: f"{d['p50']:.3f}" if d.get("p50") is not None else "-"  # noqa: E731
+                print(f"{name:>8} {lvl['sessions']:>3} {lvl['failed']:>5} {g(lvl['ttft_s']):>9} {g(lvl['first_audio_after_token_s']):>26} "
+                      f"{g(lvl['ttfp_s']):>9} {g(lvl['rtf']):>8}")
+        finish(args.json, cmp)
+        return 1 if any(lvl["failed"] for r in cmp["profiles"].values() for lvl in r["levels"]) else 0
     with bench_url(args, "realtime", "ws", "/v1/realtime") as url:
         result = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup, args.barge_in, args.tools)
     print(f"realtime bench ({result['utterance']}, {result['utterance_s']} s utterance, {args.turns} turns per session)")

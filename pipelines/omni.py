@@ -161,12 +161,12 @@ class OmniTalkerProcessor(StageProcessor):
             TopPLogitsWarper,
         )
 
+        # the talker's own sampling (a request's temperature / top_p are the thinker's)
         a, p = self.args, ctx.params
-        greedy = bool(a["greedy"]) or p.get("temperature") == 0
+        greedy = bool(a["greedy"])
         procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(float(a["repetition_penalty"]))])
         if not greedy:
-            procs += [TemperatureLogitsWarper(float(p.get("temperature") or a["temperature"])), TopKLogitsWarper(int(a["top_k"])),
-                      TopPLogitsWarper(float(a["top_p"]))]
+            procs += [TemperatureLogitsWarper(float(a["temperature"])), TopKLogitsWarper(int(a["top_k"])), TopPLogitsWarper(float(a["top_p"]))]
         # only codes the vocoder embeds, and the stops (the start token is suppressed in the reference too)
         allowed = torch.full((self.vocab,), float("-inf"))
         allowed[: self.n_codes + 1] = 0
@@ -328,7 +328,7 @@ class Token2WavProcessor(StageProcessor):
 
     async def run(self, ctx: StageContext) -> None:
         inp = ctx.input()
-        decoder = StreamingDecoder(self.decoder(ctx), inp.chunking if inp.mode == "chunk" else None, meter=GENERATION,
+        decoder = StreamingDecoder(self.decoder(ctx.params), inp.chunking if inp.mode == "chunk" else None, meter=GENERATION,
                                    samples_per_frame=self.samples_per_code, width=2)
         emit = _Emitter(ctx)
         n = 0
@@ -339,14 +339,15 @@ class Token2WavProcessor(StageProcessor):
             await emit(await decoder.push(frames))
         await emit(await decoder.finish())
 
-    def decoder(self, ctx: StageContext) -> Callable[..., Any]:
-        """A window decode for `StreamingDecoder`: frames are (code, position) rows;
-        the noise of each position is the request's, drawn in order."""
-        sp = self.speakers[speaker_of(self.speakers, ctx.params)]
+    def decoder(self, params: Mapping[str, Any]) -> Callable[..., Any]:
+        """A window decode for `StreamingDecoder` of a request with `params` (its voice
+        and seed): frames are (code, position) rows; the noise of each position is the
+        request's, drawn in order."""
+        sp = self.speakers[speaker_of(self.speakers, params)]
         cond = sp["cond"].float().numpy()
         ref_mel = sp["ref_mel"][0].float().numpy()
         gen = torch.Generator()
-        gen.manual_seed(int(ctx.params["seed"]) if ctx.params.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,))))
+        gen.manual_seed(int(params["seed"]) if params.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,))))
         noise: list[np.ndarray] = []  # per code: [repeats, mel]
         a = self.args
         ode = {"steps": np.array(int(a["steps"])), "guidance": np.array(float(a["guidance"]), np.float32),

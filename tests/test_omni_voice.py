@@ -145,7 +145,8 @@ async def _run(omni_dir, profile: ProfileSpec, inputs: list[Payload]) -> tuple[l
         for p in inputs:
             stream.send_input(p)
         stream.end_input()
-        codes, pcm = [], []
+        codes: list[int] = []
+        pcm: list[np.ndarray] = []
         async for stage, p, _ in stream.payloads():
             if stage == "omni_talker":
                 codes.extend(int(c) for c in p.arrays["frames"].reshape(-1))
@@ -159,8 +160,6 @@ async def _run(omni_dir, profile: ProfileSpec, inputs: list[Payload]) -> tuple[l
 
 
 async def _decode_at_once(omni_dir, codes: list[int], chunking: ChunkingSpec) -> list[np.ndarray]:
-    from types import SimpleNamespace
-
     from omni_rt.engines.torch_engine import TorchEngine
     from pipelines.omni import Token2WavProcessor
     from pipelines.tts import StreamingDecoder
@@ -171,8 +170,7 @@ async def _decode_at_once(omni_dir, codes: list[int], chunking: ChunkingSpec) ->
     try:
         proc = Token2WavProcessor(spec, engine, {})
         await proc.start()
-        ctx = SimpleNamespace(params={"voice": "Ethan", "seed": SEED})
-        dec = StreamingDecoder(proc.decoder(ctx), chunking, samples_per_frame=proc.samples_per_code, width=2)
+        dec = StreamingDecoder(proc.decoder({"voice": "Ethan", "seed": SEED}), chunking, samples_per_frame=proc.samples_per_code, width=2)
         frames = np.stack([np.asarray(codes, np.int32), np.arange(len(codes), dtype=np.int32)], 1)
         return [*(await dec.push(frames)), *(await dec.finish())]
     finally:
