@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -221,3 +222,29 @@ class Merge(StageProcessor):
         for name in sorted(ctx.inputs):
             parts += [p.arrays["t"] for p in await ctx.input(name).read_all()]
         await ctx.emit(Payload(PayloadKind.TOKENS, ctx.fence, arrays={"t": np.concatenate(parts)}))
+
+
+def voice_profile_server(models_dir: Path, tmp: Path, profile: str) -> Iterator[Any]:
+    """A real server of its own serving the voice pipeline under `profile` (the other
+    pipelines off), for a module-scoped fixture: yields the running `ServerProcess`."""
+    import os
+
+    import yaml
+
+    from latency_bench.server import ServerProcess
+    from tests.conftest import _free_port
+
+    deploy = tmp / "deploy.yaml"
+    off = {name: {"enabled": False} for name in ("tts", "robot", "image", "world", "video", "video_edit")}
+    deploy.write_text(yaml.safe_dump({"pipelines": {**off, "voice": {"profile": profile}}}))
+    proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=tmp / "server.log", cwd=Path(__file__).resolve().parent.parent,
+                         env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
+    proc.start()
+    try:
+        proc.wait_ready(timeout_s=300)
+    except Exception:
+        print((tmp / "server.log").read_text()[-4000:])
+        proc.stop()
+        raise
+    yield proc
+    proc.stop()

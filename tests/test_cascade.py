@@ -6,13 +6,11 @@ transcription events come with it."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.harness import silence, speech_pcm16
+from tests.harness import silence, speech_pcm16, voice_profile_server
 from tests.test_realtime import append, until
 
 pytestmark = pytest.mark.integration
@@ -22,24 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def cascade_server(models_dir, tmp_path_factory):
-    from latency_bench.server import ServerProcess
-    from tests.conftest import _free_port
-
-    tmp = tmp_path_factory.mktemp("cascade")
-    deploy = tmp / "deploy.yaml"
-    off = {name: {"enabled": False} for name in ("tts", "robot", "image", "world", "video", "video_edit")}
-    deploy.write_text(yaml.safe_dump({"pipelines": {**off, "voice": {"profile": "cascade"}}}))
-    proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=tmp / "server.log", cwd=REPO,
-                         env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
-    proc.start()
-    try:
-        proc.wait_ready(timeout_s=300)
-    except Exception:
-        print((tmp / "server.log").read_text()[-4000:])
-        proc.stop()
-        raise
-    yield proc
-    proc.stop()
+    yield from voice_profile_server(models_dir, tmp_path_factory.mktemp("cascade"), "cascade")
 
 
 async def test_cascade_turn_through_the_sdk(cascade_server):
