@@ -242,13 +242,12 @@ def compare_profiles(args: Any, levels: list[int]) -> dict[str, Any]:
 
     import yaml
 
-    from latency_bench.server import bench_url
+    from latency_bench.server import bench_url, voice_only_overlay
 
-    off = {n: {"enabled": False} for n in ("tts", "robot", "image", "world", "video", "video_edit", "asr")}
     out: dict[str, Any] = {}
     for profile in [p.strip() for p in str(args.profiles).split(",") if p.strip()]:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            yaml.safe_dump({"pipelines": {**off, "voice": {"profile": profile}}}, f)
+            yaml.safe_dump(voice_only_overlay(profile, also_off=("asr",)), f)
         a = type(args)(**{**vars(args), "deploy": f.name, "url": None})
         with bench_url(a, f"realtime-{profile}", "ws", "/v1/realtime") as url:
             out[profile] = run(url, args.api_key, levels, args.turns, args.wav, args.max_output_tokens, args.warmup)

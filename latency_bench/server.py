@@ -315,6 +315,15 @@ class ServerProcess:
         return "\n".join(data.splitlines()[-lines:])
 
 
+OTHER_PIPELINES = ("tts", "robot", "image", "world", "video", "video_edit")
+
+
+def voice_only_overlay(profile: str, also_off: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A deploy overlay serving the voice pipeline under `profile`, every pipeline that is
+    not part of it off (and `also_off`)."""
+    return {"pipelines": {**{n: {"enabled": False} for n in (*OTHER_PIPELINES, *also_off)}, "voice": {"profile": profile}}}
+
+
 @contextlib.contextmanager
 def bench_url(args: Any, name: str, scheme: str = "http", path: str = "") -> Iterator[str]:
     """`args.url` when given; else the URL (`scheme://127.0.0.1:{args.port}{path}`) of a

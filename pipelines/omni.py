@@ -32,15 +32,16 @@ from omni_rt.payloads import TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
 from pipelines import checkpoint
-from pipelines.omni_models import OmniTalkerModule, Token2WavModule, load_speakers
+from pipelines.omni_models import OmniTalkerModule, Token2WavModule, load_speakers, omni_config
 from pipelines.tts import StreamingDecoder, _Emitter
+from pipelines.voice import feature_pad
 
 # the hub repos declare Qwen2_5OmniModel; transformers saves Qwen2_5OmniForConditionalGeneration
 OMNI_ARCHITECTURES = {"Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel"}
 THINKER_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 
 
-def check_omni(model_dir: str, what: str, part: str) -> dict[str, Any]:
+def check_omni(model_dir: str, what: str, part: str) -> None:
     """A Qwen2.5-Omni directory with `part` (talker_config / token2wav_config) and its
     speakers, from the files alone."""
     checkpoint.check_architecture(model_dir, what, "Qwen2_5OmniForConditionalGeneration (a Qwen2.5-Omni checkpoint)",
@@ -55,7 +56,6 @@ def check_omni(model_dir: str, what: str, part: str) -> dict[str, Any]:
         raise StageError(f"{what} {model_dir}: no spk_dict.pt (the checkpoint's speakers)")
     if not any(Path(model_dir).glob("*.safetensors")):
         raise StageError(f"{what} {model_dir}: no *.safetensors weights")
-    return cfg
 
 
 def speaker_of(speakers: Mapping[str, Any], params: Mapping[str, Any]) -> str:
@@ -124,29 +124,33 @@ class OmniTalkerProcessor(StageProcessor):
         register()  # the processor's video half needs what the plugin provides
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
         self.speakers = load_speakers(self.model_dir)
-        cfg = checkpoint.config(self.model_dir)
-        tc = cfg["talker_config"]
-        self.codec = {k: int(tc[f"tts_codec_{k}_token_id"]) for k in ("start", "end", "pad", "mask")}
-        self.text = {k: int(tc[f"tts_text_{k}_token_id"]) for k in ("end", "pad")}
-        self.n_codes = int(cfg["token2wav_config"]["dit_config"]["num_embeds"])
-        self.vocab = int(tc["vocab_size"])
+        cfg = omni_config(self.model_dir)  # transformers' config: the family's defaults for what config.json leaves out
+        tc = cfg.talker_config
+        self.codec = {k: int(getattr(tc, f"tts_codec_{k}_token_id")) for k in ("start", "end", "pad", "mask")}
+        self.text = {k: int(getattr(tc, f"tts_text_{k}_token_id")) for k in ("end", "pad")}
         self.stops = {self.codec["pad"], self.codec["end"]}  # the reference's talker_eos_token_id
+        # what the talker may sample: the codes token2wav embeds, and the stops (the
+        # start token, which the reference suppresses, and the rest of the vocabulary not)
+        self.allowed = torch.full((int(tc.vocab_size),), float("-inf"))
+        self.allowed[: int(cfg.token2wav_config.dit_config.num_embeds) + 1] = 0
+        self.allowed[sorted(self.stops)] = 0
         fe = self.processor.feature_extractor
         self.n_fft, self.hop = int(fe.n_fft), int(fe.hop_length)
-        self.audio_token = int(cfg["thinker_config"]["audio_token_index"])
+        self.audio_token = int(cfg.thinker_config.audio_token_index)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
-        rows = await self.steps.run({"ids": np.array([self.text["end"], self.text["pad"]], np.int64)}, op="text_embed", priority=0)
+        # the thinker-vocabulary rows every answer uses: the text end and pad, and each
+        # speaker's text start
+        bos = [int(sp["bos_token"]) for sp in self.speakers.values()]
+        rows = await self.steps.run({"ids": np.array([self.text["end"], self.text["pad"], *bos], np.int64)}, op="text_embed", priority=0)
         self.eos_row, self.pad_row = rows[0], rows[1]
-
-    def release_session(self, session_id: str) -> None:
-        pass  # slots are per request, returned when it ends
+        self.bos_rows = dict(zip(self.speakers, rows[2:], strict=True))
 
     def _features(self, audio: np.ndarray) -> dict[str, np.ndarray]:
         """The audio as the thinker's processor prepares it (padded just past the audio,
         as the thinker stage asks vLLM to: the frames are the same)."""
-        pad = -(-(len(audio) + self.n_fft) // self.hop) * self.hop
+        pad = feature_pad(len(audio), self.n_fft, self.hop)
         out = self.processor(text=THINKER_AUDIO, audio=[audio], audio_kwargs={"max_length": pad}, return_tensors="np")
         n = int((out["input_ids"][0] == self.audio_token).sum())
         return {"features": out["input_features"][0].astype(np.float32), "feature_mask": out["feature_attention_mask"][0].astype(np.int64),
@@ -167,11 +171,7 @@ class OmniTalkerProcessor(StageProcessor):
         procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(float(a["repetition_penalty"]))])
         if not greedy:
             procs += [TemperatureLogitsWarper(float(a["temperature"])), TopKLogitsWarper(int(a["top_k"])), TopPLogitsWarper(float(a["top_p"]))]
-        # only codes the vocoder embeds, and the stops (the start token is suppressed in the reference too)
-        allowed = torch.full((self.vocab,), float("-inf"))
-        allowed[: self.n_codes + 1] = 0
-        for s in self.stops:
-            allowed[s] = 0
+        allowed = self.allowed
         gen = torch.Generator()
         gen.manual_seed(int(p["seed"]) if p.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,))))
 
@@ -208,7 +208,7 @@ class OmniTalkerProcessor(StageProcessor):
             return
         if not first.meta.get(TALKER_PROMPT):
             raise StageError("the omni talker needs the thinker's prompt first (thinker processor_args.talker_states: true)")
-        speaker = self.speakers[speaker_of(self.speakers, ctx.params)]
+        speaker = speaker_of(self.speakers, ctx.params)
         ids = np.asarray(first.arrays["prompt_ids"], np.int64)
         audio = first.arrays.get("audio")
         think: dict[str, np.ndarray] = {}
@@ -233,7 +233,7 @@ class OmniTalkerProcessor(StageProcessor):
                 self.free.put_nowait(slot)
 
     async def _talk(self, ctx: StageContext, slot: int, ids: np.ndarray, think: dict[str, np.ndarray],
-                    audio_len: np.ndarray | None, speaker: Mapping[str, Any], reply: _Reply) -> None:
+                    audio_len: np.ndarray | None, speaker: str, reply: _Reply) -> None:
         steps, s = self.steps, np.array(slot, np.int64)
         pr = await steps.run({"slot": s, "ids": ids, **think}, op="think_prompt", priority=0)
         rows: list[np.ndarray] = []  # per reply token: hidden + embedding
@@ -261,9 +261,8 @@ class OmniTalkerProcessor(StageProcessor):
         room = OmniTalkerModule.MAX_LEN - len(ids) - 2
         if room <= 0:
             raise StageError(f"the conversation is {len(ids)} tokens; the talker's cache holds {OmniTalkerModule.MAX_LEN} positions")
-        bos = int(speaker["bos_token"])
-        bos_row = (await steps.run({"ids": np.array([bos], np.int64)}, op="text_embed", priority=0))[0]
-        embeds = np.concatenate([pr["hidden"] + pr["embeds"], bos_row[None], rows[0][None]]).astype(np.float32)
+        bos = int(self.speakers[speaker]["bos_token"])
+        embeds = np.concatenate([pr["hidden"] + pr["embeds"], self.bos_rows[speaker][None], rows[0][None]]).astype(np.float32)
         text_ids = np.concatenate([ids, [bos, reply.ids[0]]]).astype(np.int64)
         prefill = {"slot": s, "embeds": embeds, "text_ids": text_ids}
         if audio_len is not None:
@@ -318,10 +317,9 @@ class Token2WavProcessor(StageProcessor):
 
     def _load(self) -> None:
         self.speakers = load_speakers(self.model_dir)
-        cfg = checkpoint.config(self.model_dir)["token2wav_config"]
-        dit = cfg["dit_config"]
-        self.repeats, self.mel_dim = int(dit.get("repeats", 2)), int(dit.get("mel_dim", 80))
-        self.samples_per_code = self.repeats * int(np.prod(cfg["bigvgan_config"]["upsample_rates"]))
+        cfg = omni_config(self.model_dir).token2wav_config
+        self.repeats, self.mel_dim = int(cfg.dit_config.repeats), int(cfg.dit_config.mel_dim)
+        self.samples_per_code = self.repeats * int(np.prod(cfg.bigvgan_config.upsample_rates))  # mel frames a code x samples a frame
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)

@@ -220,12 +220,7 @@ class Token2WavModule(torch.nn.Module):
         self.model = Qwen2_5OmniToken2WavModel._from_config(cfg.token2wav_config)
         load_part(self.model, model_dir, "token2wav.")
         self.model.float()
-        dit = cfg.token2wav_config.dit_config
-        self.repeats = int(dit.repeats)
-        self.mel_dim = int(dit.mel_dim)
-        self.num_embeds = int(dit.num_embeds)
-        ups = cfg.token2wav_config.bigvgan_config.upsample_rates
-        self.samples_per_mel = int(torch.tensor(list(ups)).prod())
+        self.repeats = int(cfg.token2wav_config.dit_config.repeats)  # mel frames a code
 
     def mel(self, codes: torch.Tensor, noise: torch.Tensor, cond: torch.Tensor, ref_mel: torch.Tensor,
             steps: torch.Tensor, guidance: torch.Tensor, sway: torch.Tensor) -> torch.Tensor:
@@ -253,5 +248,5 @@ class Token2WavModule(torch.nn.Module):
         return RungeKutta4ODESolver(function=ode, initial_value=noise.float()).integrate(t)[-1].permute(0, 2, 1)
 
     def vocode(self, mel: torch.Tensor) -> torch.Tensor:
-        """BigVGAN: mel [B, mel, frames] -> 24 kHz waveform [B, frames x samples_per_mel]."""
+        """BigVGAN: mel [B, mel, frames] -> 24 kHz waveform [B, frames x the upsampling rates' product]."""
         return self.model.code2wav_bigvgan_model(mel).reshape(mel.shape[0], -1)

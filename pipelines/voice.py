@@ -195,6 +195,13 @@ def native_messages(messages: Sequence[Mapping[str, Any]], with_audio: bool) -> 
     return out
 
 
+def feature_pad(samples: int, n_fft: int, hop: int) -> int:
+    """Where a Whisper-style feature extractor may stop padding `samples` of audio: just
+    past its last STFT window, a whole number of hops (the audio's frames are the same as
+    with the checkpoint's full padding, since only zeros follow them)."""
+    return -(-(samples + n_fft) // hop) * hop
+
+
 class ThinkerProcessor(StageProcessor):
     """Chat text (+ the user's speech) -> streamed text (TEXT deltas).
 
@@ -328,7 +335,7 @@ class ThinkerProcessor(StageProcessor):
         padded frames are masked, but the extractor's cost follows the padded length)."""
         if len(pcm) > self.max_samples:
             raise StageError(f"the user's audio is {len(pcm) / NATIVE_RATE:.1f} s; the model takes at most {self.max_samples / NATIVE_RATE:.0f} s")
-        pad = min(self.max_samples, -(-(len(pcm) + self.n_fft) // self.hop) * self.hop)
+        pad = min(self.max_samples, feature_pad(len(pcm), self.n_fft, self.hop))
         return {"multi_modal_data": {"audio": (pcm, NATIVE_RATE)}, "mm_processor_kwargs": {"audio_kwargs": {"max_length": pad}}}
 
     def audio_tokens(self, samples: int) -> int:

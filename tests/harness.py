@@ -231,12 +231,11 @@ def voice_profile_server(models_dir: Path, tmp: Path, profile: str) -> Iterator[
 
     import yaml
 
-    from latency_bench.server import ServerProcess
+    from latency_bench.server import ServerProcess, voice_only_overlay
     from tests.conftest import _free_port
 
     deploy = tmp / "deploy.yaml"
-    off = {name: {"enabled": False} for name in ("tts", "robot", "image", "world", "video", "video_edit")}
-    deploy.write_text(yaml.safe_dump({"pipelines": {**off, "voice": {"profile": profile}}}))
+    deploy.write_text(yaml.safe_dump(voice_only_overlay(profile)))
     proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=tmp / "server.log", cwd=Path(__file__).resolve().parent.parent,
                          env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
     proc.start()
