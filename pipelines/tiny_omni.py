@@ -270,6 +270,13 @@ def fill(out: Path) -> None:
     # BigVGAN's random init passes almost nothing through its ten conv stages (~1e-8 at
     # the output): its last conv is scaled so the tiny speaks at an audible level (RMS
     # ~0.1 for a DiT-like mel), or every answer would be silence at 16 bits
+    # A random talker samples its stop codes (codec pad / end) as often as any code and
+    # would end most answers within a few frames; a trained one stops at the end of
+    # speech. Their rows of the codec head are zeroed (logit 0, below the top codes of a
+    # zero-mean head): the tiny speaks to its budget, as the tiny Orpheus talker does.
+    with torch.no_grad():
+        tc = config.talker_config
+        model.talker.codec_head.weight[[tc.tts_codec_pad_token_id, tc.tts_codec_end_token_id]] = 0
     vocoder = model.token2wav.code2wav_bigvgan_model
     with torch.no_grad():
         rms = vocoder(torch.randn(1, 80, 200, generator=torch.Generator().manual_seed(SEED))).float().pow(2).mean().sqrt()
