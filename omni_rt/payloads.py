@@ -53,8 +53,8 @@ FINISH_REASON = "finish_reason"
 # (pipelines.omni): no text; arrays `prompt_ids` (and `audio`, 16 kHz, when the user spoke).
 TALKER_PROMPT = "talker_prompt"
 # Stages whose outputs are an answer's speech (AUDIO payloads), by profile: the split
-# talker's SNAC decoder, or Qwen-Omni's token2wav.
-SPEECH_STAGES = frozenset({"code2wav", "token2wav"})
+# talker's SNAC decoder, Qwen2.5-Omni's token2wav or Qwen3-Omni's code2wav.
+SPEECH_STAGES = frozenset({"code2wav", "token2wav", "omni_code2wav"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 calling), for the tiny thinkers: the tools are offered in the system turn inside
 `<tools></tools>`, the model answers a call as `<tool_call>{"name", "arguments"}</tool_call>`
 (what vLLM's `hermes` parser reads), and results come back in a user turn as
-`<tool_response>` blocks. `multimodal` adds Qwen2.5-Omni's content parts (audio, image
+`<tool_response>` blocks. `multimodal` adds the Omni families' content parts (audio, image
 and video parts as their placeholder spans).
 """
 
@@ -20,27 +20,35 @@ _TOOLS_FORMAT = (
     "\\\"arguments\\\": <args-json-object>}\\n</tool_call>"
 )
 
-_PARTS = (
+# each modality's placeholder span, per family
+OMNI25_SPANS = {"image": "<|vision_bos|><|IMAGE|><|vision_eos|>", "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+                "video": "<|vision_bos|><|VIDEO|><|vision_eos|>"}
+OMNI3_SPANS = {"image": "<|vision_start|><|image_pad|><|vision_end|>", "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
+               "video": "<|vision_start|><|video_pad|><|vision_end|>"}
+
+
+def _parts(spans: dict[str, str]) -> str:
+    return (
     "{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_bos|><|IMAGE|><|vision_eos|>"
+    + spans["image"] +
     "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
     "{% set audio_count.value = audio_count.value + 1 %}{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}"
-    "<|audio_bos|><|AUDIO|><|audio_eos|>"
+    + spans["audio"] +
     "{% elif content['type'] == 'video' or 'video' in content %}"
     "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_bos|><|VIDEO|><|vision_eos|>"
+    + spans["video"] +
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}"
-)
+    )
 
 
-def qwen_chat_template(default_system: str | None, multimodal: bool) -> str:
+def qwen_chat_template(default_system: str | None, multimodal: bool, spans: dict[str, str] = OMNI25_SPANS) -> str:
     """The template; `default_system`: the system turn a conversation without one gets
-    (None: none, unless tools are offered)."""
+    (None: none, unless tools are offered); `spans`: the multimodal parts' placeholders."""
     content = (
-        "{% if message['content'] is string %}{{ message['content'] }}{% else %}" + _PARTS + "{% endif %}"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}" + _parts(spans) + "{% endif %}"
         if multimodal
         else "{{ message['content'] or '' }}"
     )

@@ -37,25 +37,32 @@ from pipelines.tts import StreamingDecoder, _Emitter
 from pipelines.voice import feature_pad
 
 # the hub repos declare Qwen2_5OmniModel; transformers saves Qwen2_5OmniForConditionalGeneration
-OMNI_ARCHITECTURES = {"Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel"}
-THINKER_AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+OMNI_ARCHITECTURES = frozenset({"Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel"})
 
 
-def check_omni(model_dir: str, what: str, part: str) -> None:
-    """A Qwen2.5-Omni directory with `part` (talker_config / token2wav_config) and its
-    speakers, from the files alone."""
-    checkpoint.check_architecture(model_dir, what, "Qwen2_5OmniForConditionalGeneration (a Qwen2.5-Omni checkpoint)",
-                                  lambda a: a in OMNI_ARCHITECTURES)
+def check_omni(model_dir: str, what: str, part: str, family: str = "Qwen2_5OmniForConditionalGeneration",
+               archs: frozenset[str] = OMNI_ARCHITECTURES, speakers_file: bool = True) -> None:
+    """An Omni checkpoint of `family` with `part` (talker_config / token2wav_config /
+    code2wav_config) and its speakers, from the files alone."""
+    checkpoint.check_architecture(model_dir, what, f"{family} (the family's full checkpoint)", lambda a: a in archs)
     cfg = checkpoint.config(model_dir)
     missing = [k for k in ("thinker_config", part) if not isinstance(cfg.get(k), dict)]
     if missing:
         raise StageError(f"{what} {model_dir}: config.json has no {', '.join(missing)}")
     if cfg.get("enable_audio_output") is False:
         raise StageError(f"{what} {model_dir}: config.json says enable_audio_output false (a thinker-only checkpoint)")
-    if not (Path(model_dir) / "spk_dict.pt").is_file():
+    if speakers_file and not (Path(model_dir) / "spk_dict.pt").is_file():
         raise StageError(f"{what} {model_dir}: no spk_dict.pt (the checkpoint's speakers)")
     if not any(Path(model_dir).glob("*.safetensors")):
         raise StageError(f"{what} {model_dir}: no *.safetensors weights")
+
+
+def check_talker_files(model_dir: str) -> None:
+    """What a talker stage reads besides the weights: the tokenizer and the thinker's
+    audio front end (it prepares the user's audio as the thinker's processor does)."""
+    checkpoint.check_tokenizer_files(model_dir, "talker")
+    if not checkpoint.config(model_dir, "preprocessor_config.json").get("feature_extractor_type"):
+        raise StageError(f"talker {model_dir}: no preprocessor_config.json with a feature extractor (the thinker's audio front end)")
 
 
 def speaker_of(speakers: Mapping[str, Any], params: Mapping[str, Any]) -> str:
@@ -79,29 +86,16 @@ class _Reply:
         self.changed = asyncio.Event()
 
 
-class OmniTalkerProcessor(StageProcessor):
-    """thinker payloads -> codec tokens (CODES [n, 1]), the reference's talker.
+class TalkerBase(StageProcessor):
+    """What the Omni families' talkers share: the thinker's payloads read as they stream
+    (its prompt's ids and audio first, then the reply's token ids), the user's audio
+    prepared as the thinker's processor does, the request's speaker, a slot of the
+    module's cache per answer (`SLOTS` answers decode at once; more wait for a slot), and
+    the first codebook's sampling (`_sampler`, over `self.allowed`). Subclasses load
+    their family's ids (`_load_family`) and speak (`_talk`)."""
 
-    processor_args: sampling (`temperature`, `top_k`, `top_p`, `repetition_penalty`;
-    `greedy`), the budget (`max_codes`; `base_codes` + `codes_per_token` x reply tokens,
-    a bound a trained model never reaches). The module's cache has
-    `OmniTalkerModule.SLOTS` rows (requests decoding at once; more wait for a row) of
-    `MAX_LEN` positions (prompt and codes).
-    """
-
-    DEFAULTS: dict[str, Any] = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "greedy": False,
-                                "max_codes": 4096, "base_codes": 25, "codes_per_token": 12}
-
-    @classmethod
-    def check_model(cls, model_dir: str) -> None:
-        check_omni(model_dir, "talker", "talker_config")
-        checkpoint.check_tokenizer_files(model_dir, "talker")
-        if not checkpoint.config(model_dir, "preprocessor_config.json").get("feature_extractor_type"):
-            raise StageError(f"talker {model_dir}: no preprocessor_config.json with a feature extractor (the thinker's audio front end)")
-
-    @staticmethod
-    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
-        return lambda: OmniTalkerModule(model_dir)
+    DEFAULTS: dict[str, Any] = {}
+    SLOTS = 16
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
@@ -111,10 +105,12 @@ class OmniTalkerProcessor(StageProcessor):
         assert spec.model is not None
         self.model_dir = spec.model
         self.free: asyncio.Queue[int] = asyncio.Queue()
-        for s in range(OmniTalkerModule.SLOTS):
+        for s in range(self.SLOTS):
             self.free.put_nowait(s)
         self.speakers: dict[str, Any] = {}
         self.processor: Any = None
+        self.allowed = torch.zeros(0)
+        self.audio_token = -1
 
     def _load(self) -> None:
         from transformers import AutoProcessor
@@ -123,40 +119,27 @@ class OmniTalkerProcessor(StageProcessor):
 
         register()  # the processor's video half needs what the plugin provides
         self.processor = AutoProcessor.from_pretrained(self.model_dir)
-        self.speakers = load_speakers(self.model_dir)
-        cfg = omni_config(self.model_dir)  # transformers' config: the family's defaults for what config.json leaves out
-        tc = cfg.talker_config
-        self.codec = {k: int(getattr(tc, f"tts_codec_{k}_token_id")) for k in ("start", "end", "pad", "mask")}
-        self.text = {k: int(getattr(tc, f"tts_text_{k}_token_id")) for k in ("end", "pad")}
-        self.stops = {self.codec["pad"], self.codec["end"]}  # the reference's talker_eos_token_id
-        # what the talker may sample: the codes token2wav embeds, and the stops (the
-        # start token, which the reference suppresses, and the rest of the vocabulary not)
-        self.allowed = torch.full((int(tc.vocab_size),), float("-inf"))
-        self.allowed[: int(cfg.token2wav_config.dit_config.num_embeds) + 1] = 0
-        self.allowed[sorted(self.stops)] = 0
         fe = self.processor.feature_extractor
         self.n_fft, self.hop = int(fe.n_fft), int(fe.hop_length)
-        self.audio_token = int(cfg.thinker_config.audio_token_index)
+        self.audio_span = self.processor.audio_bos_token + self.processor.audio_token + self.processor.audio_eos_token
+        self._load_family()
 
-    async def start(self) -> None:
-        await asyncio.to_thread(self._load)
-        # the thinker-vocabulary rows every answer uses: the text end and pad, and each
-        # speaker's text start
-        bos = [int(sp["bos_token"]) for sp in self.speakers.values()]
-        rows = await self.steps.run({"ids": np.array([self.text["end"], self.text["pad"], *bos], np.int64)}, op="text_embed", priority=0)
-        self.eos_row, self.pad_row = rows[0], rows[1]
-        self.bos_rows = dict(zip(self.speakers, rows[2:], strict=True))
+    def _load_family(self) -> None:
+        raise NotImplementedError
 
     def _features(self, audio: np.ndarray) -> dict[str, np.ndarray]:
         """The audio as the thinker's processor prepares it (padded just past the audio,
         as the thinker stage asks vLLM to: the frames are the same)."""
         pad = feature_pad(len(audio), self.n_fft, self.hop)
-        out = self.processor(text=THINKER_AUDIO, audio=[audio], audio_kwargs={"max_length": pad}, return_tensors="np")
+        out = self.processor(text=self.audio_span, audio=[audio], audio_kwargs={"max_length": pad}, return_tensors="np")
         n = int((out["input_ids"][0] == self.audio_token).sum())
         return {"features": out["input_features"][0].astype(np.float32), "feature_mask": out["feature_attention_mask"][0].astype(np.int64),
                 "n_audio": np.array(n)}
 
     def _sampler(self, ctx: StageContext, prompt_codes: list[int]) -> Callable[[np.ndarray, list[int]], int]:
+        """The first codebook's sampling (the talker's own: a request's temperature and
+        top_p are the thinker's), with the repetition penalty over `prompt_codes` and
+        the codes so far."""
         from transformers import (
             LogitsProcessorList,
             RepetitionPenaltyLogitsProcessor,
@@ -165,7 +148,6 @@ class OmniTalkerProcessor(StageProcessor):
             TopPLogitsWarper,
         )
 
-        # the talker's own sampling (a request's temperature / top_p are the thinker's)
         a, p = self.args, ctx.params
         greedy = bool(a["greedy"])
         procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(float(a["repetition_penalty"]))])
@@ -173,10 +155,10 @@ class OmniTalkerProcessor(StageProcessor):
             procs += [TemperatureLogitsWarper(float(a["temperature"])), TopKLogitsWarper(int(a["top_k"])), TopPLogitsWarper(float(a["top_p"]))]
         allowed = self.allowed
         gen = torch.Generator()
-        gen.manual_seed(int(p["seed"]) if p.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,))))
+        gen.manual_seed(request_seed(p))
 
         def sample(logits: np.ndarray, out: list[int]) -> int:
-            ids = torch.tensor([prompt_codes + out])
+            ids = torch.tensor([prompt_codes + out], dtype=torch.long)
             scores = procs(ids, torch.from_numpy(np.asarray(logits, np.float32)).view(1, -1) + allowed)
             if greedy:
                 return int(scores.argmax(-1))
@@ -231,6 +213,61 @@ class OmniTalkerProcessor(StageProcessor):
                 await self.steps.run({"slot": np.array(slot, np.int64)}, op="release", priority=0)
             finally:
                 self.free.put_nowait(slot)
+
+    async def _talk(self, ctx: StageContext, slot: int, ids: np.ndarray, think: dict[str, np.ndarray],
+                    audio_len: np.ndarray | None, speaker: str, reply: _Reply) -> None:
+        raise NotImplementedError
+
+
+def request_seed(params: Mapping[str, Any]) -> int:
+    """The request's seed, or a fresh one."""
+    return int(params["seed"]) if params.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,)))
+
+
+class OmniTalkerProcessor(TalkerBase):
+    """thinker payloads -> codec tokens (CODES [n, 1]), the reference's talker.
+
+    processor_args: sampling (`temperature`, `top_k`, `top_p`, `repetition_penalty`;
+    `greedy`), the budget (`max_codes`; `base_codes` + `codes_per_token` x reply tokens,
+    a bound a trained model never reaches). The module's cache has `SLOTS` rows of
+    `OmniTalkerModule.MAX_LEN` positions (prompt and codes).
+    """
+
+    DEFAULTS: dict[str, Any] = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "greedy": False,
+                                "max_codes": 4096, "base_codes": 25, "codes_per_token": 12}
+    SLOTS = OmniTalkerModule.SLOTS
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        check_omni(model_dir, "talker", "talker_config")
+        check_talker_files(model_dir)
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
+        return lambda: OmniTalkerModule(model_dir)
+
+    def _load_family(self) -> None:
+        self.speakers = load_speakers(self.model_dir)
+        cfg = omni_config(self.model_dir)  # transformers' config: the family's defaults for what config.json leaves out
+        tc = cfg.talker_config
+        self.codec = {k: int(getattr(tc, f"tts_codec_{k}_token_id")) for k in ("start", "end", "pad", "mask")}
+        self.text = {k: int(getattr(tc, f"tts_text_{k}_token_id")) for k in ("end", "pad")}
+        self.stops = {self.codec["pad"], self.codec["end"]}  # the reference's talker_eos_token_id
+        # what the talker may sample: the codes token2wav embeds, and the stops (the
+        # start token, which the reference suppresses, and the rest of the vocabulary not)
+        self.allowed = torch.full((int(tc.vocab_size),), float("-inf"))
+        self.allowed[: int(cfg.token2wav_config.dit_config.num_embeds) + 1] = 0
+        self.allowed[sorted(self.stops)] = 0
+        self.audio_token = int(cfg.thinker_config.audio_token_index)
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+        # the thinker-vocabulary rows every answer uses: the text end and pad, and each
+        # speaker's text start
+        bos = [int(sp["bos_token"]) for sp in self.speakers.values()]
+        rows = await self.steps.run({"ids": np.array([self.text["end"], self.text["pad"], *bos], np.int64)}, op="text_embed", priority=0)
+        self.eos_row, self.pad_row = rows[0], rows[1]
+        self.bos_rows = dict(zip(self.speakers, rows[2:], strict=True))
 
     async def _talk(self, ctx: StageContext, slot: int, ids: np.ndarray, think: dict[str, np.ndarray],
                     audio_len: np.ndarray | None, speaker: str, reply: _Reply) -> None:
@@ -345,7 +382,7 @@ class Token2WavProcessor(StageProcessor):
         cond = sp["cond"].float().numpy()
         ref_mel = sp["ref_mel"][0].float().numpy()
         gen = torch.Generator()
-        gen.manual_seed(int(params["seed"]) if params.get("seed") is not None else int(torch.randint(0, 2**31 - 1, (1,))))
+        gen.manual_seed(request_seed(params))
         noise: list[np.ndarray] = []  # per code: [repeats, mel]
         a = self.args
         ode = {"steps": np.array(int(a["steps"])), "guidance": np.array(float(a["guidance"]), np.float32),

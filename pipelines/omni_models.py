@@ -18,6 +18,7 @@ vLLM runs its thinker; the modules here load the checkpoint's ``thinker.*``,
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,10 @@ import torch
 from omni_rt.errors import StageError
 
 
-def load_part(module: torch.nn.Module, model_dir: str, prefix: str) -> None:
+def load_part(module: torch.nn.Module, model_dir: str, prefix: str, keep: Callable[[str], bool] | None = None) -> None:
     """Load the checkpoint's `prefix`* weights into `module` (only those tensors are
-    read: a sharded checkpoint's index names the files that hold them)."""
+    read: a sharded checkpoint's index names the files that hold them); `keep`: which of
+    them (by name past the prefix) the module holds, when it holds part of that model."""
     from safetensors import safe_open
 
     d = Path(model_dir)
@@ -42,14 +44,39 @@ def load_part(module: torch.nn.Module, model_dir: str, prefix: str) -> None:
     for name in files:
         with safe_open(str(d / name), "pt") as st:
             for k in st.keys():
-                if k.startswith(prefix):
+                if k.startswith(prefix) and (keep is None or keep(k[len(prefix):])):
                     state[k[len(prefix):]] = st.get_tensor(k)
     if not state:
-        raise StageError(f"{model_dir}: no {prefix}* weights (a Qwen2.5-Omni checkpoint with its talker and token2wav)")
-    missing, unexpected = module.load_state_dict(state, strict=False)
+        raise StageError(f"{model_dir}: no {prefix}* weights (an Omni checkpoint with its talker and vocoder)")
+    missing, unexpected = module.load_state_dict(stack_experts(state), strict=False)
     missing = [k for k in missing if not k.endswith("inv_freq")]  # buffers computed at init
     if missing or unexpected:
         raise StageError(f"{model_dir}: {prefix}* weights do not fit the config: missing {missing[:4]}, unexpected {unexpected[:4]}")
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """MoE weights in the layout transformers' modules hold: the hub checkpoints store
+    each expert's `gate_proj` / `up_proj` / `down_proj`; the modules one
+    `gate_up_proj` [experts, 2 x inner, hidden] (gate rows, then up) and one `down_proj`
+    [experts, hidden, inner] per layer (what from_pretrained converts on load)."""
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        m = _EXPERT.fullmatch(k)
+        if m is None:
+            out[k] = v
+        else:
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = v
+    for base, parts in experts.items():
+        n = len(parts.get("down", {}))
+        if any(sorted(p) != list(range(n)) for p in parts.values()) or set(parts) != {"gate", "up", "down"}:
+            raise StageError(f"{base}: the checkpoint's experts are incomplete")
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([parts["gate"][i], parts["up"][i]]) for i in range(n)])
+        out[f"{base}.down_proj"] = torch.stack([parts["down"][i] for i in range(n)])
+    return out
 
 
 def omni_config(model_dir: str) -> Any:

@@ -628,6 +628,12 @@ def _fill_omni(out: Path) -> None:
     fill(out)
 
 
+def _fill_omni3(out: Path) -> None:
+    from pipelines.tiny_omni3 import fill  # it trains its tokenizer on CORPUS (imports this module)
+
+    fill(out)
+
+
 def _fill_pi0(out: Path) -> None:
     from pipelines.tiny_pi0 import fill  # it trains its tokenizer on CORPUS (imports this module)
 
@@ -655,6 +661,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "world_forcing": ("tiny-skyreels-world", _fill_world_forcing),
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
     "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
+    "omni3": ("tiny-qwen3-omni", lambda out: _fill_omni3(out)),
 }
 
 

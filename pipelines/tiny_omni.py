@@ -187,17 +187,21 @@ VIDEO_PROCESSOR: dict[str, Any] = {
 }
 
 
-def _tokenizer(out: Path) -> dict[str, int]:
+def write_tokenizer(out: Path, specials: tuple[str, ...] = SPECIAL_TOKENS, named: dict[str, str] = NAMED_TOKENS,
+                    chat_template: str = CHAT_TEMPLATE, words: tuple[str, ...] = ()) -> dict[str, int]:
+    """The family's tokenizer files: the byte-level BPE, then `specials` (ids returned),
+    the function-call markers, and `words` as pieces of their own (added, not special)."""
     from tokenizers import AddedToken, decoders
 
     tok = train_byte_bpe(TEXT_VOCAB_SIZE)
     tok.decoder = decoders.ByteLevel()
     text_vocab = tok.get_vocab_size()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(specials))
     # then the function-call markers, added tokens that are not special (as at 151657.. there)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (*TOOL_TOKENS, *words)])
     tok.save(str(out / "tokenizer.json"))
-    ids = {t: text_vocab + i for i, t in enumerate(SPECIAL_TOKENS)}
+    ids = {t: text_vocab + i for i, t in enumerate(specials)}
+    ids.update({t: text_vocab + len(specials) + len(TOOL_TOKENS) + i for i, t in enumerate(words)})
     special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
     config = {
@@ -206,8 +210,8 @@ def _tokenizer(out: Path) -> dict[str, int]:
         "clean_up_tokenization_spaces": False,
         "bos_token": None,
         **special_map,
-        "extra_special_tokens": NAMED_TOKENS,
-        "chat_template": CHAT_TEMPLATE,
+        "extra_special_tokens": named,
+        "chat_template": chat_template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return ids
@@ -219,7 +223,7 @@ def fill(out: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    ids = _tokenizer(out)
+    ids = write_tokenizer(out)
     n_text = min(ids.values())
     # the talker's text-stream ids and one start id per speaker come after the pieces
     reserved = n_text + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)

@@ -163,8 +163,9 @@ class AudioEncoderProcessor(StageProcessor):
 
 
 # Architectures (config.json) whose vLLM model takes audio itself, through the model's
-# own processor: Qwen2.5-Omni (vLLM serves its thinker and skips talker/token2wav).
-NATIVE_AUDIO_ARCHITECTURES = frozenset({"Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel"})
+# own processor: Qwen2.5-Omni and Qwen3-Omni (vLLM serves their thinkers and skips the
+# talker, token2wav / code2wav).
+NATIVE_AUDIO_ARCHITECTURES = frozenset({"Qwen2_5OmniForConditionalGeneration", "Qwen2_5OmniModel", "Qwen3OmniMoeForConditionalGeneration"})
 NATIVE_RATE = 16000  # what their feature extractors take
 
 
@@ -253,6 +254,7 @@ class ThinkerProcessor(StageProcessor):
         check_processor_args(spec.processor_args, self.DEFAULTS, "thinker")
         self.args = {**self.DEFAULTS, **checkpoint_sampling(spec.model), **spec.processor_args}
         self.native = bool(NATIVE_AUDIO_ARCHITECTURES & set(architectures(spec.model)))
+        self.omni3 = "Qwen3OmniMoeForConditionalGeneration" in architectures(spec.model)
         self.tokenizer: Any = None
         self.processor: Any = None
         self.n_fft = self.hop = 0
@@ -339,9 +341,13 @@ class ThinkerProcessor(StageProcessor):
         return {"multi_modal_data": {"audio": (pcm, NATIVE_RATE)}, "mm_processor_kwargs": {"audio_kwargs": {"max_length": pad}}}
 
     def audio_tokens(self, samples: int) -> int:
-        """How many audio tokens Qwen2.5-Omni's audio tower makes of `samples` (its
-        processor's rule: feature frames, halved by the conv, pooled by 2)."""
+        """How many audio tokens the model's audio tower makes of `samples` (its
+        processor's rule). Qwen2.5-Omni: feature frames, halved by the conv, pooled by 2;
+        Qwen3-Omni: windows of 100 frames make 13 tokens each, the rest three stride-2 convs."""
         frames = -(-samples // self.hop)
+        if self.omni3:
+            rest = frames % 100
+            return (((rest - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
         return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
     def prompt_embeds(self, messages: Sequence[Mapping[str, Any]], audio: np.ndarray | None,

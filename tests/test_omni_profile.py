@@ -1,8 +1,10 @@
-"""The omni voice profile end to end (its own server: the tiny Qwen2.5-Omni serves the
-thinker on vLLM, its own talker and its own token2wav), through the official SDK: a
-spoken turn is answered in the checkpoint's own voice, the speakers are the session's
-voices (OpenAI names map to them, others are refused naming the choices), a barge-in
-stops the answer, and /v1/chat/completions speaks through the same stages."""
+"""The omni voice profiles end to end, each on its own server: `omni` (the tiny
+Qwen2.5-Omni serves the thinker on vLLM, its own talker and its own token2wav) and
+`omni3` (the tiny Qwen3-Omni: its MoE thinker on vLLM, its talker + code predictor, its
+causal code2wav), through the official SDK: a spoken turn is answered in the checkpoint's
+own voice, the speakers are the session's voices (OpenAI names map to them, others are
+refused naming the choices), a barge-in stops the answer, and /v1/chat/completions speaks
+through the same stages."""
 
 from __future__ import annotations
 
@@ -20,9 +22,16 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def omni_server(models_dir, tmp_path_factory):
-    yield from voice_profile_server(models_dir, tmp_path_factory.mktemp("omni"), "omni")
+# per profile: the checkpoint's speakers, and the samples a code frame decodes to
+SPEAKERS = {"omni": ("chelsie", "ethan"), "omni3": ("chelsie", "ethan", "aiden")}
+FRAME_SAMPLES = {"omni": 480, "omni3": 1920}
+
+
+@pytest.fixture(scope="module", params=["omni", "omni3"])
+def omni_server(request, models_dir, tmp_path_factory):
+    for server in voice_profile_server(models_dir, tmp_path_factory.mktemp(request.param), request.param):
+        server.profile = request.param
+        yield server
 
 
 def _client(server):
@@ -46,8 +55,11 @@ async def test_spoken_turn_answered_in_the_checkpoints_voice(omni_server):
         assert done.response.status == "completed", done.response.status_details
         pcm = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
         audio = np.frombuffer(pcm, "<i2")
-        # token2wav's 24 kHz audio, in 20 ms codes: a spoken answer, not silence
-        assert len(audio) >= 24000 * 0.2 and len(audio) % 480 == 0
+        # the vocoder's 24 kHz audio (token2wav: 20 ms a code; code2wav: 80 ms a frame,
+        # less the samples its last window's transposed convolutions leave out)
+        assert len(audio) >= 24000 * 0.2
+        if omni_server.profile == "omni":
+            assert len(audio) % FRAME_SAMPLES["omni"] == 0
         assert np.abs(audio).max() > 0
         transcript = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
         assert transcript == done.response.output[0].content[0].transcript
@@ -56,12 +68,12 @@ async def test_spoken_turn_answered_in_the_checkpoints_voice(omni_server):
 async def test_voices_are_the_checkpoints_speakers(omni_server):
     async with _client(omni_server).realtime.connect(model="gpt-realtime") as conn:
         await conn.recv()
-        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "Chelsie"}}})
+        await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": SPEAKERS[omni_server.profile][-1]}}})
         assert (await conn.recv()).type == "session.updated"
         await conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "tara"}}})  # Orpheus', not this model's
         err = await conn.recv()
         assert err.type == "error"
-        assert "chelsie" in err.error.message and "ethan" in err.error.message
+        assert all(name in err.error.message for name in SPEAKERS[omni_server.profile])
 
 
 async def test_barge_in_cancels_the_spoken_answer(omni_server):
