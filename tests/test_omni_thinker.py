@@ -1,10 +1,11 @@
-"""The default voice thinker is a real Qwen2.5-Omni: the tiny checkpoint loads unchanged
-in transformers (`Qwen2_5OmniForConditionalGeneration.from_pretrained`) and in vLLM
-through the stage's own code (a `VllmEngine` given only a directory, the engine args of
-the default profile, `ThinkerProcessor` rendering the prompt with the checkpoint's
-processor and chat template), and both compute the same next-token distribution for the
-same speech: the audio goes through the model's own feature extractor and audio tower
-in vLLM exactly as in transformers.
+"""The voice thinkers are real Qwen2.5-Omni and Qwen3-Omni: each tiny checkpoint loads
+unchanged in transformers (`Qwen2_5OmniForConditionalGeneration` /
+`Qwen3OmniMoeForConditionalGeneration.from_pretrained`) and in vLLM through the stage's
+own code (a `VllmEngine` given only a directory, the engine args of its profile,
+`ThinkerProcessor` rendering the prompt with the checkpoint's processor and chat
+template), and both compute the same next-token distribution for the same speech: the
+audio goes through the model's own feature extractor and audio tower in vLLM exactly as
+in transformers (and Qwen3-Omni's MoE layers through vLLM's CPU experts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from omni_rt.engines.vllm import VllmEngine
+from pipelines.chat_templates import OMNI3_SPANS, OMNI25_SPANS
 from omni_rt.specs import load_pipeline
 from pipelines import PIPELINE_DIR
 from pipelines.voice import NATIVE_RATE, ThinkerProcessor
@@ -31,28 +33,37 @@ def _speech() -> np.ndarray:
     return pcm.astype(np.float32) / 32768.0
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine_and_thinker(models_dir, tmp_path_factory):
+# per family: the tiny checkpoint, the profile serving it, transformers' class, the audio span
+FAMILIES = {
+    "qwen2.5-omni": ("tiny-qwen2.5-omni", "default", "Qwen2_5OmniForConditionalGeneration", OMNI25_SPANS["audio"]),
+    "qwen3-omni": ("tiny-qwen3-omni", "omni3", "Qwen3OmniMoeForConditionalGeneration", OMNI3_SPANS["audio"]),
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=list(FAMILIES))
+async def engine_and_thinker(request, models_dir, tmp_path_factory):
+    tiny, profile, _, _ = FAMILIES[request.param]
     # a copy under a name of its own: the loader is given a directory and nothing else
-    ckpt = tmp_path_factory.mktemp("ckpt") / "some-qwen2.5-omni"
-    shutil.copytree(models_dir / "tiny-qwen2.5-omni", ckpt)
-    spec = load_pipeline(PIPELINE_DIR / "voice.yaml").profiles["default"].stage("thinker")
+    ckpt = tmp_path_factory.mktemp("ckpt") / f"some-{request.param}"
+    shutil.copytree(models_dir / tiny, ckpt)
+    spec = load_pipeline(PIPELINE_DIR / "voice.yaml").profiles[profile].stage("thinker")
     # float32 on both sides: the comparison is of the computation, not of bf16 rounding
     spec = spec.model_copy(update={"model": str(ckpt), "engine_args": {**spec.engine_args, "dtype": "float32"}})
     engine = VllmEngine(str(ckpt), spec.engine_args, name="thinker")
     await engine.start()
     thinker = ThinkerProcessor(spec, engine, {})
     await thinker.start()
-    yield engine, thinker, ckpt
+    yield engine, thinker, (ckpt, request.param)
     await engine.stop()
 
 
 def _reference(ckpt, thinker: ThinkerProcessor, audio: np.ndarray | None) -> np.ndarray:
     """transformers' own thinker on the processor's own inputs: next-token log-probs."""
     import torch
-    from transformers import Qwen2_5OmniForConditionalGeneration
+    import transformers
 
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    path, family = ckpt
+    model = getattr(transformers, FAMILIES[family][2]).from_pretrained(str(path), dtype=torch.float32).eval()
     text = thinker.render(MESSAGES, with_audio=audio is not None)
     inputs = thinker.processor(text=text, audio=[audio] if audio is not None else None, return_tensors="pt")
     with torch.no_grad():
@@ -100,11 +111,11 @@ async def test_the_audio_changes_the_answer(engine_and_thinker):
 
 
 async def test_the_processor_renders_the_prompt(engine_and_thinker):
-    """The prompt is the chat template's, with Qwen2.5-Omni's audio span where the
+    """The prompt is the chat template's, with the family's audio span where the
     utterance is (no hand-built strings)."""
-    _, thinker, _ = engine_and_thinker
+    _, thinker, (_, family) = engine_and_thinker
     text = thinker.render(MESSAGES, with_audio=True)
     assert text == thinker.processor.apply_chat_template(
         [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Listen:"}, {"type": "audio"}]}],
         add_generation_prompt=True, tokenize=False)
-    assert "<|audio_bos|><|AUDIO|><|audio_eos|>" in text and text.endswith("<|im_start|>assistant\n")
+    assert FAMILIES[family][3] in text and text.endswith("<|im_start|>assistant\n")
