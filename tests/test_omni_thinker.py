@@ -17,9 +17,9 @@ import pytest
 import pytest_asyncio
 
 from omni_rt.engines.vllm import VllmEngine
-from pipelines.chat_templates import OMNI3_SPANS, OMNI25_SPANS
 from omni_rt.specs import load_pipeline
 from pipelines import PIPELINE_DIR
+from pipelines.chat_templates import OMNI3_SPANS, OMNI25_SPANS
 from pipelines.voice import NATIVE_RATE, ThinkerProcessor
 from tests.harness import speech_pcm16
 
