@@ -45,6 +45,20 @@ CHECKPOINTS: dict[str, dict[str, str]] = {
         "model.safetensors.index.json": json.dumps({"weight_map": {}}),
         "model-00001-of-00005.safetensors": "",
     },
+    # Qwen3-Omni as the omni3 profile reads it: its three configs (the speakers in the
+    # talker's), its processor files, sharded weights
+    "Qwen3-Omni-30B-A3B-Instruct": {
+        "config.json": json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "model_type": "qwen3_omni_moe",
+                                   "enable_audio_output": True, "thinker_config": {"audio_token_id": 151675},
+                                   "talker_config": {"speaker_id": {"chelsie": 2301, "ethan": 2302, "aiden": 2303}},
+                                   "code2wav_config": {"num_quantizers": 16}}),
+        "preprocessor_config.json": json.dumps({**WHISPER_FE, "processor_class": "Qwen3OmniMoeProcessor", "image_processor_type": "Qwen2VLImageProcessor"}),
+        "chat_template.json": json.dumps({"chat_template": "{{ messages }}"}),
+        "vocab.json": "{}",
+        "merges.txt": "",
+        "model.safetensors.index.json": json.dumps({"weight_map": {}}),
+        "model-00001-of-00016.safetensors": "",
+    },
     "orpheus-3b-0.1-ft": {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}), "tokenizer.json": "{}"},
     "snac_24khz": {
         "config.json": json.dumps({"sampling_rate": 24000, "codebook_size": 4096, "vq_strides": [4, 2, 1], "decoder_rates": [8, 8, 4, 2]}),
@@ -154,6 +168,38 @@ def test_the_omni_voice_overlay_passes_the_check(tmp_path, models_dir, monkeypat
     assert {stages[n]["model"] for n in ("thinker", "omni_talker", "token2wav")} == {str(tmp_path / "models" / "Qwen2.5-Omni-7B")}
     assert resolved["voice"]["final_outputs"] == ["thinker", "token2wav", "asr"]
     assert "tts" not in resolved
+
+
+def test_the_qwen3_omni_overlay_passes_the_check(tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise("qwen3-omni.yaml", tmp_path, tmp_path / "models")
+    rc, out, err = _check(overlay, capsys)
+    assert rc == 0, err
+    resolved = json.loads(out)
+    stages = {s["name"]: s for s in resolved["voice"]["stages"]}
+    assert {stages[n]["model"] for n in ("thinker", "omni_talker", "omni_code2wav")} == {str(tmp_path / "models" / "Qwen3-Omni-30B-A3B-Instruct")}
+    assert resolved["voice"]["final_outputs"] == ["thinker", "omni_code2wav", "asr"]
+
+
+@pytest.mark.parametrize(("files", "expected"), [
+    ({"config.json": json.dumps({"architectures": ["Qwen2_5OmniModel"], "thinker_config": {}, "talker_config": {}, "code2wav_config": {}})},
+     "is not Qwen3OmniMoeForConditionalGeneration"),
+    ({"config.json": json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "thinker_config": {}, "talker_config": {}})},
+     "config.json has no code2wav_config"),
+    ({"preprocessor_config.json": None}, "needs its processor files (preprocessor_config.json"),
+])
+def test_a_broken_qwen3_omni_directory_is_named(files, expected, tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise("qwen3-omni.yaml", tmp_path, tmp_path / "models")
+    ckpt = tmp_path / "models" / "Qwen3-Omni-30B-A3B-Instruct"
+    for name, text in files.items():
+        if text is None:
+            (ckpt / name).unlink()
+        else:
+            (ckpt / name).write_text(text)
+    rc, _, err = _check(overlay, capsys)
+    assert rc != 0
+    assert expected in err and str(ckpt) in err, err
 
 
 @pytest.mark.parametrize("name", ["pi0.yaml", "pi0-droid.yaml"])
