@@ -19,6 +19,7 @@ import os
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -91,8 +92,11 @@ class ServerProcess:
         cwd: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
         rss_interval_s: float = 0.5,
+        tls_ca: str | os.PathLike | None = None,
     ) -> None:
         self.host = host
+        # a server whose deploy overlay serves https: the CA (or self-signed certificate) to trust
+        self.tls_ca = str(tls_ca) if tls_ca is not None else None
         self.port = port
         self.deploy = str(deploy) if deploy is not None else None
         self.log_path = Path(log_path) if log_path is not None else None
@@ -123,7 +127,7 @@ class ServerProcess:
     # -- lifecycle -----------------------------------------------------------------
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls_ca else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> None:
         if self.proc is not None:
@@ -170,7 +174,8 @@ class ServerProcess:
             raise ServerError("server not started")
         deadline = time.perf_counter() + timeout_s
         last_err = "no answer yet"
-        with httpx.Client(timeout=httpx.Timeout(5.0), trust_env=False) as http:
+        verify: Any = ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else True
+        with httpx.Client(timeout=httpx.Timeout(5.0), trust_env=False, verify=verify) as http:
             while True:
                 rc = self.proc.poll()
                 if rc is not None:

@@ -54,6 +54,8 @@ def _overlay(args: argparse.Namespace) -> tuple[DeployOverlay, str]:
         "log_level": getattr(args, "log_level", None),
         "api_key": getattr(args, "api_key", None),
         "ray_address": getattr(args, "ray_address", None),
+        "ssl_certfile": getattr(args, "ssl_certfile", None),
+        "ssl_keyfile": getattr(args, "ssl_keyfile", None),
     }
     keys = _api_keys_file(getattr(args, "api_keys_file", None))
     session_flags = {
@@ -120,8 +122,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=overlay.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from aiohttp import web
 
-    from omni_rt.server import create_app, freeze_startup_objects, runner_options
+    from omni_rt.server import create_app, freeze_startup_objects, runner_options, ssl_context
 
+    tls = ssl_context(overlay.server, source)  # before anything loads: a bad file fails in a second
     _warn_leftovers()
     # Take the port before anything starts: a port in use fails in a second, not after
     # the engines have loaded, and no engine process can take it in the meantime.
@@ -135,16 +138,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(overlay, source)
     app.on_startup.append(freeze_startup_objects)  # after the engines started (cleanup_ctx runs first)
     options = runner_options(overlay)
-    logging.getLogger("omni_rt.server").info("serving on http://%s:%d", host, port)
+    logging.getLogger("omni_rt.server").info("serving on %s://%s:%d", "https" if tls else "http", host, port)
     # SIGINT / SIGTERM stop the server gracefully (the app's cleanup stops the engines)
-    web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=5.0, **options)
+    web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=5.0, ssl_context=tls, **options)
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     overlay, source = _overlay(args)
-    from omni_rt.server import RUNTIME, create_app
+    from omni_rt.server import RUNTIME, create_app, ssl_context
 
+    ssl_context(overlay.server, source)
     # Builds (without starting) the whole runtime: model paths, processors, engine args.
     runtime = create_app(overlay, source)[RUNTIME]
     print(json.dumps({name: p.model_dump(mode="json") for name, p in runtime.profiles.items()}, indent=2))
@@ -174,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
                        "(deploy key server.ray_address; default: a Ray instance of its own, started only when a stage is placed "
                        "process or ray)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--ssl-certfile", metavar="FILE", help="serve https/wss with this PEM certificate (deploy key server.ssl_certfile)")
+    serve.add_argument("--ssl-keyfile", metavar="FILE", help="its PEM private key, unencrypted (deploy key server.ssl_keyfile)")
     _add_session_flags(serve)
     serve.set_defaults(func=cmd_serve)
 

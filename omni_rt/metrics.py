@@ -27,6 +27,10 @@ DROPPED_STALE = Counter("omni_rt_dropped_stale_total", "Outputs dropped by a fen
 ENGINE_BATCH = Histogram(
     "omni_rt_engine_batch_size", "Items per torch engine step", ["engine"], buckets=(1, 2, 4, 8, 16, 32, 64)
 )
+ENGINE_STEP_SECONDS = Histogram(
+    "omni_rt_engine_step_seconds", "Wall time of one torch / diffusers engine step (the whole batch)", ["engine"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56),
+)
 ENGINE_LATE = Counter(
     "omni_rt_engine_late_items_total", "Step-engine items that started after their deadline (a stream's playback ran dry first)", ["engine"]
 )

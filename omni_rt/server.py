@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -17,9 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import pipelines
 from omni_rt import metrics
 from omni_rt.runtime import Runtime
-from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileSpec, SessionsSpec, SpecError, apply_overlay
+from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileSpec, ServerSpec, SessionsSpec, SpecError, apply_overlay
+from protocols import dashboard, pages, sessions_api
 from protocols import models as models_api
-from protocols import pages, sessions_api
 from protocols.auth import CLIENT_SECRETS, ClientSecrets, KeyRing, auth_middleware
 from protocols.http import LIMITS, Limits, error_middleware, json_response
 from protocols.registry import Mount, Routes, mount
@@ -124,6 +125,34 @@ def runner_options(overlay: DeployOverlay) -> dict[str, Any]:
     `header_timeout_s` (of opening, or of its last reply) is closed; handlers are never
     cancelled when their client goes away (each hears the disconnect itself)."""
     return {"keepalive_timeout": overlay.server.header_timeout_s, "handler_cancellation": False}
+
+
+def ssl_context(spec: ServerSpec, source: str) -> ssl.SSLContext | None:
+    """The TLS context of `server.ssl_certfile` / `ssl_keyfile` (None: plain http). A
+    missing, unreadable or malformed file is a start-up error naming it."""
+    if spec.ssl_certfile is None or spec.ssl_keyfile is None:
+        return None
+    paths = {}
+    for key, raw, marker in (("server.ssl_certfile", spec.ssl_certfile, "CERTIFICATE-----"), ("server.ssl_keyfile", spec.ssl_keyfile, "PRIVATE KEY-----")):
+        path = Path(raw).expanduser()
+        try:
+            text = path.read_text(encoding="ascii", errors="replace")
+        except OSError as exc:
+            raise SpecError(f"{source}: {key}: cannot read {raw}: {exc.strerror or exc}") from None
+        if marker not in text:
+            what = "a PEM certificate" if key.endswith("certfile") else "a PEM private key"
+            raise SpecError(f"{source}: {key}: {raw} is not {what} (no '-----BEGIN ...{marker}' block)")
+        paths[key] = str(path)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        # an encrypted key would ask for its passphrase on the terminal: refuse it instead
+        ctx.load_cert_chain(paths["server.ssl_certfile"], paths["server.ssl_keyfile"], password=lambda: b"")
+    except ssl.SSLError as exc:
+        raise SpecError(
+            f"{source}: server.ssl_certfile / server.ssl_keyfile: {spec.ssl_certfile} and {spec.ssl_keyfile} do not load as a "
+            f"certificate and its unencrypted private key ({exc.reason or exc})"
+        ) from None
+    return ctx
 
 
 def key_ring(overlay: DeployOverlay, source: str) -> KeyRing:
@@ -239,6 +268,7 @@ def create_app(
     models_api.add_routes(routes, [(m, name) for name, spec in specs.items() for m in spec.models])
     sessions_api.add_routes(routes, sessions)
     pages.add_routes(routes, list(specs))
+    dashboard.add_routes(routes, sessions, runtime)
     for name, spec in specs.items():
         entry = runtime.pools[profiles[name].entry].replicas[0].processor
         for wire in spec.wires:

@@ -280,6 +280,17 @@ class ServerSpec(_Strict):
     send_timeout_s: float = Field(default=
         30.0, gt=0, description="a streamed reply (speech audio, SSE) the client stops reading for this long is ended and its session freed"
     )
+    ssl_certfile: str | None = Field(default=
+        None, description="serve https and wss on every route with this PEM certificate (chain); needs ssl_keyfile"
+    )
+    ssl_keyfile: str | None = Field(default=None, description="the PEM private key of ssl_certfile (unencrypted)")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerSpec:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            given, missing = ("ssl_certfile", "ssl_keyfile") if self.ssl_certfile is not None else ("ssl_keyfile", "ssl_certfile")
+            raise ValueError(f"{given} is set but {missing} is not: TLS needs both the certificate and its key")
+        return self
 
 
 SESSION_KINDS = ("oneshot", "realtime", "duplex", "webrtc", "robot", "world", "video")

@@ -4,7 +4,8 @@ Accepted forms: `Authorization: Bearer <key>` (OpenAI SDKs) and `Authorization:
 Api-Key <key>` (openpi-client). The key's principal is what per-principal session caps
 count; `principal_of(request)` reads it. With no keys configured every caller is the
 admin principal `anonymous`. Without a valid key every route except the open ones
-(`/health`, `/healthz`, and a plain GET of the pages `/` and `/demo`) answers 401 in
+(`/health`, `/healthz`, and a plain GET of the pages — `/`, `/demo`, `/demo/world`,
+`/demo/video`, `/dashboard` — and of `/static/…`) answers 401 in
 the OpenAI error shape; a WebSocket handshake gets that 401 before any upgrade.
 
 Client secrets (`POST /v1/realtime/client_secrets`, OpenAI's browser flow) are
@@ -30,7 +31,8 @@ from protocols.http import error_response
 ANONYMOUS = "anonymous"
 OPEN_PATHS = frozenset({"/health", "/healthz"})
 # Pages anyone may load with a plain GET (they hold no data; what they call needs a key).
-OPEN_PAGES = frozenset({"/", "/demo"})
+OPEN_PAGES = frozenset({"/", "/demo", "/demo/world", "/demo/video", "/dashboard"})
+OPEN_PREFIX = "/static/"
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,8 @@ def auth_middleware(
                 request[CLIENT_SECRET] = secret
                 return await handler(request)
         principal = keys.principal_for(authorization)
-        page = request.method in ("GET", "HEAD") and request.path in OPEN_PAGES and not _is_upgrade(request)
+        page = (request.method in ("GET", "HEAD") and (request.path in OPEN_PAGES or request.path.startswith(OPEN_PREFIX))
+                and not _is_upgrade(request))
         if principal is None and request.path not in open_paths and not page:
             return error_response(_UNAUTHORIZED)
         request[PRINCIPAL] = principal or Principal(ANONYMOUS)

@@ -25,7 +25,7 @@ import os
 import secrets
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,9 @@ def make_store(spec: SessionsSpec) -> SessionStore:
     return MemoryStore()
 
 
+DECISIONS_KEPT = 50
+
+
 class SessionManager:
     def __init__(
         self,
@@ -103,6 +106,9 @@ class SessionManager:
         # here until they finish, or they could be collected mid-flight.
         self.background: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        # The last admission decisions, newest last (the dashboard shows them): what was
+        # asked, the outcome, and for weighed sessions what the load-aware check saw.
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
         self.stats = {"admitted": 0, "rejected": 0, "closed": 0, "expired": 0, "evicted": 0, "slots_released": 0, "lapsed_leases": 0}
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -145,9 +151,10 @@ class SessionManager:
         if session.weighed:
             try:
                 self.admission.check(kind, *self._realtime_split())
-            except CapacityLimit:
+            except CapacityLimit as exc:
                 self.stats["rejected"] += 1
                 metrics.SESSIONS_REJECTED.labels(kind=kind, reason="capacity").inc()
+                self._decided(kind, principal, None, "capacity", exc.message)
                 raise
         evicted: set[str] = set()
         while True:
@@ -159,17 +166,20 @@ class SessionManager:
                 if victim is None:
                     self.stats["rejected"] += 1
                     metrics.SESSIONS_REJECTED.labels(kind=kind, reason=exc.scope).inc()
+                    self._decided(kind, principal, None, exc.scope, exc.message)
                     raise
                 evicted.add(victim.id)
                 log.info("session %s evicted under pressure to admit a %s session", victim.id, kind)
                 await self.end(victim, "evicted")
-            except StoreUnavailable:
+            except StoreUnavailable as exc:
                 self.stats["rejected"] += 1
                 metrics.SESSIONS_REJECTED.labels(kind=kind, reason="store_unavailable").inc()
+                self._decided(kind, principal, None, "store_unavailable", exc.message)
                 raise
         self._sessions[sid] = session
         session._transition(SessionState.ACTIVE, "open")
         self.stats["admitted"] += 1
+        self._decided(kind, principal, sid, None, None, weighed=session.weighed)
         metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
         metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
         metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
@@ -417,6 +427,16 @@ class SessionManager:
 
     async def counts(self) -> dict[str, Any]:
         return await self.store.counts()
+
+    def _decided(self, kind: str, principal: str, session_id: str | None, refused: str | None, why: str | None, weighed: bool = True) -> None:
+        entry: dict[str, Any] = {"time": time.time(), "kind": kind, "principal": principal, "admitted": refused is None}
+        if session_id is not None:
+            entry["session_id"] = session_id
+        if refused is not None:
+            entry.update(reason=refused, message=why)
+        if weighed and refused in (None, "capacity") and self.admission.last:
+            entry["load"] = dict(self.admission.last)  # what the load-aware check measured and predicted
+        self.decisions.append(entry)
 
     def health(self) -> dict[str, Any]:
         by_state: dict[str, int] = {}

@@ -28,25 +28,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One real omni-rt server (tiny checkpoints, vLLM talker) shared by all integration tests;
-    API keys on (tests.harness.SERVER_OVERLAY)."""
+def start_server(overlay: dict, tmp: Path, models_dir: Path, tls_ca: Path | None = None):
+    """A real `omni-rt serve` with `overlay` (tiny checkpoints), ready; the caller stops it."""
     import yaml
 
     from latency_bench.server import ServerProcess
-    from tests.harness import SERVER_OVERLAY
 
-    tmp = tmp_path_factory.mktemp("server")
     log = tmp / "server.log"
     deploy = tmp / "deploy.yaml"
-    deploy.write_text(yaml.safe_dump(SERVER_OVERLAY))
+    deploy.write_text(yaml.safe_dump(overlay))
     env = dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir))
     for attempt in range(3):
         # the port is free when picked but another process may take it before the
         # server binds; the server then exits at once and another port is tried
         log.unlink(missing_ok=True)
-        proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=log, cwd=REPO, env=env)
+        proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=log, cwd=REPO, env=env, tls_ca=tls_ca)
         proc.start()
         try:
             proc.wait_ready(timeout_s=300)
@@ -59,6 +55,16 @@ def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
             print(tail)
             raise
     proc.log_file = log  # type: ignore[attr-defined]
+    return proc
+
+
+@pytest.fixture(scope="session")
+def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One real omni-rt server (tiny checkpoints, vLLM talker) shared by all integration tests;
+    API keys on (tests.harness.SERVER_OVERLAY)."""
+    from tests.harness import SERVER_OVERLAY
+
+    proc = start_server(SERVER_OVERLAY, tmp_path_factory.mktemp("server"), models_dir)
     yield proc
     proc.stop()
 

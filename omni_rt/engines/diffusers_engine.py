@@ -293,6 +293,7 @@ class DiffusersEngine(Engine):
                     continue
             batch = self._next_batch()
             if batch:
+                started = time.monotonic()
                 try:
                     await loop.run_in_executor(self._executor, self._step, batch)
                 except Exception as exc:  # noqa: BLE001
@@ -302,6 +303,7 @@ class DiffusersEngine(Engine):
                 self.steps += 1
                 self.rows += sum(j.rows for j in batch)
                 metrics.ENGINE_BATCH.labels(engine=self.name).observe(sum(j.rows for j in batch))
+                metrics.ENGINE_STEP_SECONDS.labels(engine=self.name).observe(time.monotonic() - started)
                 for j in batch:
                     j.events.put_nowait({"type": "progress", "step": j.step, "steps": j.steps})
                     if j.preview_every and j.step % j.preview_every == 0 and j.step < j.steps:

@@ -244,6 +244,7 @@ class TorchEngine(Engine):
                 self.steps += 1
                 self.items += len(items)
                 metrics.ENGINE_BATCH.labels(engine=self.name).observe(len(items))
+                metrics.ENGINE_STEP_SECONDS.labels(engine=self.name).observe(time.monotonic() - started)
                 for it, y in zip(items, out, strict=False):
                     if not it.future.done():
                         it.future.set_result(y)

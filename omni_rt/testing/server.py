@@ -123,7 +123,7 @@ class Harness:
 
     def url(self, path: str = "", ws: bool = False) -> str:
         u = str(self.client.make_url(path))
-        return u.replace("http://", "ws://", 1) if ws else u
+        return u.replace("http://", "ws://", 1).replace("https://", "wss://", 1) if ws else u
 
     def processor(self, stage: str, replica: int = 0) -> Any:
         return self.runtime.pools[stage].replicas[replica].processor
@@ -157,12 +157,14 @@ async def serve(
     overlay: Mapping[str, Any] | None = None,
     *,
     speeds: Speeds = Speeds(),
+    tls: Any = None,
     **options: Any,
 ) -> AsyncIterator[Harness]:
     """The app serving `pipelines` (the others disabled) over fakes. `overlay` is a
     deploy overlay (dict) merged over the harness defaults; `options` reach the wires
     (e.g. `vad`, `duplex_timing`). The reaper does not run on its own: tests expire
-    sessions with `Harness.expire`."""
+    sessions with `Harness.expire`. `tls`: (server, client) `ssl.SSLContext`s to serve
+    https / wss with, as `omni-rt serve --ssl-certfile … --ssl-keyfile …` does."""
     import pipelines as builtin
     from omni_rt.server import create_app, runner_options
 
@@ -195,7 +197,14 @@ async def serve(
         clock=clock,
         options={"vad": energy_vad, **options},
     )
-    client = TestClient(_Server(app, runner_options(parsed)))
+    server = _Server(app, runner_options(parsed))
+    if tls is not None:
+        import aiohttp
+
+        await server.start_server(ssl=tls[0])
+        client = TestClient(server, connector=aiohttp.TCPConnector(ssl=tls[1]))
+    else:
+        client = TestClient(server)
     await client.start_server()
     try:
         yield Harness(app, client, clock)

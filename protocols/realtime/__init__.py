@@ -105,6 +105,24 @@ def mount(m: Mount) -> None:
         value, expires_at = request.app[CLIENT_SECRETS].issue(principal_of(request), body.expires_after.seconds, session, model)
         return json_response({"value": value, "expires_at": expires_at, "session": cfg.wire(True, new_id("sess"))})
 
+    async def beta_sessions(request: web.Request) -> web.StreamResponse:
+        """The beta clients' ephemeral key (`client.beta.realtime.sessions.create`):
+        the body is the session itself (beta shape), the answer the session object
+        with its `client_secret {value, expires_at}`."""
+        raw = await read_json(request)
+        if not isinstance(raw, dict):
+            raise ClientError("The request body must be a JSON object (the session).")
+        session = dict(raw)
+        secret_cfg = session.pop("client_secret", None)
+        if secret_cfg is not None and not isinstance(secret_cfg, dict):
+            raise ClientError("'client_secret' must be an object ({expires_after: {anchor, seconds}}).", param="client_secret")
+        expires = validate_body(ClientSecretRequest, {"expires_after": (secret_cfg or {}).get("expires_after") or {}}).expires_after
+        model = session_model(pipeline, session)
+        session.pop("type", None)
+        cfg = apply_session_update(Config(model=model or pipeline.models[0]), session, pipeline.voices)
+        value, expires_at = request.app[CLIENT_SECRETS].issue(principal_of(request), expires.seconds, session, model)
+        return json_response({**cfg.wire(False, new_id("sess")), "client_secret": {"value": value, "expires_at": expires_at}})
+
     async def realtime(request: web.Request) -> web.StreamResponse:
         ga = "realtime=v1" not in (request.headers.get("openai-beta") or "")
         try:
@@ -138,3 +156,4 @@ def mount(m: Mount) -> None:
 
     m.websocket("/v1/realtime", realtime, "OpenAI Realtime (GA and beta)")
     m.route("POST", "/v1/realtime/client_secrets", client_secrets, "a short-lived key for one Realtime call (browsers)")
+    m.route("POST", "/v1/realtime/sessions", beta_sessions, "the same for beta clients (session object + client_secret)")

@@ -36,6 +36,7 @@ from aiohttp import web
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
 from protocols.http import json_response, read_json
+from protocols.pages import page
 from protocols.registry import Mount
 from protocols.videos.jobs import VideoJobs, VideoModel
 from protocols.videos.live import VideoConnection
@@ -124,4 +125,8 @@ def mount_live(m: Mount) -> None:
         await close_attachment(sock, session, why)
         return sock.ws
 
+    async def video_page(request: web.Request) -> web.Response:
+        return page("video.html")
+
     m.websocket("/v1/realtime/video", live, "live video generation with prompt edits")
+    m.route("GET", "/demo/video", video_page)

@@ -231,6 +231,38 @@ async def test_client_secrets_expire_and_are_validated(hk):
     assert r.status == 401  # minting one needs a real key
 
 
+async def test_beta_clients_ephemeral_session_through_the_sdk(hk):
+    """`client.beta.realtime.sessions.create` (the older browser flow): the body is the
+    session, the answer its beta shape plus `client_secret`, good for one beta call."""
+    import openai
+
+    sdk = openai.AsyncOpenAI(base_url=hk.url("/v1"), api_key=KEY, max_retries=0, timeout=10)
+    try:
+        got = await sdk.beta.realtime.sessions.create(
+            model="gpt-4o-realtime-preview", voice="alloy", instructions="Answer in one sentence.", modalities=["text"],
+            client_secret={"expires_after": {"anchor": "created_at", "seconds": 60}},
+        )
+        assert got.client_secret.value.startswith("ek_") and got.client_secret.expires_at > 0
+        assert got.instructions == "Answer in one sentence." and got.voice == "alloy" and got.modalities == ["text"]
+        extra = got.to_dict()  # fields the SDK's type does not list
+        assert extra["model"] == "gpt-4o-realtime-preview" and str(extra["id"]).startswith("sess_")
+        with pytest.raises(openai.BadRequestError) as bad:
+            await sdk.beta.realtime.sessions.create(voice="nobody")
+        assert isinstance(bad.value.body, dict) and "voice" in bad.value.body["param"] and "nobody" in str(bad.value)
+        with pytest.raises(openai.BadRequestError) as bad:
+            await sdk.beta.realtime.sessions.create(client_secret={"expires_after": {"anchor": "created_at", "seconds": 1}})
+        assert isinstance(bad.value.body, dict) and bad.value.body["param"] == "expires_after.seconds"
+    finally:
+        await sdk.close()
+    ws = await connect(hk, "/v1/realtime", {"authorization": f"Bearer {got.client_secret.value}", "openai-beta": "realtime=v1"})
+    s = (await ws.until("session.created"))["session"]
+    assert s["instructions"] == "Answer in one sentence." and s["modalities"] == ["text"] and s["model"] == "gpt-4o-realtime-preview"
+    r = await hk.client.post("/v1/realtime/sessions", json={"voice": "alloy"})
+    assert r.status == 401  # minting one needs a real key
+    r = await hk.client.post("/v1/realtime/sessions", json={"client_secret": 5}, headers=AUTH)
+    assert r.status == 400 and (await r.json())["error"]["param"] == "client_secret"
+
+
 async def test_with_keys_off_a_client_secret_is_a_usable_value(h):
     got = await secret(h, session={"instructions": "Hi."})
     ws = await connect(h, "/v1/realtime", {"authorization": f"Bearer {got['value']}"})
