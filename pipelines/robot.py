@@ -274,10 +274,30 @@ def load_processor(processor_dir: str) -> Any:
     from transformers import AutoTokenizer, PI0Processor
 
     conf = {k: v for k, v in image_processor_config(processor_dir).items() if k not in ("image_processor_type", "processor_class")}
+    # A PaliGemma folder's SigLIP settings say nothing of padding: images are padded to
+    # the size they are resized to (π0's own default, 224, is that size at 224).
+    conf.setdefault("pad_size", dict(conf["size"]))
     checkpoint.check_tokenizer_files(processor_dir, "policy processor")
     extra = checkpoint.config(processor_dir, "processor_config.json")
     kwargs = {k: extra[k] for k in ("state_mean", "state_std", "actions_mean", "actions_std", "max_state_dim", "chunk_size") if k in extra}
     return PI0Processor(image_processor=Pi0ImageProcessor(**conf), tokenizer=AutoTokenizer.from_pretrained(processor_dir), **kwargs)
+
+
+def check_embeddable(tokenizer: Any, vocab_size: int, replaced: set[int], where: str) -> None:
+    """Refuse a tokenizer that can emit an id the model would look up past its embedding
+    table. Ids in `replaced` never reach the table (π0 replaces its image token's
+    positions with the vision tower's features, as PaliGemma does: PaliGemma's tokenizer
+    has 257,152 pieces plus `<image>` at id 257152, and π0 embeds 257,152)."""
+    n = len(tokenizer)
+    if n <= vocab_size:
+        return
+    over = sorted((i, t) for t, i in tokenizer.get_vocab().items() if i >= vocab_size and i not in replaced)
+    if over:
+        shown = ", ".join(f"{t!r} (id {i})" for i, t in over[:5]) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
+        raise ValueError(
+            f"{where}: {n} tokens, the model embeds {vocab_size}: {shown} would be looked up past the embedding table "
+            f"(a tokenizer of another model?)"
+        )
 
 
 def pi0_config(model_dir: str) -> dict[str, Any]:
@@ -406,8 +426,7 @@ class PolicyProcessor(StageProcessor):
                 f"policy processor {processor_dir}: its <image> token is id {self.processor.image_token_id}, the model's "
                 f"image_token_id is {vlm.image_token_id} (a tokenizer of another model?)"
             )
-        if len(self.processor.tokenizer) > vlm.text_config.vocab_size:
-            raise ValueError(f"policy processor {processor_dir}: {len(self.processor.tokenizer)} tokens, the model embeds {vlm.text_config.vocab_size}")
+        check_embeddable(self.processor.tokenizer, int(vlm.text_config.vocab_size), {int(vlm.image_token_id)}, f"policy processor {processor_dir}")
         self.state_norm, self.action_norm = load_normalization(spec.model, checkpoint.config(processor_dir, "processor_config.json"))
         self.layouts = {n: Layout.parse(n, raw_l, self.config) for n, raw_l in (args.get("layouts") or {}).items()}
         if not self.layouts:

@@ -351,3 +351,50 @@ def test_bad_input_gets_a_text_error_and_1011_while_another_robot_keeps_going(se
             assert other.infer(droid_observation(42))["actions"].shape == before.shape
     finally:
         other._ws.close()
+
+
+# ---- the π0 overlays on directories laid out as the public repos are -----------------------
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("overlay, layout, observation, dims", [
+    ("pi0.yaml", "transformers", aloha_observation, 14),
+    ("pi0-droid.yaml", "lerobot", droid_observation, 8),
+])
+def test_the_pi0_overlays_check_and_serve_with_a_hub_shaped_paligemma_processor(models_dir, tmp_path, overlay, layout, observation, dims):
+    """examples/deploy/pi0*.yaml as written (paths and the CPU aside): a π0 embedding
+    PaliGemma's 257,152 ids and a processor folder holding its 257,153 tokens (`<image>`
+    at 257152) pass `omni-rt check`, serve, and answer openpi-client's `infer`."""
+    import yaml
+
+    from tests.conftest import start_server
+    from tests.pi0_hub import paligemma_processor, pi0_dir
+
+    models = tmp_path / "models"
+    policy = pi0_dir(models / ("pi0_base" if layout == "transformers" else "pi0-droid"), models_dir / "tiny-pi0", layout)
+    processor = paligemma_processor(models / "paligemma2-3b-mix-224")
+    text = (REPO / "examples" / "deploy" / overlay).read_text()
+    text = text.replace("/models/pi0_base", str(policy)).replace("/models/pi0-droid", str(policy))
+    text = text.replace("/models/paligemma2-3b-mix-224", str(processor)).replace("device: cuda, dtype: bfloat16", "device: cpu, dtype: float32")
+    data = yaml.safe_load(text)
+    assert data["pipelines"]["robot"]["stages"]["policy"]["processor_args"]["processor"] == str(processor)
+    data["server"] = {"models_dir": str(models_dir)}
+    deploy = tmp_path / overlay
+    deploy.write_text(yaml.safe_dump(data))
+    check = subprocess.run([sys.executable, "-m", "omni_rt.cli", "check", "--deploy", str(deploy)], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-2000:]
+    robot_only = {**data, "pipelines": {**{n: {"enabled": False} for n in ("voice", "tts", "asr", "image", "world", "video", "video_edit")},
+                                         "robot": data["pipelines"]["robot"]}}
+    proc = start_server(robot_only, tmp_path, models_dir)
+    try:
+        client = WebsocketClientPolicy(proc.host, proc.port)
+        try:
+            meta = client.get_server_metadata()
+            assert meta["action_dim"] == dims and meta["architecture"] == "PI0ForConditionalGeneration"
+            out = client.infer(observation(0, size=IMAGE_SIZE))
+            assert out["actions"].shape[1] == dims and np.isfinite(out["actions"]).all()
+        finally:
+            client._ws.close()
+    finally:
+        proc.stop()

@@ -24,6 +24,8 @@ from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.stage import StageError
 from pipelines.tiny_pi0 import IMAGE_SIZE
 from tests.conftest import REPO
+from tests.pi0_hub import IMAGE_TOKEN, VOCAB, lerobot_keys, paligemma_processor
+from tests.pi0_hub import pi0_dir as hub_pi0_dir
 
 
 class TwoOps(torch.nn.Module):
@@ -423,24 +425,6 @@ def test_a_missing_stats_or_processor_file_refuses_the_policy_naming_the_file(pi
     assert _processor(bare, processor=str(pi0_dir)).metadata(None)["image_resolution"] == [IMAGE_SIZE, IMAGE_SIZE]
 
 
-def _lerobot_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' π0 parameter names -> lerobot's (the format of lerobot/pi0_base)."""
-    out = {}
-    for k, v in state.items():
-        if k == "model.vlm.language_model.embed_tokens.weight":
-            k = "paligemma_with_expert.paligemma.lm_head.weight"
-        elif k == "model.dit.embed_tokens.weight":
-            k = "paligemma_with_expert.gemma_expert.lm_head.weight"
-        elif k.startswith("model.vlm."):
-            k = "paligemma_with_expert.paligemma.model." + k[len("model.vlm."):]
-        elif k.startswith("model.dit."):
-            k = "paligemma_with_expert.gemma_expert.model." + k[len("model.dit."):]
-        elif k.startswith("embed_action_time."):
-            k = k[len("embed_action_time."):]
-        out[k] = v.contiguous()
-    return out
-
-
 def test_a_checkpoint_in_lerobots_format_loads_into_the_same_model(pi0_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -449,7 +433,7 @@ def test_a_checkpoint_in_lerobots_format_loads_into_the_same_model(pi0_dir, tmp_
     d = tmp_path / "lerobot-format"
     shutil.copytree(pi0_dir, d)
     theirs = load_file(str(pi0_dir / "model.safetensors"))
-    renamed = _lerobot_keys(theirs)
+    renamed = lerobot_keys(theirs)
     assert any(k.startswith("paligemma_with_expert.") for k in renamed) and not any(k.startswith("model.") for k in renamed)
     save_file(renamed, str(d / "model.safetensors"))
     loaded = Pi0Steps.load(str(d)).pi0.state_dict()
@@ -473,3 +457,43 @@ def test_omni_rt_check_refuses_a_directory_that_is_not_pi0(pi0_dir, tmp_path):
     (d / "config.json").write_text(json.dumps({"type": "pi0", "chunk_size": 50, "tokenizer_max_length": 48}))
     assert check_policy_dir(str(d), str(pi0_dir))["type"] == "pi0"
     assert Path(d).is_dir()
+
+
+# ---- directories laid out as the public repos are ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub(models_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hub")
+    return {"processor": paligemma_processor(d / "paligemma-3b-pt-224"),
+            "transformers": hub_pi0_dir(d / "pi0", models_dir / "tiny-pi0"),
+            "lerobot": hub_pi0_dir(d / "pi0-droid", models_dir / "tiny-pi0", "lerobot")}
+
+
+@pytest.mark.parametrize("layout", ["transformers", "lerobot"])
+def test_a_paligemma_processor_whose_only_extra_token_is_the_image_token_is_accepted(hub, layout):
+    """PaliGemma's 257,153 tokens against π0's 257,152 embeddings: `<image>` (257152) is
+    never looked up (its positions take the vision tower's features)."""
+    droid = {"droid": {"images": ["observation/exterior_image_1_left", "observation/wrist_image_left"],
+                       "state": ["observation/joint_position", "observation/gripper_position"], "state_dims": [7, 1], "action_dim": 8}}
+    proc = _processor(hub[layout], processor=str(hub["processor"]), layouts=droid)
+    assert len(proc.processor.tokenizer) == VOCAB + 1 and proc.processor.image_token_id == IMAGE_TOKEN
+    assert proc.config.vlm_config.text_config.vocab_size == VOCAB
+    rng = np.random.default_rng(0)
+    side = proc.size[0]
+    obs = _obs({"observation/exterior_image_1_left": rng.integers(0, 256, (side, side, 3), dtype=np.uint8),
+                "observation/wrist_image_left": rng.integers(0, 256, (side, side, 3), dtype=np.uint8),
+                "observation/joint_position": rng.standard_normal(7), "observation/gripper_position": rng.uniform(0, 1, 1)},
+               {"prompt": "pick up the cup"})
+    batch = proc.prepare(proc.layouts["droid"], obs)
+    ids = batch["input_ids"]
+    assert int((ids == IMAGE_TOKEN).sum()) == 2 * proc.image_tokens and int(ids[ids != IMAGE_TOKEN].max()) < VOCAB
+
+
+def test_a_tokenizer_that_can_emit_an_id_past_the_table_is_refused_naming_it(hub, tmp_path):
+    extra = paligemma_processor(tmp_path / "paligemma-plus", extra_tokens=("<tool_call>", "<tool_result>"))
+    with pytest.raises(ValueError) as err:
+        _processor(hub["transformers"], processor=str(extra))
+    msg = str(err.value)
+    assert "257155 tokens, the model embeds 257152" in msg and "'<tool_call>' (id 257153), '<tool_result>' (id 257154)" in msg
+    assert "<image>" not in msg
