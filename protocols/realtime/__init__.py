@@ -94,15 +94,21 @@ def start_config(pipeline: PipelineSpec, model: str | None, secret: ClientSecret
 def mount(m: Mount) -> None:
     sessions, pipeline, vad = m.sessions, m.pipeline, vad_of(m)
 
+    def mint(request: web.Request, session: dict[str, Any], seconds: int) -> tuple[Config, str, int]:
+        """A client secret for one call starting with `session` (validated now, not at
+        the call): the configuration, the secret's value and when it expires."""
+        model = session_model(pipeline, session)
+        cfg = apply_session_update(Config(model=model or pipeline.models[0]), session, pipeline.voices)
+        value, expires_at = request.app[CLIENT_SECRETS].issue(principal_of(request), seconds, session, model)
+        return cfg, value, expires_at
+
     async def client_secrets(request: web.Request) -> web.StreamResponse:
         """OpenAI's first step of the browser flow: a short-lived key for one call."""
         body = validate_body(ClientSecretRequest, await read_json(request))
         session = dict(body.session or {})
         if session.get("type", "realtime") != "realtime":
             raise ClientError("Only realtime sessions are served ('session.type': 'realtime').", param="session.type")
-        model = session_model(pipeline, session)
-        cfg = apply_session_update(Config(model=model or pipeline.models[0]), session, pipeline.voices)  # validated now, not at the call
-        value, expires_at = request.app[CLIENT_SECRETS].issue(principal_of(request), body.expires_after.seconds, session, model)
+        cfg, value, expires_at = mint(request, session, body.expires_after.seconds)
         return json_response({"value": value, "expires_at": expires_at, "session": cfg.wire(True, new_id("sess"))})
 
     async def beta_sessions(request: web.Request) -> web.StreamResponse:
@@ -117,10 +123,8 @@ def mount(m: Mount) -> None:
         if secret_cfg is not None and not isinstance(secret_cfg, dict):
             raise ClientError("'client_secret' must be an object ({expires_after: {anchor, seconds}}).", param="client_secret")
         expires = validate_body(ClientSecretRequest, {"expires_after": (secret_cfg or {}).get("expires_after") or {}}).expires_after
-        model = session_model(pipeline, session)
         session.pop("type", None)
-        cfg = apply_session_update(Config(model=model or pipeline.models[0]), session, pipeline.voices)
-        value, expires_at = request.app[CLIENT_SECRETS].issue(principal_of(request), expires.seconds, session, model)
+        cfg, value, expires_at = mint(request, session, expires.seconds)
         return json_response({**cfg.wire(False, new_id("sess")), "client_secret": {"value": value, "expires_at": expires_at}})
 
     async def realtime(request: web.Request) -> web.StreamResponse:
