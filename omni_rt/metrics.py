@@ -34,6 +34,13 @@ ENGINE_STEP_SECONDS = Histogram(
 ENGINE_LATE = Counter(
     "omni_rt_engine_late_items_total", "Step-engine items that started after their deadline (a stream's playback ran dry first)", ["engine"]
 )
+DUPLEX_STEP_SECONDS = Histogram(
+    "omni_rt_duplex_step_seconds", "One frame step of every live full-duplex conversation of a stage (budget: the 80 ms frame)", ["stage"],
+    buckets=(0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5),
+)
+DUPLEX_FRAMES_LATE = Counter(
+    "omni_rt_duplex_frames_late_total", "Conversation frames whose step overran the 80 ms frame", ["stage"]
+)
 ENGINE_LOAD = Gauge("omni_rt_engine_load", "Requests queued or running per stage", ["stage"])
 
 # ---- requests --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from pathlib import Path
 from omni_rt.specs import PipelineSpec, load_pipeline
 
 PIPELINE_DIR = Path(__file__).parent
-PIPELINES = ("tts", "voice", "asr", "robot", "image", "world", "video", "video_edit")
+PIPELINES = ("tts", "voice", "asr", "robot", "image", "world", "video", "video_edit", "moshi")
 
 
 def load_builtin(name: str) -> PipelineSpec:

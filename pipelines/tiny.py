@@ -640,6 +640,12 @@ def _fill_pi0(out: Path) -> None:
     fill(out)
 
 
+def _fill_moshi(out: Path) -> None:
+    from pipelines.tiny_moshi import fill  # it trains its tokenizer on CORPUS (imports this module)
+
+    fill(out)
+
+
 def _fill_whisper(out: Path) -> None:
     from pipelines.tiny_whisper import fill  # it trains its tokenizer on CORPUS (imports this module)
 
@@ -662,6 +668,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "whisper": ("tiny-whisper", lambda out: _fill_whisper(out)),
     "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
     "omni3": ("tiny-qwen3-omni", lambda out: _fill_omni3(out)),
+    "moshi": ("tiny-moshi", lambda out: _fill_moshi(out)),
 }
 
 

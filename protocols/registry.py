@@ -32,6 +32,7 @@ WIRES: dict[str, str] = {
     "videos": "protocols.videos:mount",
     "video_live": "protocols.videos:mount_live",
     "openpi": "protocols.openpi:mount",
+    "moshi_duplex": "protocols.duplex.moshi:mount",
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -45,6 +46,9 @@ class Routes:
 
     http: dict[tuple[str, str], Handler] = field(default_factory=dict)
     websocket: dict[str, Handler] = field(default_factory=dict)
+    # a WebSocket path several pipelines serve, told apart by `?model=` (/v1/duplex):
+    # path -> model -> handler; a request naming none of them goes to `websocket[path]`
+    by_model: dict[str, dict[str, Handler]] = field(default_factory=dict)
     index: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, what) for the index page
 
     def add(self, method: str, path: str, handler: Handler, source: str) -> None:
@@ -52,20 +56,44 @@ class Routes:
             raise SpecError(f"{source}: {method} {path} is served by another wire already")
         self.http[(method, path)] = handler
 
-    def add_websocket(self, path: str, handler: Handler, source: str) -> None:
+    def add_websocket(self, path: str, handler: Handler, source: str, model: str | None = None) -> None:
+        if model is not None:
+            models = self.by_model.setdefault(path, {})
+            if model in models:
+                raise SpecError(f"{source}: the WebSocket {path}?model={model} is served by another wire already")
+            models[model] = handler
+            return
         if path in self.websocket:
             raise SpecError(f"{source}: the WebSocket {path} is served by another wire already")
         self.websocket[path] = handler
 
     def install(self, app: web.Application) -> None:
-        for path in sorted({p for _, p in self.http} | set(self.websocket)):
+        for path in sorted({p for _, p in self.http} | set(self.websocket) | set(self.by_model)):
             ws = self.websocket.get(path)
+            if path in self.by_model:
+                ws = _by_model(self.by_model[path], ws)
             page = self.http.get(("GET", path))
             if ws is not None:
                 app.router.add_get(path, _upgrade_or(ws, page))
             for (method, p), handler in self.http.items():
                 if p == path and not (ws is not None and method == "GET"):
                     app.router.add_route(method, path, handler)
+
+
+def _by_model(models: dict[str, Handler], default: Handler | None) -> Handler:
+    """Dispatch a WebSocket on `?model=`: a model some pipeline serves here goes to
+    it; any other (or none) to `default`, else to the only model's handler."""
+    fallback = default if default is not None else next(iter(models.values())) if len(models) == 1 else None
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        handler = models.get(request.query.get("model", ""), fallback)
+        if handler is None:
+            from omni_rt.errors import ClientError
+
+            raise ClientError(f"Name the model with ?model=; served here: {', '.join(sorted(models))}.", param="model")
+        return await handler(request)
+
+    return dispatch
 
 
 def _upgrade_or(ws: Handler, page: Handler | None) -> Handler:
@@ -106,8 +134,8 @@ class Mount:
         if what is not None:
             self.routes.index.append((method, path, what))
 
-    def websocket(self, path: str, handler: Handler, what: str | None = None) -> None:
-        self.routes.add_websocket(path, handler, self.source)
+    def websocket(self, path: str, handler: Handler, what: str | None = None, model: str | None = None) -> None:
+        self.routes.add_websocket(path, handler, self.source, model)
         if what is not None:
             self.routes.index.append(("WS", path, what))
 

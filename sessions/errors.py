@@ -92,6 +92,18 @@ class SessionNotFound(SessionError):
         self.session_id = session_id
 
 
+class FrameCapacity(CapacityLimit):
+    """Admission refused by a pipeline's own real-time check: one more conversation
+    would not fit the model's frame budget (`pipelines.moshi`)."""
+
+    def __init__(self, kind: str, sessions: int, why: str, retry_after_s: int) -> None:
+        SessionError.__init__(self, f"Server at real-time capacity: {why}; retry in {retry_after_s} s.", headers={"retry-after": str(retry_after_s)})
+        self.scope = "capacity"
+        self.kind = kind
+        self.cap = sessions
+        self.retry_after_s = retry_after_s
+
+
 class SessionGone(SessionError):
     """The session existed but is over (closed, expired, evicted)."""
 

@@ -134,9 +134,13 @@ class SessionManager:
         params: Mapping[str, Any] | None = None,
         principal: str = "anonymous",
         control_hz: float | None = None,
+        admit: Callable[[], None] | None = None,
     ) -> Session:
         """Admit a new session or raise SessionLimit / StoreUnavailable. `control_hz`:
-        the control rate a robot declared (load-aware admission weighs it then)."""
+        the control rate a robot declared (load-aware admission weighs it then).
+        `admit`: a pipeline's own real-time check (it raises CapacityLimit), which
+        replaces the load-aware one for this session (a full-duplex model's frame
+        budget)."""
         if kind not in SESSION_KINDS:
             raise ValueError(f"unknown session kind {kind!r}; known: {', '.join(SESSION_KINDS)}")
         if pipeline is not None and self.orchestrator is not None and pipeline not in self.orchestrator.pipelines:
@@ -147,14 +151,17 @@ class SessionManager:
         session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events, self.spec.max_pending_events)
         # The directory entry is written with the slot, in the same atomic step.
         record = {**self._record(session), "state": SessionState.ACTIVE.value}
-        session.weighed = self.admission.applies(kind, control_hz)
-        if session.weighed:
+        session.weighed = admit is None and self.admission.applies(kind, control_hz)
+        if session.weighed or admit is not None:
             try:
-                self.admission.check(kind, *self._realtime_split())
+                if admit is not None:
+                    admit()
+                else:
+                    self.admission.check(kind, *self._realtime_split())
             except CapacityLimit as exc:
                 self.stats["rejected"] += 1
                 metrics.SESSIONS_REJECTED.labels(kind=kind, reason="capacity").inc()
-                self._decided(kind, principal, None, "capacity", exc.message)
+                self._decided(kind, principal, None, "capacity", exc.message, weighed=session.weighed)
                 raise
         evicted: set[str] = set()
         while True:

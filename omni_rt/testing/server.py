@@ -28,7 +28,7 @@ from omni_rt.specs import ProfileSpec, SpecError, StageSpec, parse_overlay
 from omni_rt.stage import StageProcessor
 from omni_rt.testing.clock import FakeClock
 from omni_rt.testing.engines import FakeArEngine, FakeDiffusionEngine, FakeStepEngine, FakeVideoDiffusionEngine
-from omni_rt.testing.stages import code2wav_fn, encode_fn
+from omni_rt.testing.stages import code2wav_fn, encode_fn, moshi_fn
 from omni_rt.testing.vad import energy_vad
 
 
@@ -68,6 +68,8 @@ FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] 
         "omni_rt.testing.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:ClipProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.forcing:ForcingProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
+    "pipelines.moshi:MoshiProcessor": (
+        "omni_rt.testing.stages:FakeMoshi", {"main": lambda n, sp: FakeStepEngine(moshi_fn, n, sp.step_s)}),
     "pipelines.video:VideoProcessor": (
         "omni_rt.testing.stages:FakeVideo", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
 }

@@ -22,6 +22,9 @@ run exactly as they do over real models. Outputs are deterministic:
   window's `segment`, `start`, `end`.
 - `FakePolicy` (policy), `FakeWorld` (world_dit), `FakeVideo` (video_dit); the real
   `ImageProcessor` runs over `FakeDiffusionEngine`.
+- `FakeMoshi` (moshi): the real frame clock, buffering and admission of
+  `pipelines.moshi.MoshiProcessor` over `moshi_fn`: each frame's voice is the user's
+  frame at half amplitude, and every fourth frame's text token writes `"w<frame> "`.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from omni_rt.errors import StageError
 from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageProcessor
+from pipelines.moshi import MoshiProcessor
 
 RATE = 24000
 SAMPLES_PER_FRAME = 2048  # as SNAC 24 kHz: the real code2wav's framing
@@ -353,3 +357,26 @@ class FakeAsr(StageProcessor):
                 ctx.add_usage(output_tokens=len(toks))
                 meta = {"segment": i, "start": lo / rate, "end": (lo + len(part)) / rate}
                 await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text="".join(f"w{t} " for t in toks), meta=meta))
+
+
+def moshi_fn(op: str | None, x: Any) -> Any:
+    """The fake full-duplex step (`FakeMoshi`): per item, the user's frame back at half
+    amplitude; the text token is the slot's step count, kept here per slot."""
+    slot = int(x["slot"])
+    n = 0 if bool(x["fresh"]) else _MOSHI_FRAMES.get(slot, 0)
+    _MOSHI_FRAMES[slot] = n + 1
+    return {"pcm": np.asarray(x["pcm"], np.float32) * 0.5, "text": np.asarray(n, np.int64),
+            "codes": np.zeros(8, np.int64), "user_codes": np.zeros(8, np.int64)}
+
+
+_MOSHI_FRAMES: dict[int, int] = {}
+
+
+class FakeMoshi(MoshiProcessor):
+    def load_text(self, model_dir: str) -> None:
+        self.tokenizer = None
+        self.vocab = 1 << 20
+        self.silent_ids = set()
+
+    def text_piece(self, token: int) -> str:
+        return f"w{token} " if token % 4 == 0 else ""

@@ -1,0 +1,375 @@
+"""The `moshi` pipeline: a full-duplex speech model, Moshi + Mimi, every conversation
+advanced by one batched step per 80 ms frame.
+
+Moshi listens and speaks at once: each frame it reads the user's 80 ms of audio (Mimi's
+8 codes) and writes its own (8 codes, decoded by Mimi) plus a token of its inner
+monologue (the text stream). There are no turns: the model decides every frame whether
+to speak, back-channel or stay silent. The networks are transformers'
+`MoshiForConditionalGeneration` with its `MimiModel`, loaded with `from_pretrained`
+from a directory (`kmhf/hf-moshiko` / `hf-moshika`, or the tiny random one); the step
+over many conversations is `pipelines.moshi_steps.MoshiSteps`, run by the torch engine.
+
+One request per conversation: its input is the user's audio (AUDIO payloads, float32
+PCM at 24 kHz, any chunk size), its output one AUDIO payload a frame (1920 samples, the
+model's voice; `meta`: `frame`, `text` the piece of text this frame added, `late`).
+
+The frame clock (`FrameClock`, one per replica) ticks every 80 ms while any
+conversation is live. At each tick every live conversation contributes one frame: the
+next 1920 samples of what its user sent, or silence when the user's audio has not
+arrived (a user that stops sending is heard as silence; audio arriving later is played
+in after a `jitter_ms` lead again, nothing accepted is dropped); all of them go to the
+engine at once and run as one batch. A conversation joins at the tick after it opens
+and leaves when its input ends; the others do not notice. Audio that arrives faster
+than real time waits in the conversation's buffer, up to `max_buffer_s`.
+
+Admission (`admit`): the clock measures the step time of each batch size it ran (and
+of sizes 1 and 2 at start-up); one more conversation is admitted while the step
+predicted for one more (the measured time at that size, else a least-squares line
+through the sizes measured) stays within `frame_budget_ms` × `budget_headroom`, and
+while fewer than `max_sessions` are live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omni_rt import metrics
+from omni_rt.engines.base import Engine, StepEngine
+from omni_rt.payloads import Payload, PayloadKind
+from omni_rt.specs import StageSpec
+from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from pipelines.moshi_steps import FRAME, MoshiSteps
+
+log = logging.getLogger("pipelines.moshi")
+
+ARCHITECTURE = "MoshiForConditionalGeneration"
+SAMPLE_RATE = 24000
+FRAME_S = FRAME / SAMPLE_RATE  # 0.08
+DEFAULTS: dict[str, Any] = {
+    "max_sessions": 16,
+    "jitter_ms": 40.0,
+    "max_buffer_s": 4.0,
+    "frame_budget_ms": 80.0,
+    "budget_headroom": 0.75,
+    "text_temperature": 0.7,
+    "audio_temperature": 0.8,
+    "text_top_k": 25,
+    "audio_top_k": 250,
+    "seed": 0,
+}
+
+
+def _least_squares(points: Mapping[int, float], x: int) -> float:
+    xs, ys = list(points), list(points.values())
+    if len(xs) == 1:  # one size measured: proportional to the batch (an upper bound while a step has fixed costs)
+        return ys[0] * x / xs[0]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((a - mx) ** 2 for a in xs)
+    slope = max(0.0, sum((a - mx) * (b - my) for a, b in zip(xs, ys, strict=True)) / sxx)
+    return my + slope * (x - mx)
+
+
+@dataclass
+class StepTimes:
+    """Step seconds by batch size (a moving average of each), and the prediction."""
+
+    alpha: float = 0.2
+    by_size: dict[int, float] = field(default_factory=dict)
+
+    def add(self, size: int, seconds: float) -> None:
+        old = self.by_size.get(size)
+        self.by_size[size] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def predict(self, size: int) -> float | None:
+        if size in self.by_size:
+            return self.by_size[size]
+        return _least_squares(self.by_size, size) if self.by_size else None
+
+
+class Conversation:
+    """One live conversation on the clock: its slot, its input buffer, its outputs."""
+
+    def __init__(self, slot: int, seed: int, lead: int, max_samples: int) -> None:
+        self.slot = slot
+        self.seed = seed
+        self.lead = lead
+        self.max_samples = max_samples
+        self.chunks: deque[np.ndarray] = deque()
+        self.buffered = 0
+        self.ready = False  # the user's audio has `lead` samples to spare: frames are taken from it
+        self.fresh = True
+        self.frames = 0
+        self.late = 0
+        self.silent_frames = 0  # frames fed silence because the user's audio was not there
+        self.out: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+
+    def feed(self, pcm: np.ndarray) -> None:
+        if self.buffered + len(pcm) > self.max_samples:
+            raise StageError(
+                f"the user's audio is {self.buffered / SAMPLE_RATE:.1f} s ahead of real time; at most "
+                f"{self.max_samples / SAMPLE_RATE:.1f} s may wait (send audio in real time)"
+            )
+        if len(pcm):
+            self.chunks.append(pcm)
+            self.buffered += len(pcm)
+
+    def take(self) -> np.ndarray:
+        """The next frame of the user's audio, or silence (see the module docstring)."""
+        if not self.ready and self.buffered >= FRAME + self.lead:
+            self.ready = True
+        out = np.zeros(FRAME, np.float32)
+        if not self.ready:
+            self.silent_frames += 1
+            return out
+        got = 0
+        while got < FRAME and self.chunks:
+            c = self.chunks[0]
+            n = min(FRAME - got, len(c))
+            out[got : got + n] = c[:n]
+            got += n
+            if n == len(c):
+                self.chunks.popleft()
+            else:
+                self.chunks[0] = c[n:]
+        self.buffered -= got
+        if got < FRAME:  # ran dry: wait for the lead again
+            self.ready = False
+        return out
+
+
+class FrameClock:
+    """Ticks every 80 ms while conversations are live; one batched step a tick."""
+
+    def __init__(self, engine: StepEngine, sampling: Mapping[str, float], name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.sampling = {k: np.asarray(v, np.float32 if "temperature" in k else np.int64) for k, v in sampling.items()}
+        self.name = name
+        self.clock = clock
+        self.live: dict[int, Conversation] = {}
+        self.times = StepTimes()
+        self.steps = 0
+        self.late_steps = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, conv: Conversation) -> None:
+        self.live[conv.slot] = conv
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"moshi-clock-{self.name}")
+
+    def remove(self, conv: Conversation) -> None:
+        if self.live.get(conv.slot) is conv:
+            del self.live[conv.slot]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def item(self, conv: Conversation, pcm: np.ndarray) -> dict[str, np.ndarray]:
+        return {"slot": np.asarray(conv.slot, np.int64), "pcm": pcm, "fresh": np.asarray(conv.fresh), "seed": np.asarray(conv.seed, np.int64), **self.sampling}
+
+    async def step(self, convs: list[Conversation]) -> float:
+        """One batched step of `convs`; their results go to their queues. The step's seconds."""
+        items = [self.item(c, c.take()) for c in convs]
+        for c in convs:
+            c.fresh = False
+        started = self.clock()
+        results = await asyncio.gather(*(self.engine.run(it, op="step", deadline=started + FRAME_S) for it in items), return_exceptions=True)
+        took = self.clock() - started
+        late = took > FRAME_S
+        self.steps += 1
+        self.late_steps += late
+        self.times.add(len(convs), took)
+        metrics.DUPLEX_STEP_SECONDS.labels(stage=self.name).observe(took)
+        for c, r in zip(convs, results, strict=True):
+            c.frames += 1
+            c.late += late
+            if late:
+                metrics.DUPLEX_FRAMES_LATE.labels(stage=self.name).inc()
+            c.out.put_nowait(r if isinstance(r, BaseException) else {**r, "late": late})
+        return took
+
+    async def _run(self) -> None:
+        due = self.clock()
+        while self.live:
+            await self.step(list(self.live.values()))
+            due += FRAME_S
+            now = self.clock()
+            if now > due:  # the step overran its frame: the clock starts again from now
+                due = now
+            else:
+                await asyncio.sleep(due - now)
+
+
+class MoshiProcessor(StageProcessor):
+    """The `moshi` stage (see the module docstring)."""
+
+    @staticmethod
+    def torch_module(model_dir: str, role: str) -> Callable[[], Any]:
+        return lambda: MoshiSteps.load(model_dir)
+
+    @classmethod
+    def check_model(cls, model_dir: str) -> None:
+        path = Path(model_dir)
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise StageError(f"{model_dir}: no readable config.json ({exc})") from None
+        archs = config.get("architectures") or []
+        if ARCHITECTURE not in archs:
+            raise StageError(f"{model_dir}: config.json names {archs or 'no architecture'}; the moshi stage loads {ARCHITECTURE} (transformers' format, e.g. kmhf/hf-moshiko)")
+        mimi = config.get("audio_encoder_config") or {}
+        if mimi.get("sampling_rate", SAMPLE_RATE) != SAMPLE_RATE or mimi.get("frame_rate", 12.5) != 12.5:
+            raise StageError(f"{model_dir}: Mimi at {mimi.get('sampling_rate')} Hz / {mimi.get('frame_rate')} Hz; the moshi stage runs 24 kHz at 12.5 frames a second")
+        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+            raise StageError(f"{model_dir}: no tokenizer for the text stream (tokenizer.json or tokenizer.model)")
+
+    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
+        super().__init__(spec, engine, aux)
+        check_processor_args(spec.processor_args, DEFAULTS, "moshi")
+        self.args = {**DEFAULTS, **spec.processor_args}
+        self.steps = self.engine_as(StepEngine)
+        assert spec.model is not None
+        self.load_text(spec.model)
+        self.max_sessions = int(self.args["max_sessions"])
+        self.budget_s = float(self.args["frame_budget_ms"]) / 1000.0 * float(self.args["budget_headroom"])
+        sampling = {k: self.args[k] for k in ("text_temperature", "audio_temperature", "text_top_k", "audio_top_k")}
+        self.clock = FrameClock(self.steps, sampling, spec.name)
+        self._free = list(range(self.max_sessions))
+        self._reserved: set[str] = set()  # admitted conversations whose request has not started yet
+        self._seeds = int(self.args["seed"])
+
+    def describe(self) -> dict[str, Any]:
+        t = self.clock.times
+        return {
+            "sample_rate": SAMPLE_RATE, "frame_ms": FRAME_S * 1000, "max_sessions": self.max_sessions, "live": len(self.clock.live),
+            "frame_budget_ms": float(self.args["frame_budget_ms"]), "admit_below_ms": round(self.budget_s * 1000, 2),
+            "step_ms_by_batch": {str(k): round(v * 1000, 2) for k, v in sorted(t.by_size.items())},
+            "steps": self.clock.steps, "late_steps": self.clock.late_steps,
+        }
+
+    async def start(self) -> None:
+        """Measure the step at one and two conversations (scratch slots, reset by the
+        first conversation that takes them), so that admission has figures before the
+        first conversation."""
+        warm = [Conversation(slot, 0, 0, FRAME * 4) for slot in range(min(2, self.max_sessions))]
+        for n in range(1, len(warm) + 1):
+            for _ in range(3):
+                await self.clock.step(warm[:n])
+            for c in warm:
+                c.fresh = True
+        for c in warm:
+            while not c.out.empty():
+                c.out.get_nowait()
+
+    async def stop(self) -> None:
+        await self.clock.stop()
+
+    def describe_health(self) -> dict[str, Any] | None:
+        return self.describe()
+
+    # ---- admission -----------------------------------------------------------------------
+    def admit(self, key: str) -> None:
+        """Reserve room for one more conversation under `key` or raise
+        FrameBudgetExceeded. The request started with `params["reservation"] = key`
+        takes the reservation over; `cancel(key)` gives it back when none starts."""
+        live = len(self.clock.live) + len(self._reserved)
+        if live >= self.max_sessions:
+            raise FrameBudgetExceeded(live, None, self.budget_s, f"at its limit of {self.max_sessions} conversations (processor_args.max_sessions)")
+        predicted = self.clock.times.predict(live + 1)
+        if predicted is not None and predicted > self.budget_s and live > 0:
+            raise FrameBudgetExceeded(live, predicted, self.budget_s)
+        self._reserved.add(key)
+
+    def cancel(self, key: str) -> None:
+        self._reserved.discard(key)
+
+    def load_text(self, model_dir: str) -> None:
+        """The text stream's tokenizer, and the ids that write nothing (padding, specials)."""
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.vocab = int(config["vocab_size"])
+        self.silent_ids = {i for i in (self.tokenizer.pad_token_id, config.get("pad_token_id")) if i is not None}
+        self.silent_ids |= set(self.tokenizer.all_special_ids)
+
+    def text_piece(self, token: int) -> str:
+        if token >= self.vocab or token in self.silent_ids:
+            return ""
+        return str(self.tokenizer.decode([token]))
+
+    # ---- a conversation --------------------------------------------------------------------
+    async def run(self, ctx: StageContext) -> None:
+        if not self._free:
+            raise StageError(f"no free conversation slot (max_sessions {self.max_sessions})")
+        slot = self._free.pop(0)
+        seed = int(ctx.params.get("seed", self._seeds))
+        self._seeds += 1
+        lead = int(float(self.args["jitter_ms"]) / 1000 * SAMPLE_RATE)
+        conv = Conversation(slot, seed, lead, int(float(self.args["max_buffer_s"]) * SAMPLE_RATE))
+        ended = asyncio.Event()
+
+        async def read() -> None:
+            async for p in ctx.input():
+                if p.kind == PayloadKind.AUDIO:
+                    if int(p.meta.get("sample_rate", SAMPLE_RATE)) != SAMPLE_RATE:
+                        raise StageError(f"the moshi stage takes {SAMPLE_RATE} Hz audio, got {p.meta.get('sample_rate')}")
+                    conv.feed(np.asarray(p.arrays["pcm"], np.float32).reshape(-1))
+            ended.set()
+
+        reader = asyncio.get_running_loop().create_task(read())
+        self.clock.add(conv)
+        self._reserved.discard(str(ctx.params.get("reservation")))
+        try:
+            while True:
+                getter = asyncio.ensure_future(conv.out.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    reader.result()  # an input error fails the request
+                    if ended.is_set() and conv.buffered == 0:
+                        break
+                    continue
+                r = getter.result()
+                if isinstance(r, BaseException):
+                    raise StageError(f"moshi step failed: {r}")
+                text = self.text_piece(int(r["text"]))
+                await ctx.emit(Payload(
+                    PayloadKind.AUDIO, ctx.fence, arrays={"pcm": np.ascontiguousarray(r["pcm"], np.float32)},
+                    meta={"sample_rate": SAMPLE_RATE, "frame": conv.frames - 1, "text": text, "text_token": int(r["text"]), "late": bool(r["late"])},
+                ))
+                if ended.is_set() and conv.buffered == 0:
+                    break
+            ctx.add_usage(frames=conv.frames, late_frames=conv.late, silent_frames=conv.silent_frames)
+        finally:
+            self.clock.remove(conv)
+            self._free.append(slot)
+            self._free.sort()
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+
+class FrameBudgetExceeded(Exception):
+    """One more conversation would not fit the frame: the caller refuses the session
+    (`capacity`, 1013 / 429 with retry-after)."""
+
+    def __init__(self, live: int, predicted_s: float | None, budget_s: float, why: str | None = None) -> None:
+        self.live = live
+        self.predicted_s = predicted_s
+        self.budget_s = budget_s
+        self.why = why or (
+            f"with {live} conversation(s) live, one more would make each 80 ms frame's step take "
+            f"{(predicted_s or 0) * 1000:.1f} ms (admitted while it stays under {budget_s * 1000:.1f} ms)"
+        )
+        super().__init__(self.why)

@@ -1,0 +1,398 @@
+"""`/v1/duplex?model=moshi`: a full-duplex speech model over one WebSocket.
+
+There are no turns and no responses: audio flows both ways all the time and the model
+decides every 80 ms frame whether to speak. The wire keeps the duplex transport's
+shapes (`protocols.duplex.transport`): binary frames `[0x01][PCM16 LE mono]` (or
+`input_audio_buffer.append {audio: base64}`) in at the declared input rate, resampled
+to the model's 24 kHz with soxr; the model's voice out as binary frames `[0x01][PCM16]`
+(one per 80 ms frame, `session.audio.output.transport: "binary"`, the default here) or
+`response.output_audio.delta {frame, delta: base64}` events ("json"), at the declared
+output rate. Every JSON server event carries `server_event_seq`.
+
+Server events: `session.created {session, resume_token}` first (`session.capabilities`:
+`full_duplex`, `frame_ms`, input/output formats and rates, `heartbeat_s`,
+`max_input_ahead_s`, `supports_session_resume`, `disconnect_grace_s`);
+`duplex.text.delta {frame, delta}` — the model's text stream (its inner monologue, one
+piece a frame when it says a word; padding frames send nothing); `heartbeat`;
+`session.updated`; `error`; `session.closed`.
+
+Client events: `session.update {session: {audio: {input: {format: {type: audio/pcm,
+rate}}, output: {format: {...}, transport}}}}`, `input_audio_buffer.append`,
+`heartbeat`, `session.close`, and `session.resume {session_id, resume_token}` as the
+first event on a new socket (or the `session_id` / `resume_token` query parameters).
+
+The model's clock runs from the moment the session opens: a user that stops sending is
+heard as silence (the lease's idle TTL still applies to the session), and audio that
+arrives faster than real time waits up to `max_input_ahead_s`; a frame beyond that is
+refused with an `error` (`input_too_fast`) and not played in. A dropped connection
+detaches the session: the model keeps listening (to silence) and its output waits in
+the replay buffer (`sessions.replay_buffer_events`, oldest dropped first) for a resume
+within `sessions.disconnect_grace_s`.
+
+Admission: the stage admits a conversation only while the batched step for one more
+still fits the frame budget (`pipelines.moshi`); otherwise `capacity`: an `error` event
+and close 1013, with the seconds to wait in its message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import soxr
+
+from omni_rt.errors import WS_INTERNAL_ERROR, WS_POLICY_VIOLATION, ClientError, OmniError, RequestAborted
+from omni_rt.payloads import Payload, PayloadKind
+from protocols.auth import principal_of
+from protocols.duplex.transport import AUDIO_FRAME, MAX_FRAME_BYTES, RATES
+from protocols.errors import error_event, to_omni
+from protocols.registry import Mount
+from protocols.wire_json import load_json
+from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, reject, write_events
+from sessions import Session, SessionError, SessionGone, SessionManager
+from sessions.errors import FrameCapacity
+
+log = logging.getLogger("protocols.duplex.moshi")
+
+RATE = 24000
+AUDIO_DELTA = "response.output_audio.delta"
+TEXT_DELTA = "duplex.text.delta"
+MAX_INPUT_AHEAD_S = 2.0
+HEARTBEAT_S = 5.0
+
+
+@runtime_checkable
+class DuplexModel(Protocol):
+    """What this wire needs from the pipeline's stage (`pipelines.moshi.MoshiProcessor`)."""
+
+    def admit(self, key: str) -> None: ...
+
+    def cancel(self, key: str) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def _pcm16(x: np.ndarray) -> bytes:
+    return (np.clip(x, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+class MoshiConversation:
+    """A session's conversation with the model: the request, the audio both ways, the
+    wire settings. It lives in the session (it survives reconnects)."""
+
+    def __init__(self, session: Session, sessions: SessionManager, model: str, frame_ms: float, reservation: str) -> None:
+        self.session = session
+        self.sessions = sessions
+        self.model = model
+        self.frame_ms = frame_ms
+        self.in_rate = RATE
+        self.out_rate = RATE
+        self.binary_out = True
+        self._in_rs: Any = None
+        self._out_rs: Any = None
+        self.out_seq = 0
+        self.received_s = 0.0  # audio taken from the user, seconds at 24 kHz
+        self.first_audio: float | None = None
+        self.stream = session.submit({"reservation": reservation})
+        self.pump = asyncio.get_running_loop().create_task(self._pump(), name=f"moshi-pump-{session.id}")
+        session.data["moshi"] = self
+
+        async def stop() -> None:
+            self.pump.cancel()
+            await asyncio.gather(self.pump, return_exceptions=True)
+
+        session.add_finalizer(stop)
+
+    # ---- the session's shape --------------------------------------------------------------
+    def wire(self, caps: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "id": self.session.id, "object": "realtime.session", "type": "duplex", "model": self.model,
+            "audio": {
+                "input": {"format": {"type": "audio/pcm", "rate": self.in_rate}},
+                "output": {"format": {"type": "audio/pcm", "rate": self.out_rate}, "transport": "binary" if self.binary_out else "json"},
+            },
+            "capabilities": dict(caps),
+        }
+
+    def update(self, body: Any) -> None:
+        if not isinstance(body, dict):
+            raise ClientError("'session' must be an object.", param="session")
+        bad = set(body) - {"audio", "type", "model"}
+        if bad:
+            raise ClientError(f"Unknown session field(s) {sorted(bad)}; a full-duplex session takes session.audio.", code="unknown_parameter", param=f"session.{sorted(bad)[0]}")
+        audio = body.get("audio") or {}
+        if not isinstance(audio, dict) or set(audio) - {"input", "output"}:
+            raise ClientError("session.audio takes 'input' and 'output'.", param="session.audio")
+        inp, out = audio.get("input") or {}, audio.get("output") or {}
+        in_rate = _rate(inp.get("format"), "session.audio.input.format") if "format" in inp else self.in_rate
+        out_rate = _rate(out.get("format"), "session.audio.output.format") if "format" in out else self.out_rate
+        transport = out.get("transport", "binary" if self.binary_out else "json")
+        if transport not in ("binary", "json"):
+            raise ClientError("session.audio.output.transport is 'binary' or 'json'.", param="session.audio.output.transport")
+        if in_rate != self.in_rate:
+            self.in_rate, self._in_rs = in_rate, None
+        if out_rate != self.out_rate:
+            self.out_rate, self._out_rs = out_rate, None
+        self.binary_out = transport == "binary"
+
+    # ---- audio in ---------------------------------------------------------------------------
+    def audio_in(self, pcm16: bytes) -> None:
+        """PCM16 at the input rate: resampled and sent to the model, unless it is too far
+        ahead of real time (then refused: nothing of it is played in)."""
+        if len(pcm16) % 2:
+            raise ClientError("Audio frames carry 16-bit PCM: an even number of bytes.", code="invalid_frame")
+        now = time.monotonic()
+        seconds = len(pcm16) / 2 / self.in_rate
+        if self.first_audio is None:
+            self.first_audio = now
+        ahead = self.received_s + seconds - (now - self.first_audio)
+        if ahead > MAX_INPUT_AHEAD_S:
+            raise ClientError(
+                f"Audio is arriving {ahead:.1f} s ahead of real time; send it in real time (at most {MAX_INPUT_AHEAD_S:.1f} s ahead). "
+                "This frame was not played in.",
+                code="input_too_fast",
+            )
+        x = np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0
+        if self.in_rate != RATE:
+            if self._in_rs is None:
+                self._in_rs = soxr.ResampleStream(self.in_rate, RATE, 1, dtype="float32")
+            x = self._in_rs.resample_chunk(x)
+        self.received_s += seconds
+        if not self.session.send_input(self.stream, Payload(PayloadKind.AUDIO, self.session.fence, arrays={"pcm": x}, meta={"sample_rate": RATE})):
+            raise ClientError("The conversation has ended; open a new session.", code="session_gone")
+
+    # ---- audio and text out -------------------------------------------------------------------
+    async def _pump(self) -> None:
+        s = self.session
+        try:
+            async for _, p, _ in self.stream.payloads():
+                frame = int(p.meta.get("frame", 0))
+                pcm = p.arrays["pcm"]
+                if self.out_rate != RATE:
+                    if self._out_rs is None:
+                        self._out_rs = soxr.ResampleStream(RATE, self.out_rate, 1, dtype="float32")
+                    pcm = self._out_rs.resample_chunk(pcm)
+                s.emit(AUDIO_DELTA, {"frame": frame, "delta": _pcm16(pcm)})
+                if p.meta.get("text"):
+                    s.emit(TEXT_DELTA, {"frame": frame, "delta": p.meta["text"]})
+        except RequestAborted:
+            return  # the session is ending
+        except OmniError as exc:
+            log.warning("moshi session %s: %s", s.id, exc)
+            s.emit("error", {"error": {**exc.wire(), "event_id": None}})
+            self.sessions.end_soon(s, "server_error")
+
+    # ---- the wire ---------------------------------------------------------------------------
+    def render(self, type: str, data: Mapping[str, Any]) -> str | bytes:
+        self.out_seq += 1
+        if type == AUDIO_DELTA:
+            if self.binary_out:
+                return bytes([AUDIO_FRAME]) + data["delta"]
+            data = {**data, "delta": base64.b64encode(data["delta"]).decode()}
+        return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **data})
+
+
+def _rate(v: Any, param: str) -> int:
+    if not isinstance(v, Mapping) or v.get("type", "audio/pcm") != "audio/pcm":
+        raise ClientError("Must be {type: audio/pcm, rate: N}.", param=param)
+    rate = v.get("rate", RATE)
+    if not isinstance(rate, int) or isinstance(rate, bool) or rate not in RATES:
+        raise ClientError(f"Unsupported sample rate {rate!r}; use one of {', '.join(map(str, RATES))}.", param=f"{param}.rate")
+    return rate
+
+
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
+    proc = m.processor(DuplexModel)
+    model_names = list(pipeline.models)
+
+    def caps() -> dict[str, Any]:
+        d = proc.describe()
+        return {
+            "full_duplex": True, "frame_ms": d["frame_ms"], "supports_barge_in": False, "supports_session_resume": True,
+            "input_formats": [{"type": "audio/pcm", "rates": list(RATES), "binary_frame_type": AUDIO_FRAME}],
+            "output_formats": [{"type": "audio/pcm", "rates": list(RATES)}], "output_transports": ["binary", "json"],
+            "heartbeat_s": HEARTBEAT_S, "max_input_ahead_s": MAX_INPUT_AHEAD_S,
+            "replay_buffer_events": sessions.spec.replay_buffer_events, "disconnect_grace_s": sessions.spec.disconnect_grace_s,
+        }
+
+    async def open_session(principal: str, model: str) -> tuple[Session, MoshiConversation]:
+        key = f"open_{secrets.token_hex(8)}"
+
+        def admit() -> None:
+            try:
+                proc.admit(key)
+            except Exception as exc:  # pipelines.moshi.FrameBudgetExceeded
+                raise FrameCapacity("duplex", getattr(exc, "live", 0), str(exc), sessions.spec.realtime_admission.retry_after_s) from None
+
+        try:
+            session = await sessions.open("duplex", pipeline.name, principal=principal, admit=admit)
+        except BaseException:
+            proc.cancel(key)  # refused after the frame budget reserved room (a cap, the store)
+            raise
+        try:
+            return session, MoshiConversation(session, sessions, model, float(proc.describe()["frame_ms"]), key)
+        except BaseException:
+            proc.cancel(key)
+            await sessions.end(session, "server_error")
+            raise
+
+    async def handle(sock: Socket, session: Session, conv: MoshiConversation, data: str | bytes, first: bool) -> tuple[Session, MoshiConversation] | None:
+        session.touch()
+        if isinstance(data, bytes) and data[:1] != b"{":
+            if len(data) < 2 or data[0] != AUDIO_FRAME:
+                kind = f"0x{data[0]:02x}" if data else "empty"
+                raise ClientError(f"Binary frames are [0x01][PCM16 audio]; got a {kind} frame of {len(data)} bytes.", code="invalid_frame")
+            if len(data) - 1 > MAX_FRAME_BYTES:
+                raise ClientError(f"An audio frame may carry at most {MAX_FRAME_BYTES} bytes.", code="invalid_frame")
+            conv.audio_in(data[1:])
+            return None
+        ev = load_json(data)
+        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
+            raise ClientError("Each event is a JSON object with a string 'type'.", param="type")
+        kind = ev["type"]
+        if kind == "input_audio_buffer.append":
+            audio = ev.get("audio")
+            if not isinstance(audio, str):
+                raise ClientError("'audio' must be base64 PCM16.", param="audio")
+            try:
+                raw = base64.b64decode(audio, validate=True)
+            except (binascii.Error, ValueError):
+                raise ClientError("'audio' is not valid base64.", param="audio") from None
+            conv.audio_in(raw)
+        elif kind == "session.update":
+            conv.update(ev.get("session"))
+            session.emit("session.updated", {"session": conv.wire(caps())})
+        elif kind == "heartbeat":
+            pass
+        elif kind == "session.close":
+            await sessions.end(session, "client_closed")
+        elif kind == "session.resume":
+            if not first:
+                raise ClientError("session.resume must be the first event on a new connection.", param="type")
+            return await resume(ev.get("session_id"), ev.get("resume_token"), principal_of(sock.request).name)
+        else:
+            raise ClientError(
+                f"Unknown event type {kind!r}; known: input_audio_buffer.append, session.update, heartbeat, session.close, session.resume.",
+                code="invalid_event", param="type",
+            )
+        return None
+
+    async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, MoshiConversation]:
+        if not isinstance(sid, str) or not sid:
+            raise ClientError("Missing required parameter: 'session_id'.", code="missing_required_parameter", param="session_id")
+        s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
+        conv = s.data.get("moshi")
+        if not isinstance(conv, MoshiConversation):
+            raise ClientError(f"Session {sid} is not a full-duplex model session.", param="session_id")
+        return s, conv
+
+    async def attach(sock: Socket, session: Session, conv: MoshiConversation, first: bool) -> tuple[Session, MoshiConversation] | None:
+        gen = session.attachment
+        loop = asyncio.get_running_loop()
+        writer = loop.create_task(write_events(sock, session, lambda ev: conv.render(ev.type, ev.data)))
+        ended = asyncio.ensure_future(session.closed.wait())
+
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(HEARTBEAT_S)
+                if session.attached_as(gen):
+                    session.emit("heartbeat", {"interval_s": HEARTBEAT_S})
+
+        beat = loop.create_task(heartbeat())
+        switch = None
+        try:
+            while (data := await sock.receive(writer, ended)) is not None:
+                try:
+                    switch = await handle(sock, session, conv, data, first)
+                except ClientError as err:
+                    session.emit("error", {"error": {**err.wire(), "event_id": None}})
+                except SessionError as exc:
+                    if not first:
+                        raise
+                    refusal = {"type": "session.expired", "session_id": "", "reason": exc.reason} if isinstance(exc, SessionGone) else error_event(exc)
+                    session.emit(refusal.pop("type"), refusal)
+                first = False
+                if switch is not None:
+                    break
+        finally:
+            beat.cancel()
+            ended.cancel()
+            await asyncio.wait({writer}, timeout=0.5)
+            writer.cancel()
+            await asyncio.gather(writer, beat, return_exceptions=True)
+            if switch is None and session.attached_as(gen):
+                await sessions.detach(session.id)
+        return switch
+
+    async def duplex(request: Any) -> Any:
+        if request.headers.get("upgrade", "").lower() != "websocket":
+            raise ClientError("/v1/duplex is a WebSocket: connect with 'Upgrade: websocket'.", code="websocket_required")
+        principal = principal_of(request).name
+        model = request.query.get("model") or model_names[0]
+        sock: Socket | None = None
+        session: Session | None = None
+        try:
+            if request.query.get("session_id"):
+                sock = await accept(request)
+                sid = request.query["session_id"]
+                try:
+                    session, conv = await resume(sid, request.query.get("resume_token"), principal)
+                except (SessionError, ClientError) as exc:
+                    msg = {"type": "session.expired", "session_id": sid, "reason": exc.reason} if isinstance(exc, SessionGone) else error_event(exc)
+                    await sock.send_json(msg)
+                    await sock.close(WS_POLICY_VIOLATION, "resume refused")
+                    return sock.ws
+                first, resumed = False, True
+            else:
+                try:
+                    session, conv = await open_session(principal, model)
+                except SessionError as exc:
+                    return await reject(request, exc)
+                sock = await accept(request)
+                session.emit("session.created", {"session": conv.wire(caps()), "resume_token": session.issue_resume_token()})
+                first, resumed = True, False
+            while True:
+                if resumed:
+                    conv.out_seq += 1
+                    await sock.send(json.dumps({
+                        "type": "session.resumed", "event_id": f"event_{conv.out_seq:06d}", "server_event_seq": conv.out_seq,
+                        "session": conv.wire(caps()), "resume_token": session.issue_resume_token(), "replayed_events": session.queued_events,
+                    }))
+                nxt = await attach(sock, session, conv, first)
+                if nxt is None:
+                    break
+                fresh = session
+                session, conv = nxt
+                await sessions.end(fresh, "replaced_by_resume")
+                resumed, first = True, False
+        except DISCONNECTED:
+            if session is not None and session.is_open and session.attached_as(session.attachment):
+                await sessions.detach(session.id)
+        except Exception as exc:  # noqa: BLE001 - a fault: tell the client, end the session, close 1011
+            err = to_omni(exc, f"duplex session {session.id if session else '-'}")
+            if sock is not None:
+                try:
+                    await sock.send_json(error_event(err))
+                except DISCONNECTED:
+                    pass
+            if session is not None:
+                await sessions.end(session, "server_error")
+            if sock is None:
+                raise
+            await sock.close(WS_INTERNAL_ERROR, "internal error")
+            return sock.ws
+        assert sock is not None and session is not None
+        await close_attachment(sock, session, "ended")
+        return sock.ws
+
+    for name in model_names:
+        m.websocket("/v1/duplex", duplex, f"full-duplex speech ({name}, ?model={name})" if name == model_names[0] else None, model=name)
