@@ -275,9 +275,6 @@ class MoshiProcessor(StageProcessor):
     async def stop(self) -> None:
         await self.clock.stop()
 
-    def describe_health(self) -> dict[str, Any] | None:
-        return self.describe()
-
     # ---- admission -----------------------------------------------------------------------
     def admit(self, key: str) -> None:
         """Reserve room for one more conversation under `key` or raise
