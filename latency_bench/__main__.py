@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="concurrent full-duplex voice sessions over /v1/duplex or WebRTC: reply latency, RTF, pacing, CPU",
         description="S sessions at once, each speaking --turns utterances in real time with server VAD.",
     )
+    d.add_argument("--model", help="a full-duplex model instead of the voice pipeline (moshi): S conversations speak --seconds each "
+                                   "on /v1/duplex?model=...; step time per 80 ms frame, late frames, admitted, CPU; batched vs one at a time")
+    d.add_argument("--seconds", type=float, default=8.0, help="with --model: seconds each conversation speaks (default 8)")
     d.add_argument("--transport", choices=("ws", "webrtc"), default="ws")
     d.add_argument("--pacing", choices=("realtime", "none"), default="realtime",
                    help="WebSocket output pacing (default realtime: frame gaps; none: generation RTF)")

@@ -282,6 +282,10 @@ def ramp(transport: str, base: str, key: str | None, up_to: int, every_s: float,
 
 
 def main_duplex(args: Any) -> int:
+    if args.model:
+        from latency_bench.duplex_model import main_model
+
+        return main_model(args)
     PACING["value"] = args.pacing
     levels = [int(x) for x in str(args.sessions).split(",") if x.strip()]
     if not levels or min(levels) < 1 or args.turns < 1:

@@ -24,9 +24,11 @@ than real time waits in the conversation's buffer, up to `max_buffer_s`.
 
 Admission (`admit`): the clock measures the step time of each batch size it ran (and
 of sizes 1 and 2 at start-up); one more conversation is admitted while the step
-predicted for one more (the measured time at that size, else a least-squares line
-through the sizes measured) stays within `frame_budget_ms` × `budget_headroom`, and
-while fewer than `max_sessions` are live.
+predicted for one more stays within `frame_budget_ms` × `budget_headroom`, and while
+fewer than `max_sessions` are live. The prediction is the measured average at that
+size plus three times its mean absolute deviation (`StepTimes`: the steps that
+overrun are the ones that matter), else a least-squares line through the sizes
+measured.
 """
 
 from __future__ import annotations
@@ -81,19 +83,32 @@ def _least_squares(points: Mapping[int, float], x: int) -> float:
 
 @dataclass
 class StepTimes:
-    """Step seconds by batch size (a moving average of each), and the prediction."""
+    """Step seconds by batch size: a moving average and a moving mean absolute
+    deviation of each, and the prediction admission reads: the average plus `spread`
+    deviations (a step that is fast on average but overruns now and then still
+    overruns), at the size when it was measured, else from a least-squares line
+    through the sizes that were."""
 
-    alpha: float = 0.2
+    alpha: float = 0.1
+    spread: float = 3.0
     by_size: dict[int, float] = field(default_factory=dict)
+    dev: dict[int, float] = field(default_factory=dict)
 
     def add(self, size: int, seconds: float) -> None:
         old = self.by_size.get(size)
-        self.by_size[size] = seconds if old is None else old + self.alpha * (seconds - old)
+        if old is None:
+            self.by_size[size], self.dev[size] = seconds, 0.0
+            return
+        self.by_size[size] = old + self.alpha * (seconds - old)
+        self.dev[size] = self.dev.get(size, 0.0) + self.alpha * (abs(seconds - old) - self.dev.get(size, 0.0))
+
+    def upper(self, size: int) -> float:
+        return self.by_size[size] + self.spread * self.dev.get(size, 0.0)
 
     def predict(self, size: int) -> float | None:
         if size in self.by_size:
-            return self.by_size[size]
-        return _least_squares(self.by_size, size) if self.by_size else None
+            return self.upper(size)
+        return _least_squares({n: self.upper(n) for n in self.by_size}, size) if self.by_size else None
 
 
 class Conversation:

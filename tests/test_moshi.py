@@ -151,6 +151,10 @@ def test_step_times_predict_from_what_was_measured() -> None:
     t.add(2, 0.03)
     assert math.isclose(t.predict(4) or 0, 0.05)  # the line through both
     assert t.predict(2) == 0.03
+    # a size whose steps vary is predicted by its spread, not only its average
+    for x in (0.03, 0.05, 0.03, 0.05):
+        t.add(2, x)
+    assert (t.predict(2) or 0) > max(t.by_size[2], 0.04)
 
 
 def test_a_directory_of_another_architecture_is_refused(tmp_path: Path, moshi_dir: str) -> None:

@@ -13,7 +13,9 @@ Server events: `session.created {session, resume_token}` first (`session.capabil
 `full_duplex`, `frame_ms`, input/output formats and rates, `heartbeat_s`,
 `max_input_ahead_s`, `supports_session_resume`, `disconnect_grace_s`);
 `duplex.text.delta {frame, delta}` — the model's text stream (its inner monologue, one
-piece a frame when it says a word; padding frames send nothing); `heartbeat`;
+piece a frame when it says a word; padding frames send nothing); `duplex.frame.late
+{frame}` when the step that made a frame overran its 80 ms (the server fell behind
+real time); `heartbeat`;
 `session.updated`; `error`; `session.closed`.
 
 Client events: `session.update {session: {audio: {input: {format: {type: audio/pcm,
@@ -65,6 +67,7 @@ log = logging.getLogger("protocols.duplex.moshi")
 RATE = 24000
 AUDIO_DELTA = "response.output_audio.delta"
 TEXT_DELTA = "duplex.text.delta"
+FRAME_LATE = "duplex.frame.late"
 MAX_INPUT_AHEAD_S = 2.0
 HEARTBEAT_S = 5.0
 
@@ -183,6 +186,8 @@ class MoshiConversation:
                 s.emit(AUDIO_DELTA, {"frame": frame, "delta": _pcm16(pcm)})
                 if p.meta.get("text"):
                     s.emit(TEXT_DELTA, {"frame": frame, "delta": p.meta["text"]})
+                if p.meta.get("late"):
+                    s.emit(FRAME_LATE, {"frame": frame})
         except RequestAborted:
             return  # the session is ending
         except OmniError as exc:
