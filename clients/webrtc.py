@@ -114,7 +114,10 @@ class CallClient:
         self._tasks: list[asyncio.Task[Any]] = []
 
     @classmethod
-    async def connect(cls, base_url: str, api_key: str | None = None, session: dict[str, Any] | None = None, timeout: float = 30) -> CallClient:
+    async def connect(
+        cls, base_url: str, api_key: str | None = None, session: dict[str, Any] | None = None, timeout: float = 30, model: str | None = None
+    ) -> CallClient:
+        """Place a call (`model`: `?model=` on the offer, e.g. the full-duplex moshi)."""
         import httpx
         from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
@@ -139,12 +142,13 @@ class CallClient:
                 self._tasks.append(asyncio.get_running_loop().create_task(self._record(track)))
 
         await pc.setLocalDescription(await pc.createOffer())
+        calls = f"{self.base_url}/v1/realtime/calls" + (f"?model={model}" if model else "")
         async with httpx.AsyncClient(timeout=timeout) as http:
             if session is None:
-                r = await http.post(f"{self.base_url}/v1/realtime/calls", content=pc.localDescription.sdp, headers={**self.headers, "Content-Type": "application/sdp"})
+                r = await http.post(calls, content=pc.localDescription.sdp, headers={**self.headers, "Content-Type": "application/sdp"})
             else:
                 files = {"sdp": (None, pc.localDescription.sdp), "session": (None, json.dumps(session))}
-                r = await http.post(f"{self.base_url}/v1/realtime/calls", files=files, headers=self.headers)
+                r = await http.post(calls, files=files, headers=self.headers)
         if r.status_code != 201:
             await pc.close()
             raise CallRefused(r.status_code, r.text)

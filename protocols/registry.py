@@ -33,6 +33,7 @@ WIRES: dict[str, str] = {
     "video_live": "protocols.videos:mount_live",
     "openpi": "protocols.openpi:mount",
     "moshi_duplex": "protocols.duplex.moshi:mount",
+    "moshi_webrtc": "protocols.webrtc.moshi:mount",
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -49,9 +50,17 @@ class Routes:
     # a WebSocket path several pipelines serve, told apart by `?model=` (/v1/duplex):
     # path -> model -> handler; a request naming none of them goes to `websocket[path]`
     by_model: dict[str, dict[str, Handler]] = field(default_factory=dict)
+    # the same for HTTP routes (POST /v1/realtime/calls?model=...): (method, path) -> model -> handler
+    http_by_model: dict[tuple[str, str], dict[str, Handler]] = field(default_factory=dict)
     index: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, what) for the index page
 
-    def add(self, method: str, path: str, handler: Handler, source: str) -> None:
+    def add(self, method: str, path: str, handler: Handler, source: str, model: str | None = None) -> None:
+        if model is not None:
+            models = self.http_by_model.setdefault((method, path), {})
+            if model in models:
+                raise SpecError(f"{source}: {method} {path}?model={model} is served by another wire already")
+            models[model] = handler
+            return
         if (method, path) in self.http:
             raise SpecError(f"{source}: {method} {path} is served by another wire already")
         self.http[(method, path)] = handler
@@ -68,6 +77,8 @@ class Routes:
         self.websocket[path] = handler
 
     def install(self, app: web.Application) -> None:
+        for key, models in self.http_by_model.items():
+            self.http[key] = _by_model(models, self.http.get(key))
         for path in sorted({p for _, p in self.http} | set(self.websocket) | set(self.by_model)):
             ws = self.websocket.get(path)
             if path in self.by_model:
@@ -81,8 +92,8 @@ class Routes:
 
 
 def _by_model(models: dict[str, Handler], default: Handler | None) -> Handler:
-    """Dispatch a WebSocket on `?model=`: a model some pipeline serves here goes to
-    it; any other (or none) to `default`, else to the only model's handler."""
+    """Dispatch a route on `?model=`: a model some pipeline serves here goes to it; any
+    other (or none) to `default`, else to the only model's handler."""
     fallback = default if default is not None else next(iter(models.values())) if len(models) == 1 else None
 
     async def dispatch(request: web.Request) -> web.StreamResponse:
@@ -129,8 +140,8 @@ class Mount:
             raise SpecError(f"{self.source}: the entry stage's processor {type(proc).__name__} does not offer {contract.__name__}")
         return proc
 
-    def route(self, method: str, path: str, handler: Handler, what: str | None = None) -> None:
-        self.routes.add(method, path, handler, self.source)
+    def route(self, method: str, path: str, handler: Handler, what: str | None = None, model: str | None = None) -> None:
+        self.routes.add(method, path, handler, self.source, model)
         if what is not None:
             self.routes.index.append((method, path, what))
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from clients.duplex import DuplexClient
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, speech_pcm16
+from clients.webrtc import CallClient, use_host_addresses
+from tests.harness import ADMIN_HEADERS, ADMIN_KEY, silence, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -62,3 +63,24 @@ async def test_two_conversations_hear_the_model_while_they_still_speak(server):
     await a.send("session.close")
     await a.until("session.closed")
     await b.close()
+
+
+async def test_a_webrtc_call_with_the_full_duplex_model(server):
+    use_host_addresses(["127.0.0.1"])
+    call = await CallClient.connect(server.url, ADMIN_KEY, model="moshi")
+    try:
+        created = await call.until("session.created")
+        assert created["session"]["model"] == "moshi" and created["session"]["capabilities"]["full_duplex"]
+        t0 = time.monotonic()
+        call.mic.say(silence(0.2) + speech_pcm16("Hello, who am I talking to?") + silence(0.5))
+        await asyncio.sleep(2.5)
+        heard = call.heard(t0)
+        # the model's voice came back over RTP while the caller was talking
+        assert len(heard) > 48000 and int(np.abs(heard.astype(np.int32)).max()) > 64
+        events = []
+        while not call.events.empty():
+            events.append(call.events.get_nowait()["type"])
+        assert "error" not in events and "output_audio_buffer.started" in events
+    finally:
+        status = await call.hangup()
+    assert status == 204

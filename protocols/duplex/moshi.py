@@ -205,6 +205,30 @@ class MoshiConversation:
         return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **data})
 
 
+async def open_conversation(sessions: SessionManager, pipeline: str, proc: DuplexModel, kind: str, principal: str, model: str) -> tuple[Session, MoshiConversation]:
+    """Open a `kind` session on the full-duplex model, admitted by its frame budget
+    (refused: FrameCapacity, `capacity` with retry-after), with its conversation."""
+    key = f"open_{secrets.token_hex(8)}"
+
+    def admit() -> None:
+        try:
+            proc.admit(key)
+        except Exception as exc:  # noqa: BLE001 - pipelines.moshi.FrameBudgetExceeded: the model's own refusal
+            raise FrameCapacity(kind, getattr(exc, "live", 0), str(exc), sessions.spec.realtime_admission.retry_after_s) from None
+
+    try:
+        session = await sessions.open(kind, pipeline, principal=principal, admit=admit)
+    except BaseException:
+        proc.cancel(key)  # refused after the frame budget reserved room (a cap, the store)
+        raise
+    try:
+        return session, MoshiConversation(session, sessions, model, float(proc.describe()["frame_ms"]), key)
+    except BaseException:
+        proc.cancel(key)
+        await sessions.end(session, "server_error")
+        raise
+
+
 def _rate(v: Any, param: str) -> int:
     if not isinstance(v, Mapping) or v.get("type", "audio/pcm") != "audio/pcm":
         raise ClientError("Must be {type: audio/pcm, rate: N}.", param=param)
@@ -230,25 +254,7 @@ def mount(m: Mount) -> None:
         }
 
     async def open_session(principal: str, model: str) -> tuple[Session, MoshiConversation]:
-        key = f"open_{secrets.token_hex(8)}"
-
-        def admit() -> None:
-            try:
-                proc.admit(key)
-            except Exception as exc:  # pipelines.moshi.FrameBudgetExceeded
-                raise FrameCapacity("duplex", getattr(exc, "live", 0), str(exc), sessions.spec.realtime_admission.retry_after_s) from None
-
-        try:
-            session = await sessions.open("duplex", pipeline.name, principal=principal, admit=admit)
-        except BaseException:
-            proc.cancel(key)  # refused after the frame budget reserved room (a cap, the store)
-            raise
-        try:
-            return session, MoshiConversation(session, sessions, model, float(proc.describe()["frame_ms"]), key)
-        except BaseException:
-            proc.cancel(key)
-            await sessions.end(session, "server_error")
-            raise
+        return await open_conversation(sessions, pipeline.name, proc, "duplex", principal, model)
 
     async def handle(sock: Socket, session: Session, conv: MoshiConversation, data: str | bytes, first: bool) -> tuple[Session, MoshiConversation] | None:
         session.touch()

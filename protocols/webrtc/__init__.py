@@ -78,17 +78,82 @@ def check_offer(sdp: Any) -> str:
     return sdp
 
 
-def mount(m: Mount) -> None:
-    sessions, pipeline = m.sessions, m.pipeline
+async def answer_offer(pc: Any, sdp: str) -> None:
+    """Set the caller's offer on `pc` and its answer as the local description (an
+    offer that cannot be used: OfferError)."""
+    from aiortc import RTCSessionDescription
+
+    try:
+        await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
+    except Exception as exc:  # noqa: BLE001 - aiortc raises assorted errors for bad SDP
+        raise OfferError(f"The SDP offer could not be used: {exc}") from None
+    if not any(t.kind == "audio" for t in (tr.receiver.track for tr in pc.getTransceivers()) if t is not None):
+        raise OfferError("The offer has no audio track to receive.")
+    try:
+        await pc.setLocalDescription(await pc.createAnswer())
+    except Exception as exc:  # noqa: BLE001 - an offer aiortc parsed but cannot answer (e.g. BUNDLE without a mid)
+        raise OfferError(f"The SDP offer could not be answered: {exc}") from None
+
+
+async def read_offer(request: web.Request) -> tuple[str, Any]:
+    """The SDP offer of `POST /v1/realtime/calls` (application/sdp, or multipart with
+    `sdp` and an optional `session` body), checked."""
+    ctype = request.content_type.lower()
+    session_body = None
+    check_length(request, limits_of(request).max_body_bytes)  # before anything is read
+    if ctype == "multipart/form-data":
+        form = await request.post()
+        sdp = _form_text(form.get("sdp"))
+        raw_session = form.get("session")
+        if raw_session is not None:
+            session_body = load_json(_form_text(raw_session) or "", "'session' (a session.update body)")
+    elif ctype in ("application/sdp", "text/plain", "application/octet-stream", ""):
+        try:
+            body = await read_body(request, MAX_SDP_BYTES)
+        except ClientError:
+            raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.", http_status=413) from None
+        sdp = body.decode("utf-8", "replace")
+    else:
+        raise ClientError(
+            f"Send the offer as application/sdp (or multipart/form-data), not {ctype}.", code="unsupported_media_type", http_status=415
+        )
+    return check_offer(sdp), session_body
+
+
+def hangup_handler(sessions: Any) -> Any:
+    """`DELETE /v1/realtime/calls/{call_id}`: end a call of the caller's (any, for an admin)."""
+
+    async def hangup(request: web.Request) -> web.StreamResponse:
+        call_id = request.match_info["call_id"]
+        who = principal_of(request)
+        try:
+            s: Session | None = sessions.get(call_id)
+        except SessionError:
+            s = None
+        if s is None or s.kind != "webrtc" or not (who.admin or who.name == s.principal):
+            raise NotFound(f"No call '{call_id}'.", code="call_not_found")
+        await sessions.end(s, "hangup")
+        return web.Response(status=204)
+
+    return hangup
+
+
+def ice_setup(m: Mount) -> list[str]:
+    """Configure the ICE host addresses of `m`'s server; its ICE servers."""
     hosts = m.server.webrtc_host_addresses
     if hosts is None and m.server.host in ("127.0.0.1", "localhost"):
         hosts = ["127.0.0.1"]  # a loopback server: offer loopback candidates (aioice skips them)
     configure_ice(hosts)
-    ice_servers = m.server.webrtc_ice_servers
+    return list(m.server.webrtc_ice_servers)
+
+
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
+    ice_servers = ice_setup(m)
     vad = vad_of(m)
 
     async def start_call(request: web.Request, sdp: str, session_body: Any) -> tuple[Call, str]:
-        from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+        from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection
 
         cfg = start_config(pipeline, request.query.get("model"), client_secret_of(request))
         if session_body is not None:  # the call starts with this configuration (no session.updated)
@@ -133,16 +198,7 @@ def mount(m: Mount) -> None:
                 if pc.connectionState in ("failed", "closed") and session.is_open:
                     await sessions.end(session, "peer_" + pc.connectionState)
 
-            try:
-                await pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
-            except Exception as exc:  # noqa: BLE001 - aiortc raises assorted errors for bad SDP
-                raise OfferError(f"The SDP offer could not be used: {exc}") from None
-            if not any(t.kind == "audio" for t in (tr.receiver.track for tr in pc.getTransceivers()) if t is not None):
-                raise OfferError("The offer has no audio track to receive.")
-            try:
-                await pc.setLocalDescription(await pc.createAnswer())
-            except Exception as exc:  # noqa: BLE001 - an offer aiortc parsed but cannot answer (e.g. BUNDLE without a mid)
-                raise OfferError(f"The SDP offer could not be answered: {exc}") from None
+            await answer_offer(pc, sdp)
             conv.emit("session.created", session=conv.cfg.wire(True, session.id))
             return call, pc.localDescription.sdp
         except BaseException:
@@ -150,26 +206,8 @@ def mount(m: Mount) -> None:
             raise
 
     async def create_call(request: web.Request) -> web.StreamResponse:
-        ctype = request.content_type.lower()
-        session_body = None
-        check_length(request, limits_of(request).max_body_bytes)  # before anything is read
-        if ctype == "multipart/form-data":
-            form = await request.post()
-            sdp = _form_text(form.get("sdp"))
-            raw_session = form.get("session")
-            if raw_session is not None:
-                session_body = load_json(_form_text(raw_session) or "", "'session' (a session.update body)")
-        elif ctype in ("application/sdp", "text/plain", "application/octet-stream", ""):
-            try:
-                body = await read_body(request, MAX_SDP_BYTES)
-            except ClientError:
-                raise OfferError(f"The SDP offer is larger than {MAX_SDP_BYTES} bytes.", http_status=413) from None
-            sdp = body.decode("utf-8", "replace")
-        else:
-            raise ClientError(
-                f"Send the offer as application/sdp (or multipart/form-data), not {ctype}.", code="unsupported_media_type", http_status=415
-            )
-        call, answer = await start_call(request, check_offer(sdp), session_body)
+        sdp, session_body = await read_offer(request)
+        call, answer = await start_call(request, sdp, session_body)
         location = f"/v1/realtime/calls/{call.session.id}"
         return web.Response(text=answer, status=201, content_type="application/sdp", headers={"Location": location})
 
@@ -180,17 +218,7 @@ def mount(m: Mount) -> None:
         call, answer = await start_call(request, check_offer(body.get("sdp")), body.get("session"))
         return json_response({"sdp": answer, "type": "answer", "call_id": call.session.id}, headers={"Location": f"/v1/realtime/calls/{call.session.id}"})
 
-    async def hangup(request: web.Request) -> web.StreamResponse:
-        call_id = request.match_info["call_id"]
-        who = principal_of(request)
-        try:
-            s: Session | None = sessions.get(call_id)
-        except SessionError:
-            s = None
-        if s is None or s.kind != "webrtc" or not (who.admin or who.name == s.principal):
-            raise NotFound(f"No call '{call_id}'.", code="call_not_found")
-        await sessions.end(s, "hangup")
-        return web.Response(status=204)
+    hangup = hangup_handler(sessions)
 
     async def demo(request: web.Request) -> web.StreamResponse:
         return demo_page()

@@ -186,3 +186,31 @@ async def test_the_voice_duplex_still_answers_where_no_moshi_model_is_named(quer
         ev = json.loads((await ws.receive(timeout=5)).data)
         assert ev["session"]["capabilities"]["full_duplex"] is True
         await ws.close()
+
+
+async def test_webrtc_calls_with_the_model_are_refused_cleanly() -> None:
+    async with serve(["moshi"]) as h:
+        proc = h.processor("moshi")
+        # not an SDP offer: the HTTP error shape, nothing opened
+        r = await h.client.post("/v1/realtime/calls?model=moshi", data="hello", headers={"Content-Type": "application/sdp"})
+        assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+        r = await h.client.post("/offer?model=moshi", json={"type": "answer", "sdp": "v=0"})
+        assert r.status == 400
+        assert not [s for s in h.sessions.sessions() if s.is_open]
+        # a duplex conversation holds the frame; a call that would not fit is 429 capacity with retry-after
+        a = await h.client.ws_connect("/v1/duplex?model=moshi")
+        await created(a)
+        await asyncio.sleep(0.2)
+        proc.clock.times.by_size = {1: 0.07}
+        from aiortc import RTCPeerConnection
+
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio")
+        pc.createDataChannel("oai-events")
+        await pc.setLocalDescription(await pc.createOffer())
+        r = await h.client.post("/v1/realtime/calls?model=moshi", data=pc.localDescription.sdp, headers={"Content-Type": "application/sdp"})
+        await pc.close()
+        body = await r.json()
+        assert r.status == 429 and body["error"]["code"] == "capacity" and "Retry-After" in r.headers, body
+        assert [s.kind for s in h.sessions.sessions() if s.is_open] == ["duplex"]
+        await a.close()
