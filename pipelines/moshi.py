@@ -22,8 +22,8 @@ engine at once and run as one batch. A conversation joins at the tick after it o
 and leaves when its input ends; the others do not notice. Audio that arrives faster
 than real time waits in the conversation's buffer, up to `max_buffer_s`.
 
-Admission (`admit`): the clock measures the step time of each batch size it ran (and
-of sizes 1 and 2 at start-up); one more conversation is admitted while the step
+Admission (`admit`): the clock measures the step time of each batch size it runs (at
+start-up every size in turn, while it fits the budget; then every step in service); one more conversation is admitted while the step
 predicted for one more stays within `frame_budget_ms` × `budget_headroom`, and while
 fewer than `max_sessions` are live. The prediction is the measured average at that
 size plus three times its mean absolute deviation (`StepTimes`: the steps that
@@ -57,6 +57,8 @@ log = logging.getLogger("pipelines.moshi")
 ARCHITECTURE = "MoshiForConditionalGeneration"
 SAMPLE_RATE = 24000
 FRAME_S = FRAME / SAMPLE_RATE  # 0.08
+WARM_STEPS = 5  # steps measured at each batch size at start-up
+
 DEFAULTS: dict[str, Any] = {
     "max_sessions": 16,
     "jitter_ms": 40.0,
@@ -86,15 +88,20 @@ class StepTimes:
     """Step seconds by batch size: a moving average and a moving mean absolute
     deviation of each, and the prediction admission reads: the average plus `spread`
     deviations (a step that is fast on average but overruns now and then still
-    overruns), at the size when it was measured, else from a least-squares line
-    through the sizes that were."""
+    overruns), at the size when it was measured within `stale_s`, else from a
+    least-squares line through the sizes that were (a figure from long ago, say a size
+    measured at start-up on a busier machine, gives way to what the steps show now).
+    `now`: the clock's seconds (the frame clock's)."""
 
     alpha: float = 0.1
     spread: float = 3.0
+    stale_s: float = 30.0
     by_size: dict[int, float] = field(default_factory=dict)
     dev: dict[int, float] = field(default_factory=dict)
+    seen: dict[int, float] = field(default_factory=dict)
 
-    def add(self, size: int, seconds: float) -> None:
+    def add(self, size: int, seconds: float, now: float = 0.0) -> None:
+        self.seen[size] = now
         old = self.by_size.get(size)
         if old is None:
             self.by_size[size], self.dev[size] = seconds, 0.0
@@ -102,13 +109,20 @@ class StepTimes:
         self.by_size[size] = old + self.alpha * (seconds - old)
         self.dev[size] = self.dev.get(size, 0.0) + self.alpha * (abs(seconds - old) - self.dev.get(size, 0.0))
 
+    def seed(self, size: int, samples: list[float], now: float = 0.0) -> None:
+        """A size's first figure from a few steps: their median and median deviation
+        (one slow step among them does not decide the size)."""
+        mid = float(np.median(samples))
+        self.by_size[size], self.dev[size], self.seen[size] = mid, float(np.median(np.abs(np.asarray(samples) - mid))), now
+
     def upper(self, size: int) -> float:
         return self.by_size[size] + self.spread * self.dev.get(size, 0.0)
 
-    def predict(self, size: int) -> float | None:
-        if size in self.by_size:
+    def predict(self, size: int, now: float = 0.0) -> float | None:
+        fresh = [n for n in self.by_size if now - self.seen.get(n, now) <= self.stale_s] or list(self.by_size)
+        if size in fresh:
             return self.upper(size)
-        return _least_squares({n: self.upper(n) for n in self.by_size}, size) if self.by_size else None
+        return _least_squares({n: self.upper(n) for n in fresh}, size) if fresh else None
 
 
 class Conversation:
@@ -193,8 +207,9 @@ class FrameClock:
     def item(self, conv: Conversation, pcm: np.ndarray) -> dict[str, np.ndarray]:
         return {"slot": np.asarray(conv.slot, np.int64), "pcm": pcm, "fresh": np.asarray(conv.fresh), "seed": np.asarray(conv.seed, np.int64), **self.sampling}
 
-    async def step(self, convs: list[Conversation]) -> float:
-        """One batched step of `convs`; their results go to their queues. The step's seconds."""
+    async def step(self, convs: list[Conversation], record: bool = True) -> float:
+        """One batched step of `convs`; their results go to their queues. The step's
+        seconds (`record`: counted in the step times and the metrics)."""
         items = [self.item(c, c.take()) for c in convs]
         for c in convs:
             c.fresh = False
@@ -202,10 +217,11 @@ class FrameClock:
         results = await asyncio.gather(*(self.engine.run(it, op="step", deadline=started + FRAME_S) for it in items), return_exceptions=True)
         took = self.clock() - started
         late = took > FRAME_S
-        self.steps += 1
-        self.late_steps += late
-        self.times.add(len(convs), took)
-        metrics.DUPLEX_STEP_SECONDS.labels(stage=self.name).observe(took)
+        if record:
+            self.steps += 1
+            self.late_steps += late
+            self.times.add(len(convs), took, self.clock())
+            metrics.DUPLEX_STEP_SECONDS.labels(stage=self.name).observe(took)
         for c, r in zip(convs, results, strict=True):
             c.frames += 1
             c.late += late
@@ -224,6 +240,15 @@ class FrameClock:
                 due = now
             else:
                 await asyncio.sleep(due - now)
+
+
+def _tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as exc:  # noqa: BLE001 - a broken tokenizer file raises anything from KeyError to a Rust panic
+        raise StageError(f"{model_dir}: the text stream's tokenizer does not load ({type(exc).__name__}: {exc})") from None
 
 
 class MoshiProcessor(StageProcessor):
@@ -248,6 +273,7 @@ class MoshiProcessor(StageProcessor):
             raise StageError(f"{model_dir}: Mimi at {mimi.get('sampling_rate')} Hz / {mimi.get('frame_rate')} Hz; the moshi stage runs 24 kHz at 12.5 frames a second")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
             raise StageError(f"{model_dir}: no tokenizer for the text stream (tokenizer.json or tokenizer.model)")
+        _tokenizer(model_dir)
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
@@ -274,18 +300,25 @@ class MoshiProcessor(StageProcessor):
         }
 
     async def start(self) -> None:
-        """Measure the step at one and two conversations (scratch slots, reset by the
-        first conversation that takes them), so that admission has figures before the
-        first conversation."""
-        warm = [Conversation(slot, 0, 0, FRAME * 4) for slot in range(min(2, self.max_sessions))]
-        for n in range(1, len(warm) + 1):
-            for _ in range(3):
-                await self.clock.step(warm[:n])
+        """Before the first conversation: hold every slot's state (the slots' rings are
+        allocated now, at `max_sessions`, not while conversations are live), then
+        measure the step at each batch size in turn while it fits the admission budget,
+        so that admission reads measured figures for every size it admits (each size's
+        first step, which builds its kernels, is run and not counted). The scratch slots
+        are reset by the first conversation that takes each."""
+        n = self.max_sessions
+        warm = [Conversation(slot, 0, 0, FRAME * 4) for slot in [n - 1, *range(n - 1)]]
+        for size in range(1, n + 1):
+            await self.clock.step(warm[:size], record=False)
+            took = [await self.clock.step(warm[:size], record=False) for _ in range(WARM_STEPS)]
+            self.clock.times.seed(size, took, self.clock.clock())
             for c in warm:
                 c.fresh = True
-        for c in warm:
-            while not c.out.empty():
-                c.out.get_nowait()
+                while not c.out.empty():
+                    c.out.get_nowait()
+            if self.clock.times.upper(size) > self.budget_s:
+                break
+        log.info("%s: step by batch size (ms) %s, admitting while under %.1f ms", self.spec.name, self.describe()["step_ms_by_batch"], self.budget_s * 1000)
 
     async def stop(self) -> None:
         await self.clock.stop()
@@ -298,7 +331,7 @@ class MoshiProcessor(StageProcessor):
         live = len(self.clock.live) + len(self._reserved)
         if live >= self.max_sessions:
             raise FrameBudgetExceeded(live, None, self.budget_s, f"at its limit of {self.max_sessions} conversations (processor_args.max_sessions)")
-        predicted = self.clock.times.predict(live + 1)
+        predicted = self.clock.times.predict(live + 1, self.clock.clock())
         if predicted is not None and predicted > self.budget_s and live > 0:
             raise FrameBudgetExceeded(live, predicted, self.budget_s)
         self._reserved.add(key)
@@ -308,11 +341,9 @@ class MoshiProcessor(StageProcessor):
 
     def load_text(self, model_dir: str) -> None:
         """The text stream's tokenizer, and the ids that write nothing (padding, specials)."""
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = _tokenizer(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.vocab = int(config["vocab_size"])
+        self.vocab = int(config.get("vocab_size", len(self.tokenizer)))
         self.silent_ids = {i for i in (self.tokenizer.pad_token_id, config.get("pad_token_id")) if i is not None}
         self.silent_ids |= set(self.tokenizer.all_special_ids)
 

@@ -43,6 +43,7 @@ conversation's tokens and audio do not depend on who else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,6 +65,7 @@ class SlotCache:
         self.window = window
         self.capacity = window + step_tokens  # the oldest entry a step's first query still sees survives its writes
         self.dtype = dtype
+        self.device = torch.device("cpu")
         self.slots = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -78,22 +80,29 @@ class SlotCache:
             return
         extra = slots - self.slots
         shape = (extra, self.kv_heads, self.capacity, self.head_dim)
+        new = {"dtype": self.dtype, "device": self.device}
         if not self.k:
-            self.k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
-            self.v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.layers)]
+            self.k = [torch.zeros(shape, **new) for _ in range(self.layers)]
+            self.v = [torch.zeros(shape, **new) for _ in range(self.layers)]
         else:
-            self.k = [torch.cat([t, torch.zeros(shape, dtype=self.dtype)]) for t in self.k]
-            self.v = [torch.cat([t, torch.zeros(shape, dtype=self.dtype)]) for t in self.v]
-        self.held = torch.cat([self.held, torch.full((extra, self.capacity), -1, dtype=torch.long)])
-        self.next = torch.cat([self.next, torch.zeros(extra, dtype=torch.long)])
+            self.k = [torch.cat([t, torch.zeros(shape, **new)]) for t in self.k]
+            self.v = [torch.cat([t, torch.zeros(shape, **new)]) for t in self.v]
+        self.held = torch.cat([self.held, torch.full((extra, self.capacity), -1, dtype=torch.long, device=self.device)])
+        self.next = torch.cat([self.next, torch.zeros(extra, dtype=torch.long, device=self.device)])
         self.slots = slots
+
+    def convert(self, fn: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        """Move the rings with the model (`Module.to`'s conversion)."""
+        self.k, self.v = [fn(t) for t in self.k], [fn(t) for t in self.v]
+        self.held, self.next = fn(self.held), fn(self.next)
+        self.dtype, self.device = dtype, device
 
     def reset(self, rows: torch.Tensor) -> None:
         self.held[rows] = -1
         self.next[rows] = 0
 
     def begin(self, rows: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = self.next[rows][:, None] + torch.arange(tokens)  # [B, T]
+        pos = self.next[rows][:, None] + torch.arange(tokens, device=self.device)  # [B, T]
         idx = pos % self.capacity
         self.held[rows[:, None], idx] = pos
         self.next[rows] += tokens
@@ -102,7 +111,7 @@ class SlotCache:
         held = self.held[rows, :span]  # [B, S]
         age = pos[:, :, None] - held[:, None, :]  # [B, T, S]
         ok = (held[:, None, :] >= 0) & (age >= 0) & (age < self.window)
-        mask = torch.zeros(ok.shape, dtype=self.dtype).masked_fill(~ok, torch.finfo(self.dtype).min)[:, None]
+        mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill(~ok, torch.finfo(self.dtype).min)[:, None]
         self._rows, self._idx, self._span = rows, idx, span
         return pos, mask
 
@@ -189,6 +198,23 @@ class MoshiSteps(torch.nn.Module):
         model = MoshiForConditionalGeneration.from_pretrained(model_dir, attn_implementation="sdpa").eval()
         return cls(model)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> MoshiSteps:
+        """`Module.to(device, dtype)` (the torch engine's placement) moves the model and,
+        with it, every slot's state: the rings, Mimi's stream caches, the last codes."""
+        super()._apply(fn, recurse)
+        if not hasattr(self, "lm_cache"):  # during __init__
+            return self
+        p = next(self.moshi.parameters())
+        for c in (self.lm_cache, self.enc_cache, self.dec_cache):
+            c.convert(fn, p.dtype, p.device)
+        self.enc_pad = [fn(t) for t in self.enc_pad]
+        for name in ("dec_prev", "dec_hist", "text_prev", "codes_prev", "user_prev", "frames"):
+            setattr(self, name, fn(getattr(self, name)))
+        if self.gens and self.gens[0].device != p.device:  # (each is seeded when its slot starts a conversation)
+            self.gens = [torch.Generator(p.device) for _ in self.gens]
+        self.dtype = p.dtype
+        return self
+
     # ---- per-slot state ----------------------------------------------------------------
     def _grow(self, slots: int) -> None:
         if slots <= self.slots:
@@ -196,7 +222,7 @@ class MoshiSteps(torch.nn.Module):
         extra = slots - self.slots
 
         def more(t: torch.Tensor, fill: float) -> torch.Tensor:
-            return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype)])
+            return torch.cat([t, torch.full((extra, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
 
         self.enc_pad = [more(t, 0) for t in self.enc_pad]
         self.dec_prev = more(self.dec_prev, 0)
@@ -207,7 +233,7 @@ class MoshiSteps(torch.nn.Module):
         self.frames = more(self.frames, 0)
         for c in (self.lm_cache, self.enc_cache, self.dec_cache):
             c.grow(slots)
-        self.gens += [torch.Generator() for _ in range(extra)]
+        self.gens += [torch.Generator(self.frames.device) for _ in range(extra)]
         self.slots = slots
 
     def _reset(self, rows: torch.Tensor, seeds: torch.Tensor) -> None:
@@ -314,7 +340,7 @@ class MoshiSteps(torch.nn.Module):
         # the model's previous frame is complete now: codebook 0 from the last step, 1-7 from this one
         frame = torch.cat([self.codes_prev[rows][:, :1], codes[:, 1:]], dim=1)
         self.codes_prev[rows] = codes
-        wav = torch.zeros(len(rows), FRAME, dtype=self.dtype)
+        wav = torch.zeros(len(rows), FRAME, dtype=self.dtype, device=pcm.device)
         if bool((~first).any()):
             later = ~first
             wav[later] = self.decode(rows[later], frame[later]).to(self.dtype)

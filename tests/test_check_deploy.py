@@ -64,6 +64,11 @@ CHECKPOINTS: dict[str, dict[str, str]] = {
         "config.json": json.dumps({"sampling_rate": 24000, "codebook_size": 4096, "vq_strides": [4, 2, 1], "decoder_rates": [8, 8, 4, 2]}),
         "pytorch_model.bin": "",
     },
+    # Moshi in transformers' format: the LM's config with Mimi's inside, the text tokenizer
+    "hf-moshiko": {
+        "config.json": json.dumps({"architectures": ["MoshiForConditionalGeneration"], "model_type": "moshi", "sliding_window": 3000,
+                                   "audio_encoder_config": {"model_type": "mimi", "sampling_rate": 24000, "frame_rate": 12.5}}),
+    },  # + the tiny Moshi's tokenizer files (_materialise)
     "whisper-large-v3-turbo": {"config.json": json.dumps({"architectures": ["WhisperForConditionalGeneration"]})},
     "Llama-3.2-3B-Instruct": {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}), **TOKENIZER},
     # π0: the policy dirs hold config + lerobot's normalizer files, PaliGemma's the
@@ -120,6 +125,9 @@ def _materialise(name: str, tmp: Path, models: Path, broken: dict[str, dict[str,
         d = models / ckpt
         d.mkdir(parents=True, exist_ok=True)
         _pi0_files(ckpt, d, Path(os.environ["OMNI_RT_MODELS_DIR"]) / "tiny-pi0")
+        if ckpt == "hf-moshiko":
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(Path(os.environ["OMNI_RT_MODELS_DIR"]) / "tiny-moshi" / f, d / f)
         if ckpt.startswith("whisper"):
             for src in tiny_whisper.iterdir():
                 if src.suffix in (".json", ".txt") and src.name not in ("config.json", "generation_config.json"):
@@ -212,6 +220,16 @@ def test_documented_policy_overlays_pass_the_check(name, tmp_path, models_dir, m
     assert policy["model"] == yaml.safe_load(overlay.read_text())["pipelines"]["robot"]["stages"]["policy"]["model"]
 
 
+def test_the_moshiko_overlay_passes_the_check(tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise("moshiko.yaml", tmp_path, tmp_path / "models")
+    rc, out, err = _check(overlay, capsys)
+    assert rc == 0, err
+    resolved = json.loads(out)
+    stage = resolved["moshi"]["stages"][0]
+    assert stage["model"] == str(tmp_path / "models" / "hf-moshiko") and "voice" not in resolved
+
+
 @pytest.mark.parametrize("name,pipeline,ckpt", [("wan2.1-t2v.yaml", "video", "Wan2.1-T2V-1.3B-Diffusers"), ("ltx-video.yaml", "video", "LTX-Video"),
                                                 ("skyreels-v2-df.yaml", "video_edit", "SkyReels-V2-DF-1.3B-540P-Diffusers")])
 def test_the_video_overlays_pass_the_check(name, pipeline, ckpt, tmp_path, models_dir, monkeypatch, capsys):
@@ -243,6 +261,13 @@ def test_the_video_overlays_pass_the_check(name, pipeline, ckpt, tmp_path, model
     ("qwen2.5-omni-voice.yaml", "Qwen2.5-Omni-7B", {"config.json": json.dumps({"architectures": ["Qwen2_5OmniModel"], "thinker_config": {},
                                                                                "talker_config": {}, "token2wav_config": {}, "enable_audio_output": False})},
      "enable_audio_output false"),
+    ("moshiko.yaml", "hf-moshiko", {"config.json": json.dumps({"architectures": ["MimiModel"], "model_type": "mimi"})},
+     "the moshi stage loads MoshiForConditionalGeneration (transformers' format, e.g. kmhf/hf-moshiko)"),
+    ("moshiko.yaml", "hf-moshiko", {"config.json": json.dumps({"architectures": ["MoshiForConditionalGeneration"],
+                                                               "audio_encoder_config": {"sampling_rate": 16000, "frame_rate": 12.5}})},
+     "the moshi stage runs 24 kHz at 12.5 frames a second"),
+    ("moshiko.yaml", "hf-moshiko", {"tokenizer.json": None, "tokenizer_config.json": None}, "no tokenizer for the text stream"),
+    ("moshiko.yaml", "hf-moshiko", {"tokenizer.json": "{}"}, "the text stream's tokenizer does not load"),
     ("cascade.yaml", "whisper-large-v3-turbo", {"config.json": json.dumps({"architectures": ["LlamaForCausalLM"]})},
      "is not WhisperForConditionalGeneration"),
     ("cascade.yaml", "Llama-3.2-3B-Instruct", {"tokenizer.json": None}, "no tokenizer files"),

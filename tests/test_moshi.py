@@ -120,6 +120,22 @@ def test_batched_steps_equal_each_conversation_alone(moshi_dir: str) -> None:
     assert [int(x["text"]) for x in got[0]] != [int(x["text"]) for x in got[1]]
 
 
+def test_placing_the_model_moves_every_slots_state_with_it(moshi_dir: str) -> None:
+    """The torch engine places the module with `.to(device)` then `.to(dtype)` (cuda,
+    bfloat16 on a GPU): the slots' rings, Mimi's stream caches and the last codes go with
+    it, so a step after placement runs (here: float64 on the CPU, then more slots)."""
+    s = MoshiSteps.load(moshi_dir).to(torch.float64)
+    assert s.dtype == torch.float64 and s.lm_cache.k[0].dtype == torch.float64 and s.enc_pad[0].dtype == torch.float64
+    assert s.text_prev.dtype == torch.long and s.lm_cache.held.dtype == torch.long  # ids stay ids
+    torch.manual_seed(5)
+    pcm = torch.randn(3, FRAME) * 0.1
+    with torch.inference_mode():
+        for f in range(3):
+            o = s.step(torch.tensor([0, 2, 1]), pcm, torch.tensor([f == 0] * 3), torch.tensor([1, 2, 3]), **rows_of(3))
+    assert o["pcm"].shape == (3, FRAME) and bool(torch.isfinite(o["pcm"]).all()) and float(o["pcm"].abs().max()) > 0
+    assert s.dec_cache.k[0].dtype == torch.float64 and s.slots == 3
+
+
 def test_slot_cache_attends_to_each_rows_own_window() -> None:
     """Ring entries of one slot are what its row attends to: the last `window` positions
     of that slot, newest included, whatever the other slots hold."""
@@ -155,6 +171,15 @@ def test_step_times_predict_from_what_was_measured() -> None:
     for x in (0.03, 0.05, 0.03, 0.05):
         t.add(2, x)
     assert (t.predict(2) or 0) > max(t.by_size[2], 0.04)
+    # a size measured long ago gives way to the line through the sizes measured lately
+    t = StepTimes(stale_s=30.0)
+    t.seed(4, [0.05, 0.02, 0.021, 0.019, 0.02], now=0.0)  # one slow step among five
+    assert math.isclose(t.predict(4, now=1.0) or 0, 0.02 + 3 * 0.001)
+    t.seed(4, [0.053] * 5, now=0.0)  # start-up on a busy machine
+    for now in range(60):
+        t.add(3, 0.018, now=float(now))
+    assert t.predict(4, now=10.0) == t.upper(4)  # fresh: as measured
+    assert math.isclose(t.predict(4, now=59.0) or 0, 0.018 * 4 / 3)  # stale: from size 3, proportional
 
 
 def test_a_directory_of_another_architecture_is_refused(tmp_path: Path, moshi_dir: str) -> None:
