@@ -7,6 +7,10 @@ silence) and writes what the agent said:
 
     python -m clients.duplex --url ws://127.0.0.1:8000/v1/duplex --in question.wav --out answer.wav
 
+With a full-duplex model (`--url ws://127.0.0.1:8000/v1/duplex?model=moshi`) there are
+no turns: the CLI speaks the file and a second of silence while the model's voice comes
+back, then writes all of it and prints the model's text stream.
+
 Imports nothing of the server.
 """
 
@@ -151,6 +155,8 @@ async def _main(argv: list[str] | None = None) -> int:
     pcm = read_wav_pcm16(args.inp)
     c = await DuplexClient.connect(args.url, args.api_key)
     print(f"session {c.session_id}", file=sys.stderr)
+    if c.session.get("capabilities", {}).get("full_duplex"):
+        return await _full_duplex(c, pcm, args.out)
     if args.binary:
         await c.update(audio={"output": {"transport": "binary"}})
     sender = asyncio.get_running_loop().create_task(c.stream_audio(pcm + bytes(RATE * 2 * 2)))
@@ -175,6 +181,27 @@ async def _main(argv: list[str] | None = None) -> int:
     if args.out:
         write_wav_pcm16(args.out, audio)
     return 0
+
+
+async def _full_duplex(c: DuplexClient, pcm: bytes, out: str | None) -> int:
+    """A full-duplex model: speak, listen all along, keep everything it said."""
+    try:
+        await c.stream_audio(pcm + bytes(RATE * 2))
+        await asyncio.sleep(0.3)
+        seen = c.drain()
+    finally:
+        await c.close()
+    audio = audio_of(seen)
+    late = sum(1 for e in seen if e["type"] == "duplex.frame.late")
+    errors = [e["error"] for e in seen if e["type"] == "error"]
+    print(f"full duplex: {len(audio) / 2 / RATE:.2f} s of the model's voice while {len(pcm) / 2 / RATE + 1:.2f} s were sent, "
+          f"{late} late frames", file=sys.stderr)
+    for err in errors:
+        print(f"error: {err.get('code')}: {err.get('message')}", file=sys.stderr)
+    print("".join(e.get("delta", "") for e in seen if e["type"] == "duplex.text.delta"))
+    if out:
+        write_wav_pcm16(out, audio)
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -84,3 +84,15 @@ async def test_a_webrtc_call_with_the_full_duplex_model(server):
     finally:
         status = await call.hangup()
     assert status == 204
+
+
+async def test_the_duplex_cli_talks_with_the_model(server, tmp_path, capsys):
+    from clients.duplex import _main
+    from clients.realtime import read_wav_pcm16, write_wav_pcm16
+
+    write_wav_pcm16(str(tmp_path / "q.wav"), speech_pcm16("Hello, can you hear me?"))
+    rc = await _main(["--url", url(server), "--api-key", ADMIN_KEY, "--in", str(tmp_path / "q.wav"), "--out", str(tmp_path / "a.wav")])
+    err = capsys.readouterr().err
+    assert rc == 0 and "full duplex:" in err and "late frames" in err, err
+    heard = np.frombuffer(read_wav_pcm16(str(tmp_path / "a.wav")), "<i2")
+    assert len(heard) > 24000 and np.abs(heard).max() > 0  # the model's voice, for as long as the user spoke
