@@ -359,7 +359,7 @@ class SessionManager:
             if s.state == SessionState.DETACHED and s.detached_at is not None:
                 if now - s.detached_at >= self.spec.disconnect_grace_s:
                     ended.append((s, "disconnect_grace_expired"))
-            elif s.state == SessionState.ACTIVE and now - s.last_active >= self.spec.idle_ttl_s and not s.running_requests():
+            elif s.state == SessionState.ACTIVE and now - s.last_active >= self.spec.idle_ttl_s and not s.holds_lease():
                 ended.append((s, "idle_timeout"))
         for s, why in ended:
             log.info("session %s (%s) expired: %s", s.id, s.kind, why)

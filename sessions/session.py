@@ -102,6 +102,7 @@ class Session:
         self.data: dict[str, Any] = {}
         self._finalizers: list[Finalizer] = []
         self._requests: dict[str, RequestStream] = {}
+        self._open_ended: set[str] = set()  # requests that do not hold the idle lease (submit)
         self._token_hash: str | None = None
         self._events: deque[SessionEvent] = deque()
         self._wakeup = asyncio.Event()
@@ -193,12 +194,16 @@ class Session:
         outputs: set[str] | None = None,
         entry: str | None = None,
         fenced: bool = True,
+        open_ended: bool = False,
     ) -> RequestStream:
         """Start the next turn: an orchestrator request fenced by this session
         (`entry`: start at a later stage than the pipeline's entry).
 
         `fenced=False` is for work an epoch advance must not drop, such as encoding
         what the user said: a barge-in cancels the answer, not the question.
+        `open_ended=True` is for a request that runs as long as the session does (a
+        full-duplex conversation): it does not hold the idle lease, so a client that
+        stops sending still expires after `idle_ttl_s`.
         """
         self._require_open("submit a request")
         name = pipeline or self.pipeline
@@ -219,6 +224,8 @@ class Session:
         )
         self._prune()
         self._requests[stream.request_id] = stream
+        if open_ended:
+            self._open_ended.add(stream.request_id)
         return stream
 
     def send_input(self, stream: RequestStream, payload: Payload) -> bool:
@@ -231,9 +238,15 @@ class Session:
     def running_requests(self) -> list[RequestStream]:
         return [s for s in self._requests.values() if s.running]
 
+    def holds_lease(self) -> bool:
+        """A request is running that keeps the session from idling out (an answer still
+        being generated; not an open-ended one)."""
+        return any(s.running and rid not in self._open_ended for rid, s in self._requests.items())
+
     def _prune(self) -> None:
         for rid in [rid for rid, s in self._requests.items() if s.closed]:
             del self._requests[rid]
+            self._open_ended.discard(rid)
 
     async def abort_requests(self, reason: str) -> int:
         """Abort every running request and wait for its stages to stop."""

@@ -104,7 +104,7 @@ class MoshiConversation:
         self.out_seq = 0
         self.received_s = 0.0  # audio taken from the user, seconds at 24 kHz
         self.first_audio: float | None = None
-        self.stream = session.submit({"reservation": reservation})
+        self.stream = session.submit({"reservation": reservation}, open_ended=True)
         self.pump = asyncio.get_running_loop().create_task(self._pump(), name=f"moshi-pump-{session.id}")
         session.data["moshi"] = self
 

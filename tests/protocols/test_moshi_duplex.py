@@ -214,3 +214,42 @@ async def test_webrtc_calls_with_the_model_are_refused_cleanly() -> None:
         assert r.status == 429 and body["error"]["code"] == "capacity" and "Retry-After" in r.headers, body
         assert [s.kind for s in h.sessions.sessions() if s.is_open] == ["duplex"]
         await a.close()
+
+
+async def test_a_user_who_stops_sending_is_heard_as_silence_until_the_idle_ttl() -> None:
+    async with serve(["moshi"]) as h:
+        a = await h.client.ws_connect("/v1/duplex?model=moshi")
+        other = await h.client.ws_connect("/v1/duplex?model=moshi")
+        sid = (await created(a))["session"]["id"]
+        await created(other)
+        # oversized frames and other formats: the protocol's errors
+        await a.send_bytes(b"\x01" + bytes((1 << 20) + 2))
+        await a.send_str(json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu", "rate": 8000}}}}}))
+        errors: list[dict[str, Any]] = []
+        while len(errors) < 2:
+            msg = await a.receive(timeout=5)
+            if msg.type == WSMsgType.TEXT and json.loads(msg.data)["type"] == "error":
+                errors.append(json.loads(msg.data)["error"])
+        assert errors[0]["code"] == "invalid_frame" and "at most 1048576 bytes" in errors[0]["message"], errors
+        assert errors[1]["param"] == "session.audio.input.format", errors
+        # a sends nothing: the model keeps stepping it on silence (its voice: the fake's echo of silence)
+        frames: list[np.ndarray] = []
+        while len(frames) < 5:
+            msg = await a.receive(timeout=5)
+            if msg.type == WSMsgType.BINARY:
+                frames.append(np.frombuffer(msg.data[1:], "<i2"))
+        assert all(int(np.abs(f).max()) == 0 for f in frames[1:])
+        # past the idle TTL without a frame from the user, the lease ends it; the other goes on
+        assert await h.expire(h.sessions.spec.idle_ttl_s - 1) == []
+        await talk(other, 0.2, 0.2, [], [])  # other keeps talking; a still sends nothing
+        assert await h.expire(2) == [sid]
+        closed = None
+        while closed is None:
+            msg = await a.receive(timeout=5)
+            if msg.type == WSMsgType.TEXT and json.loads(msg.data)["type"] in ("session.expired", "session.closed"):
+                closed = json.loads(msg.data)
+        assert closed["type"] == "session.expired" or closed.get("reason") == "idle_timeout", closed
+        got: list[np.ndarray] = []
+        await talk(other, 0.3, 0.4, got, [])
+        assert got
+        await other.close()
