@@ -26,7 +26,7 @@ from aiohttp import WSMsgType, web
 from omni_rt import metrics
 from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, WS_POLICY_VIOLATION, OmniError
 from protocols.errors import close_reason, error_event, to_omni
-from sessions import Session, SessionEvent
+from sessions import Session, SessionEvent, SessionManager
 
 # Frames up to this size reach the protocols, which answer oversized ones in their own
 # error shape (a realtime append over 15 MiB of audio, an OpenPI observation over 64
@@ -216,3 +216,21 @@ async def close_attachment(sock: Socket, session: Session, why: str) -> None:
         await sock.close(WS_POLICY_VIOLATION, "slow_consumer")
     else:
         await sock.close(WS_NORMAL, session.close_reason or "")
+
+
+async def fail_socket(sock: Socket | None, sessions: SessionManager, session: Session | None, exc: Exception, what: str) -> web.WebSocketResponse:
+    """A fault in a session socket's handler: tell the client (an `error` event), end
+    the session (it is not left resumable), close 1011. Before the socket was accepted
+    the fault is raised on (the HTTP error handling answers it)."""
+    err = to_omni(exc, what)
+    if sock is not None:
+        try:
+            await sock.send_json(error_event(err))
+        except DISCONNECTED:
+            pass
+    if session is not None:
+        await sessions.end(session, "server_error")
+    if sock is None:
+        raise exc
+    await sock.close(WS_INTERNAL_ERROR, "internal error")
+    return sock.ws

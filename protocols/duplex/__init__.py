@@ -42,15 +42,15 @@ from typing import Any
 
 from aiohttp import web
 
-from omni_rt.errors import WS_INTERNAL_ERROR, WS_POLICY_VIOLATION, ClientError, OmniError
+from omni_rt.errors import WS_POLICY_VIOLATION, ClientError, OmniError
 from protocols.auth import principal_of
 from protocols.duplex.transport import DuplexTiming, DuplexTransport
 from protocols.duplex.writer import write
-from protocols.errors import error_event, to_omni
+from protocols.errors import error_event
 from protocols.realtime import Conversation, vad_of
 from protocols.registry import Mount
 from protocols.wire_json import load_json
-from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, reject
+from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, fail_socket, reject
 from sessions import Session, SessionError, SessionGone, SessionState
 
 log = logging.getLogger("protocols.duplex")
@@ -206,18 +206,7 @@ def mount(m: Mount) -> None:
             if session is not None and session.state == SessionState.ACTIVE:
                 await sessions.detach(session.id)
         except Exception as exc:  # noqa: BLE001 - a fault: tell the client, end the session, close 1011
-            err = to_omni(exc, f"duplex session {session.id if session else '-'}")
-            if sock is not None:
-                try:
-                    await sock.send_json(error_event(err))
-                except DISCONNECTED:
-                    pass
-            if session is not None:
-                await sessions.end(session, "server_error")
-            if sock is None:
-                raise
-            await sock.close(WS_INTERNAL_ERROR, "internal error")
-            return sock.ws
+            return await fail_socket(sock, sessions, session, exc, f"duplex session {session.id if session else '-'}")
         assert sock is not None and session is not None
         await close_attachment(sock, session, "ended")  # a detached session has no close reason: 1000
         return sock.ws

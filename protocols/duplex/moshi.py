@@ -51,14 +51,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import soxr
 
-from omni_rt.errors import WS_INTERNAL_ERROR, WS_POLICY_VIOLATION, ClientError, OmniError, RequestAborted
+from omni_rt.errors import WS_POLICY_VIOLATION, ClientError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
 from protocols.auth import principal_of
 from protocols.duplex.transport import AUDIO_FRAME, MAX_FRAME_BYTES, RATES
-from protocols.errors import error_event, to_omni
+from protocols.errors import error_event
 from protocols.registry import Mount
 from protocols.wire_json import load_json
-from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, reject, write_events
+from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, fail_socket, reject, write_events
 from sessions import Session, SessionError, SessionGone, SessionManager
 from sessions.errors import FrameCapacity
 
@@ -389,18 +389,7 @@ def mount(m: Mount) -> None:
             if session is not None and session.is_open and session.attached_as(session.attachment):
                 await sessions.detach(session.id)
         except Exception as exc:  # noqa: BLE001 - a fault: tell the client, end the session, close 1011
-            err = to_omni(exc, f"duplex session {session.id if session else '-'}")
-            if sock is not None:
-                try:
-                    await sock.send_json(error_event(err))
-                except DISCONNECTED:
-                    pass
-            if session is not None:
-                await sessions.end(session, "server_error")
-            if sock is None:
-                raise
-            await sock.close(WS_INTERNAL_ERROR, "internal error")
-            return sock.ws
+            return await fail_socket(sock, sessions, session, exc, f"duplex session {session.id if session else '-'}")
         assert sock is not None and session is not None
         await close_attachment(sock, session, "ended")
         return sock.ws
