@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from latency_bench.tts import TtsOptions, _level_line, closed_loop, default_requests
+from latency_bench.tts import TtsOptions, closed_loop, default_requests
+from latency_bench.tts_report import level_line
 
 SAMPLE_RATE = 24000  # SNAC 24 kHz
 
@@ -143,7 +144,7 @@ async def engine_levels(deploy: Path, levels: Sequence[int], opts: TtsOptions, r
             n = requests if requests is not None else default_requests(c)
             lvl = await closed_loop(c, n, one)
             out["levels"][str(c)] = lvl
-            log("  " + _level_line(lvl))
+            log("  " + level_line(lvl))
     finally:
         await runner.cleanup()
     return out

@@ -25,7 +25,8 @@ import yaml  # noqa: E402
 
 from clients.tts import SpeechError, speak  # noqa: E402
 from latency_bench import stats  # noqa: E402
-from latency_bench.tts import TtsOptions, compute_ratios, run_closed_loop, run_compare  # noqa: E402
+from latency_bench.tts import TtsOptions, run_closed_loop, run_compare  # noqa: E402
+from latency_bench.tts_report import compute_ratios  # noqa: E402
 from omni_rt.specs import ChunkingSpec  # noqa: E402
 from pipelines.codec import SAMPLES_PER_FRAME  # noqa: E402
 from tests.fake_speech_server import AUDIO_S, CHUNK_SAMPLES, N_CHUNKS, FakeState, ThreadServer, pcm_chunk  # noqa: E402
@@ -532,7 +533,7 @@ def test_engines_driver_measures_what_the_server_bench_measures():
 
 
 def test_engine_ratios_and_targets_at_the_top_level():
-    from latency_bench.tts import engine_ratios, tts_targets
+    from latency_bench.tts_report import engine_ratios, tts_targets
 
     def level(aps, p50, p99):
         return {"audio_s_per_s": aps, "ttfp_ms": {"p50": p50, "p99": p99}, "rtf": {"mean": 1.0, "p90": 1.0}, "errors": 0}
