@@ -65,7 +65,7 @@ def build_engine(
 
         return DiffusersEngine(model, name=name, **engine_args)
     if kind == "fake":
-        from omni_rt.testing.engines import FakeArEngine
+        from omni_rt.engines.fake import FakeArEngine
 
         return FakeArEngine(name=name, **engine_args)
     raise SpecError(f"stage {name}: unknown engine {kind!r}")

@@ -12,12 +12,12 @@ import numpy as np
 
 from omni_rt.connectors.base import Connector
 from omni_rt.connectors.inproc import InprocConnector
+from omni_rt.engines.fake import FakeArEngine
 from omni_rt.orchestrator import Orchestrator
 from omni_rt.payloads import Handle, Payload, PayloadKind
 from omni_rt.specs import ProfileSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
 from omni_rt.stage_pool import Replica, StagePool
-from omni_rt.testing.engines import FakeArEngine
 
 # API keys of the shared test server (tests/conftest.py writes its deploy overlay).
 ADMIN_KEY = "test-admin-key-0001"

@@ -299,8 +299,8 @@ async def test_orchestrator_never_touches_payload_bytes():
 
 
 async def test_replica_affinity_is_sticky_and_least_queue_spreads():
+    from omni_rt.engines.fake import FakeArEngine
     from omni_rt.stage_pool import Replica, StagePool
-    from omni_rt.testing.engines import FakeArEngine
 
     spec = two_stage().stage("a")
     engines = [FakeArEngine(name=f"r{i}") for i in range(3)]

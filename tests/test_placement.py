@@ -1,6 +1,6 @@
 """Stages placed outside the server, on real Ray (omni_rt.placement).
 
-The in-process server (omni_rt.testing: the real app over fake engines) with the
+The in-process server (testkit: the real app over fake engines) with the
 `code2wav` stage placed in a Ray actor (`process` on this node, or `ray` on a node of
 a multi-node test cluster, `ray.cluster_utils.Cluster`): stream = batch (the same
 audio as in process), abort and barge-in across the boundary (no stale audio, the
@@ -26,7 +26,7 @@ from ray.cluster_utils import Cluster
 from omni_rt import placement
 from omni_rt.placement import RemoteStage
 from omni_rt.specs import SpecError
-from omni_rt.testing import Speeds, serve
+from testkit import Speeds, serve
 from tests.protocols.helpers import barge_in, connect
 
 SPEECH = {"model": "tts", "input": "one two three four five six", "voice": "tara", "response_format": "pcm", "seed": 3}

@@ -177,8 +177,8 @@ def test_the_thinker_renders_tools_calls_and_results_with_the_checkpoints_templa
     """What the model is shown: the tools offered in the system turn, the call in the
     assistant turn, the result as a tool response (tiny Qwen2.5-Omni and the cascade's
     Qwen2 chat LM, whose templates are the family's)."""
+    from omni_rt.engines.fake import FakeArEngine
     from omni_rt.specs import StageSpec
-    from omni_rt.testing.engines import FakeArEngine
     from pipelines.voice import ThinkerProcessor
 
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"},

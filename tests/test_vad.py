@@ -8,9 +8,9 @@ import threading
 
 import numpy as np
 
-from omni_rt.testing import EnergyVad
 from protocols.realtime import TurnDetection
 from protocols.realtime.vad import silero_vad
+from testkit import EnergyVad
 
 
 def test_silero_detectors_load_from_several_event_loops_at_once():

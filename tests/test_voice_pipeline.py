@@ -10,9 +10,9 @@ from omni_rt.orchestrator import Orchestrator
 from omni_rt.payloads import Fence
 from omni_rt.specs import ProfileSpec, load_pipeline
 from omni_rt.stage_pool import Replica, StagePool
-from omni_rt.testing import FakeArEngine
 from pipelines import PIPELINE_DIR
 from pipelines.voice import ThinkerProcessor
+from testkit import FakeArEngine
 
 
 class Recording(FakeArEngine):

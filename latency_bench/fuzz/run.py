@@ -255,7 +255,7 @@ def failure_report(result: dict[str, Any]) -> str:
 
 
 async def _in_process(args: Any, names: list[str] | None) -> dict[str, Any]:
-    from omni_rt.testing import Speeds, serve
+    from testkit import Speeds, serve
 
     async with serve(["voice", "tts", "image", "world", "video", "video_edit", "robot"], speeds=Speeds(token_s=0.0)) as h:
         return await run_fuzz(h.url(""), per_protocol=args.per_protocol, seed=args.seed, protocols=names, timeout=args.timeout,

@@ -6,7 +6,7 @@ calls is one of three contracts, written as `typing.Protocol`s so that a process
 states which one it needs (`StageProcessor.engine_as`) and a fake engine in tests is
 checked against the same contract as the real one:
 
-- `ArEngine`: autoregressive generation (vLLM; `omni_rt.testing` fakes it), streamed
+- `ArEngine`: autoregressive generation (vLLM; `omni_rt.engines.fake` scripts it), streamed
   token deltas, abort.
 - `StepEngine`: a batched step loop over a torch module (`TorchEngine`).
 - `DiffusionEngine`: a denoising loop with step-level batching (`DiffusersEngine`).

@@ -3,7 +3,7 @@
 A detector is fed 24 kHz float audio and answers speech start / stop events on the
 audio timeline (ms), with OpenAI's server_vad knobs. `SileroVad` is the real one
 (silero-vad over 16 kHz windows of 512 samples); tests plug in a fake with the same
-`push` (`omni_rt.testing.EnergyVad`) through the `vad` mount option.
+`push` (`testkit.EnergyVad`) through the `vad` mount option.
 """
 
 from __future__ import annotations

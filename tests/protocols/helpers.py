@@ -1,4 +1,4 @@
-"""Helpers for the in-process protocol tests (omni_rt.testing.serve): JSON event
+"""Helpers for the in-process protocol tests (testkit.serve): JSON event
 sockets read with a deadline, and synthetic audio the fake voice-activity detector
 hears as speech (a loud tone) or silence."""
 

@@ -5,7 +5,7 @@ refusal recorded with what the server said and every admitted session's stalls."
 from __future__ import annotations
 
 from latency_bench.duplex import run_ramp
-from omni_rt.testing import serve
+from testkit import serve
 from tests.protocols.helpers import quiet, tone
 
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from latency_bench.openpi import run_level, step_batching, targets
-from omni_rt.testing import serve
+from testkit import serve
 
 
 async def test_a_level_counts_calls_and_the_targets_follow_from_the_levels():

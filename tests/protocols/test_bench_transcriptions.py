@@ -4,7 +4,7 @@ loop counts what the API answered, and a refused request is counted, not dropped
 from __future__ import annotations
 
 from latency_bench.transcriptions import run_level, utterance
-from omni_rt.testing import serve
+from testkit import serve
 
 
 async def test_a_level_counts_requests_and_failures():

@@ -14,8 +14,8 @@ import pytest
 from clients.duplex import DuplexClient, audio_of
 from clients.realtime import RealtimeError
 from omni_rt.errors import ConnectorError
-from omni_rt.testing import Speeds, serve
 from protocols.duplex import DuplexTiming
+from testkit import Speeds, serve
 from tests.protocols.helpers import quiet, tone
 
 GRACE_S = 30

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from latency_bench.fuzz import ALL, failure_report, run_fuzz, summary_lines
-from omni_rt.testing import Speeds, serve
+from testkit import Speeds, serve
 
 PER_PROTOCOL = 1000
 SEED = 20240601

@@ -12,7 +12,7 @@ import pytest
 
 from clients.openpi import PolicyClient, droid_observation, packb
 from clients.world import WorldClient
-from omni_rt.testing import Speeds, serve
+from testkit import Speeds, serve
 from tests.protocols.helpers import Events, connect
 
 DEEP = "[" * 1000 + "]" * 1000

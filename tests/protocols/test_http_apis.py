@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from omni_rt.testing import serve
+from testkit import serve
 
 ADMIN, ALICE, LIMITED = "k-admin-000001", "k-alice-000001", "k-limited-0001"
 KEYS = {"api_keys": [{"key": ADMIN, "principal": "ops", "admin": True}, {"key": ALICE, "principal": "alice"},

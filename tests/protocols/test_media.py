@@ -15,7 +15,7 @@ import pytest
 
 from clients.openpi import OpenPIError, PolicyClient, droid_observation
 from clients.world import WorldClient
-from omni_rt.testing import Speeds, serve
+from testkit import Speeds, serve
 from tests.protocols.helpers import connect, drop
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")

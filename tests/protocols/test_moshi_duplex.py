@@ -1,5 +1,5 @@
 """`/v1/duplex?model=moshi` in-process: the real wire, sessions, frame clock, buffering
-and admission of the moshi pipeline over the fake step (`omni_rt.testing.stages.FakeMoshi`:
+and admission of the moshi pipeline over the fake step (`testkit.stages.FakeMoshi`:
 each frame's voice is the user's frame at half amplitude)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from aiohttp import WSMsgType
 
-from omni_rt.testing import serve
+from testkit import serve
 
 FRAME = 1920
 CHUNK = 480  # 20 ms at 24 kHz

@@ -1,4 +1,4 @@
-"""Robots in load-aware admission, in-process (omni_rt.testing: the real app over a
+"""Robots in load-aware admission, in-process (testkit: the real app over a
 fake policy): a robot that declares its control rate (`?control_hz=…&replan_steps=…`)
 is weighed like a voice session and refused with openpi's text frame and close 1013
 over capacity; its calls report their share of its budget to the meter; a robot that
@@ -12,7 +12,7 @@ import aiohttp
 
 from clients.openpi import droid_observation, packb, unpackb
 from omni_rt.load import GENERATION
-from omni_rt.testing import serve
+from testkit import serve
 
 OVERLAY = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.4, "window_s": 0.5}}}
 

@@ -1,4 +1,4 @@
-"""/v1/realtime semantics in-process (omni_rt.testing: the real app over fake engines,
+"""/v1/realtime semantics in-process (testkit: the real app over fake engines,
 EnergyVad): event sequences in both dialects, turns and history, cancel, truncate,
 barge-in, bad input, caps, faults."""
 
@@ -11,8 +11,8 @@ import json
 import pytest
 
 from omni_rt.errors import ConnectorError
-from omni_rt.testing import serve
 from protocols.realtime import AUDIO_PLACEHOLDER
+from testkit import serve
 from tests.protocols.helpers import Events, b64, barge_in, connect, quiet, tone
 
 BETA = {"openai-beta": "realtime=v1"}

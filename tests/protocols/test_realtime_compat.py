@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_rt.testing import serve
+from testkit import serve
 from tests.protocols.helpers import Events, connect
 
 KEY = "sk-compat-0001"

@@ -14,7 +14,7 @@ import pytest
 from omni_rt.cli import main
 from omni_rt.server import ssl_context
 from omni_rt.specs import SpecError, parse_overlay
-from omni_rt.testing import serve
+from testkit import serve
 from tests.tls import self_signed
 
 

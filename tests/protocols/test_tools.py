@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from pydantic import TypeAdapter
 
-from omni_rt.testing import Speeds, serve
 from protocols.tools import MAX_SCHEMA_CHARS, MAX_TOOLS
+from testkit import Speeds, serve
 from tests.protocols.helpers import Events, b64, connect, quiet, tone
 
 WEATHER = {

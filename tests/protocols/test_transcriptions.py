@@ -9,8 +9,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from omni_rt.testing import serve
 from protocols.audio_formats import StreamingEncoder, available_formats
+from testkit import serve
 
 
 @pytest.fixture

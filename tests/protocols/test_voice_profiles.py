@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_rt.testing import serve
+from testkit import serve
 from tests.protocols.helpers import b64, connect, tone
 
 

@@ -4,16 +4,16 @@ contracts, fake stage processors, a fake voice-activity detector, a runtime buil
 from the real pipeline YAML with the fakes swapped in, a session manager on a clock
 the test moves, and the real aiohttp app served in-process (`serve`).
 
-    from omni_rt.testing import serve
+    from testkit import serve
 
     async with serve(["voice"]) as h:
         ws = await h.client.ws_connect("/v1/realtime")
 """
 
-from omni_rt.testing.clock import FakeClock
-from omni_rt.testing.engines import FakeArEngine, FakeDiffusionEngine, FakeStepEngine
-from omni_rt.testing.server import FAKES, FakeRuntime, Harness, Speeds, serve
-from omni_rt.testing.vad import EnergyVad, energy_vad
+from omni_rt.engines.fake import FakeArEngine, FakeDiffusionEngine, FakeStepEngine
+from testkit.clock import FakeClock
+from testkit.server import FAKES, FakeRuntime, Harness, Speeds, serve
+from testkit.vad import EnergyVad, energy_vad
 
 __all__ = [
     "FAKES",

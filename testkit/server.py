@@ -23,13 +23,13 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from omni_rt.engines.base import Engine
+from omni_rt.engines.fake import FakeArEngine, FakeDiffusionEngine, FakeStepEngine, FakeVideoDiffusionEngine
 from omni_rt.runtime import Runtime, import_processor
 from omni_rt.specs import ProfileSpec, SpecError, StageSpec, parse_overlay
 from omni_rt.stage import StageProcessor
-from omni_rt.testing.clock import FakeClock
-from omni_rt.testing.engines import FakeArEngine, FakeDiffusionEngine, FakeStepEngine, FakeVideoDiffusionEngine
-from omni_rt.testing.stages import code2wav_fn, encode_fn, moshi_fn
-from omni_rt.testing.vad import energy_vad
+from testkit.clock import FakeClock
+from testkit.stages import code2wav_fn, encode_fn, moshi_fn
+from testkit.vad import energy_vad
 
 
 def _velocity(op: str | None, x: Any) -> Any:
@@ -51,27 +51,27 @@ def _ar(name: str, sp: Speeds) -> Engine:
 # role -> engine factory)
 FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] = {
     "pipelines.voice:AudioEncoderProcessor": (
-        "omni_rt.testing.stages:FakeAudioEncoder", {"main": lambda n, sp: FakeStepEngine(encode_fn, n, sp.step_s)}),
-    "pipelines.voice:ThinkerProcessor": ("omni_rt.testing.stages:FakeThinker", {"main": _ar}),
-    "pipelines.tts:TalkerProcessor": ("omni_rt.testing.stages:FakeTalker", {"main": _ar}),
+        "testkit.stages:FakeAudioEncoder", {"main": lambda n, sp: FakeStepEngine(encode_fn, n, sp.step_s)}),
+    "pipelines.voice:ThinkerProcessor": ("testkit.stages:FakeThinker", {"main": _ar}),
+    "pipelines.tts:TalkerProcessor": ("testkit.stages:FakeTalker", {"main": _ar}),
     "pipelines.tts:Code2WavProcessor": (None, {"main": lambda n, sp: FakeStepEngine(code2wav_fn, n, sp.step_s)}),
     "pipelines.tts:FusedTalkerProcessor": (
-        "omni_rt.testing.stages:FakeFusedTalker",
+        "testkit.stages:FakeFusedTalker",
         {"main": _ar, "decoder": lambda n, sp: FakeStepEngine(code2wav_fn, n, sp.step_s)}),
-    "pipelines.asr:AsrProcessor": ("omni_rt.testing.stages:FakeAsr", {"main": _ar}),
+    "pipelines.asr:AsrProcessor": ("testkit.stages:FakeAsr", {"main": _ar}),
     "pipelines.robot:PolicyProcessor": (
-        "omni_rt.testing.stages:FakePolicy", {"main": lambda n, sp: FakeStepEngine(_velocity, n, sp.step_s)}),
+        "testkit.stages:FakePolicy", {"main": lambda n, sp: FakeStepEngine(_velocity, n, sp.step_s)}),
     "pipelines.image:ImageProcessor": (None, {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.world:ForcingWorldProcessor": (
-        "omni_rt.testing.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
+        "testkit.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.world:WorldProcessor": (
-        "omni_rt.testing.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
+        "testkit.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:ClipProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.forcing:ForcingProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.moshi:MoshiProcessor": (
-        "omni_rt.testing.stages:FakeMoshi", {"main": lambda n, sp: FakeStepEngine(moshi_fn, n, sp.step_s)}),
+        "testkit.stages:FakeMoshi", {"main": lambda n, sp: FakeStepEngine(moshi_fn, n, sp.step_s)}),
     "pipelines.video:VideoProcessor": (
-        "omni_rt.testing.stages:FakeVideo", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
+        "testkit.stages:FakeVideo", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
 }
 
 
