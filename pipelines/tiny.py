@@ -36,7 +36,7 @@ TALKER_DIRNAME = "tiny-orpheus-talker"
 CODE2WAV_DIRNAME = "tiny-snac-24khz"
 MARKER = ".complete"
 # Bump when what the builders write changes, so stale caches get rebuilt.
-BUILD_VERSION = 12
+BUILD_VERSION = 13
 
 # --- talker sizes ---------------------------------------------------------------
 TEXT_VOCAB_SIZE = 1024  # byte alphabet (256) + up to 768 BPE merges

@@ -144,6 +144,17 @@ def fill(out: Path) -> None:
     config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     torch.manual_seed(SEED)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    # transformers' _init_weights covers the thinker's MoE blocks but not the talker's:
+    # its experts are left as torch.empty (whatever memory held: zeros in a fresh
+    # process, inf/NaN after other builders ran) and its router at zeros; both are drawn
+    # here, seeded, as the thinker's are
+    std = config.talker_config.text_config.initializer_range
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for module in model.talker.modules():
+            if type(module).__name__ in ("Qwen3OmniMoeTalkerTextExperts", "Qwen3OmniMoeTalkerTextTopKRouter"):
+                for param in module.parameters(recurse=False):
+                    param.copy_(torch.randn(param.shape, generator=gen) * std)
     # as in the tiny Qwen2.5-Omni: a random talker samples its stop code as often as any
     # other; its row of the codec head is zeroed so the tiny speaks to its budget
     with torch.no_grad():
