@@ -206,6 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--chunk-frames", type=int, default=4, help="frames per chunk (default 4)")
     v.add_argument("--edit-after", type=int, default=5, help="edit when this frame arrives (default 5)")
     _server_target(v, "ws://host:port/v1/realtime/video", 8800)
+    mg = sub.add_parser(
+        "migrate",
+        help="live migration: drain node A while N duplex listeners are mid-answer; drain time, resume time, the gap heard",
+        description="Two servers on one Redis prefix (node A on --port, B on --port+1); per level N listeners on A, A drained, "
+        "each resumes on B and asks again.",
+    )
+    mg.add_argument("--sessions", "-s", default="1,4", help="comma-separated levels (default 1,4)")
+    mg.add_argument("--tokens", type=int, default=40, help="answer length in tokens (default 40)")
+    mg.add_argument("--timeout", type=float, default=30.0, help="the drain's timeout, seconds (default 30)")
+    mg.add_argument("--port", type=int, default=8960, help="node A's port; B takes the next (default 8960)")
+    mg.add_argument("--deploy", help="deploy overlay for both nodes (its sessions section is replaced)")
+    mg.add_argument("--json", help="write results here (JSON)")
     z = sub.add_parser(
         "fuzz",
         help="seeded mutation fuzzer over every mounted wire: 0 5xx, 0 closes instead of error events, 0 leaked sessions",
@@ -232,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 # subcommand -> module latency_bench.<module>, whose main_<module>(args) runs it
 COMMANDS = {"tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
-            "fuzz": "fuzz", "transcriptions": "transcriptions",
+            "fuzz": "fuzz", "transcriptions": "transcriptions", "migrate": "migrate",
             "step-cache": "step_cache", "diffusion-steps": "diffusion_steps"}
 
 

@@ -122,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=overlay.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from aiohttp import web
 
-    from omni_rt.server import create_app, freeze_startup_objects, runner_options, ssl_context
+    from omni_rt.server import create_app, drain_on_sigterm, freeze_startup_objects, runner_options, ssl_context
 
     tls = ssl_context(overlay.server, source)  # before anything loads: a bad file fails in a second
     _warn_leftovers()
@@ -137,9 +137,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     app = create_app(overlay, source)
     app.on_startup.append(freeze_startup_objects)  # after the engines started (cleanup_ctx runs first)
+    app.on_startup.append(drain_on_sigterm(overlay.server.drain_timeout_s))
     options = runner_options(overlay)
     logging.getLogger("omni_rt.server").info("serving on %s://%s:%d", "https" if tls else "http", host, port)
-    # SIGINT / SIGTERM stop the server gracefully (the app's cleanup stops the engines)
+    # SIGINT stops the server gracefully (the app's cleanup stops the engines); SIGTERM drains first
     web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=5.0, ssl_context=tls, **options)
     return 0
 
@@ -153,6 +154,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     runtime = create_app(overlay, source)[RUNTIME]
     print(json.dumps({name: p.model_dump(mode="json") for name, p in runtime.profiles.items()}, indent=2))
     return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """POST /admin/drain and print the report: exit 0 when every session moved or
+    finished, 1 when some did not (they are listed), 2 when the server cannot be asked."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({} if args.timeout is None else {"timeout_s": args.timeout}).encode()
+    req = urllib.request.Request(args.url.rstrip("/") + "/admin/drain", data=body, method="POST", headers={"content-type": "application/json"})
+    if args.api_key:
+        req.add_header("authorization", f"Bearer {args.api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=(args.timeout or 3600) + 30) as resp:
+            report = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        print(f"omni-rt drain: {args.url} answered {exc.code}: {detail}", file=sys.stderr)
+        return 2
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"omni-rt drain: cannot reach {args.url}: {getattr(exc, 'reason', exc)}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    moved, ended, failed = len(report["moved"]), len(report["ended"]), len(report["failed"])
+    print(f"omni-rt drain: node {report['node']}: {moved} moved, {ended} ended, {failed} not moved, {report['remaining']} left, "
+          f"in {report['seconds']} s", file=sys.stderr)
+    return 0 if not failed and not report["remaining"] else 1
 
 
 def cmd_build_tiny(args: argparse.Namespace) -> int:
@@ -187,6 +215,12 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--deploy", metavar="FILE")
     _add_session_flags(check)
     check.set_defaults(func=cmd_check)
+
+    drain = sub.add_parser("drain", help="move every session off a running server (before a restart); exit 0 once it is empty")
+    drain.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    drain.add_argument("--api-key", help="an admin key of that server")
+    drain.add_argument("--timeout", type=float, metavar="S", help="how long sessions may take to reach a clean point (default: its server.drain_timeout_s)")
+    drain.set_defaults(func=cmd_drain)
 
     models = sub.add_parser("models", help="model utilities")
     msub = models.add_subparsers(dest="models_command", required=True)

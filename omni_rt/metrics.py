@@ -80,6 +80,9 @@ SESSIONS_REJECTED = Counter(
 SESSIONS_EVICTED = Counter(
     "omni_rt_sessions_evicted_total", "Sessions ended by the server: idle_timeout, disconnect_grace_expired, evicted (pressure)", ["kind", "reason"]
 )
+SESSIONS_MIGRATED = Counter(
+    "omni_rt_sessions_migrated_total", "Sessions moved by a drain: out of this node to the store, in from another node", ["kind", "direction"]
+)
 SESSIONS_ENDED = Counter("omni_rt_sessions_ended_total", "Sessions ended, by reason", ["kind", "reason"])
 SESSION_EVENTS_DROPPED = Counter(
     "omni_rt_session_events_dropped_total", "Events dropped from a detached session's bounded replay buffer", ["kind"]

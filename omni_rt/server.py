@@ -3,12 +3,14 @@ every served pipeline names (`protocols.registry`) on an aiohttp application."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
+import signal
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +120,37 @@ async def freeze_startup_objects(app: web.Application) -> None:
     would never be collected."""
     gc.collect()
     gc.freeze()
+
+
+def drain_on_sigterm(timeout_s: float) -> Callable[[web.Application], Awaitable[None]]:
+    """An `on_startup` hook for a serving process: SIGTERM (a supervisor stopping it,
+    Kubernetes' rolling update) drains first (sessions move to other nodes, at most
+    `timeout_s`), then the server stops as on SIGINT. A second SIGTERM stops it at once."""
+
+    async def install(app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        sessions = app[SESSIONS]
+
+        async def drain_then_stop() -> None:
+            try:
+                await sessions.drain(timeout_s)
+            except Exception:  # noqa: BLE001 - stopping must not depend on it
+                log.exception("drain on SIGTERM failed")
+            finally:
+                os.kill(os.getpid(), signal.SIGINT)  # aiohttp's graceful exit
+
+        def on_term() -> None:
+            if sessions.draining:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            log.info("SIGTERM: draining (at most %.0f s), then stopping", timeout_s)
+            task = loop.create_task(drain_then_stop(), name="drain-on-sigterm")
+            sessions.background.add(task)
+            task.add_done_callback(sessions.background.discard)
+
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+
+    return install
 
 
 def runner_options(overlay: DeployOverlay) -> dict[str, Any]:
@@ -248,7 +281,7 @@ def create_app(
         assert runtime.orchestrator is not None
         down = runtime.unhealthy_stages()
         body = {
-            "status": "ok" if not down else "unhealthy",
+            "status": "draining" if sessions.draining else "ok" if not down else "unhealthy",
             "pipelines": sorted(profiles),
             "running_requests": len(runtime.orchestrator.running()),
             "sessions": sessions.health(),
@@ -256,7 +289,8 @@ def create_app(
         }
         if down:
             body["unhealthy_stages"] = down
-        return json_response(body, status=200 if not down else 503)
+        # draining: 503, so a load balancer sends new clients elsewhere
+        return json_response(body, status=200 if not down and not sessions.draining else 503)
 
     async def metrics_endpoint(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"content-type": CONTENT_TYPE_LATEST})
@@ -266,7 +300,7 @@ def create_app(
     routes.add("GET", "/healthz", health, "server")
     routes.add("GET", "/metrics", metrics_endpoint, "server")
     models_api.add_routes(routes, [(m, name) for name, spec in specs.items() for m in spec.models])
-    sessions_api.add_routes(routes, sessions)
+    sessions_api.add_routes(routes, sessions, overlay.server.drain_timeout_s)
     pages.add_routes(routes, list(specs))
     dashboard.add_routes(routes, sessions, runtime)
     for name, spec in specs.items():

@@ -263,6 +263,9 @@ class ServerSpec(_Strict):
     api_keys: list[ApiKeySpec] = Field(default=[], description="keys mapped to principals; any key set turns auth on")
     max_input_chars: int = Field(default=4096, ge=1)
     torch_threads: int = Field(default=1, ge=1, le=256, description="intra-op threads for torch engines in this process")
+    drain_timeout_s: float = Field(default=
+        30.0, ge=0, le=3600, description="on SIGTERM the server drains (sessions move to other nodes) for at most this long, then exits"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     webrtc_host_addresses: list[str] | None = Field(default=
         None, description="addresses WebRTC calls offer as host candidates (default: 127.0.0.1 when host is loopback, else every non-loopback address)"
@@ -366,6 +369,14 @@ class SessionsSpec(_Strict):
     )
     node_id: str | None = Field(default=None, pattern=r"^[\w.:-]+$", description="this node's name in the directory (default host:pid)")
     advertise_url: str | None = Field(default=None, description="URL other nodes give clients whose session lives here")
+    resume_url: str | None = Field(default=
+        None, description="where a client whose session moved off a draining node resumes (the service's address, e.g. its load "
+        "balancer); none: the address it used"
+    )
+    migration_ttl_s: float = Field(default=120.0, gt=0, le=86400, description="a moved session's state waits this long for its client")
+    migration_max_bytes: int = Field(default=
+        32 << 20, ge=1 << 16, description="largest state one session may move with (its conversation, its latents)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SessionsSpec:

@@ -33,6 +33,7 @@ import base64
 import io
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -86,6 +87,34 @@ class WorldConnection(JsonEvents):
             session.add_finalizer(lambda: self._account(-self.buffer_bytes()))
         self.task: asyncio.Task[None] | None = None
         self.step_id: str | None = None
+        self.moving = False  # handed off (a drain): steps are refused here
+        session.exporter = self.export  # the latest attachment's connection moves it
+
+    # ---- moving to another node (a drain) -------------------------------------------------
+    async def export(self, left_s: float) -> dict[str, Any]:
+        """At a clean point (the running step has rendered its frames; at the drain's
+        deadline it is cancelled and its frames are not in the history): the settings,
+        the latent history and the frame index. The next step's noise comes from the
+        seed and the frame index, so it renders on the new node as it would have here."""
+        deadline = time.monotonic() + max(0.0, left_s - 0.5)
+        while self.task is not None and not self.task.done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.moving = True
+        await self.cancel("migrated")
+        return {"world": dict(self.state)}
+
+    @classmethod
+    def restore(cls, session: Session, state: dict[str, Any]) -> None:
+        world = state["world"]
+        keys = {"prompt", "width", "height", "steps", "seed", "image_format", "history", "frame_index"}
+        if not isinstance(world, dict) or set(world) != keys or not all(isinstance(a, np.ndarray) for a in world["history"]):
+            raise ValueError("the world state does not match this release")
+        if world["image_format"] not in FORMATS:
+            raise ValueError(f"image format {world['image_format']!r} is not served here")
+        session.data["world"] = dict(world)
+        nbytes = sum(int(a.nbytes) for a in world["history"])
+        cls._account(nbytes)
+        session.add_finalizer(lambda: cls._account(-sum(int(a.nbytes) for a in session.data.get("world", {}).get("history", []))))
 
     @property
     def state(self) -> dict[str, Any]:
@@ -120,6 +149,8 @@ class WorldConnection(JsonEvents):
         eid = ev.get("event_id")
         try:
             kind = ev["type"]
+            if self.moving and kind != "session.close":
+                raise WorldError("This session is moving to another node; resume it there and send this again.", "session_moving")
             if kind == "session.update":
                 self.update(ev.get("session"))
                 self.emit("session.updated", session=self.wire())
@@ -261,6 +292,7 @@ class WorldConnection(JsonEvents):
 
 def mount(m: Mount) -> None:
     sessions, pipeline, model = m.sessions, m.pipeline.name, m.processor(WorldModel)
+    sessions.restorers[("world", pipeline)] = WorldConnection.restore
 
     async def world(request: web.Request) -> web.StreamResponse:
         principal = principal_of(request).name
@@ -282,7 +314,7 @@ def mount(m: Mount) -> None:
             await sessions.detach(session.id)
             raise
         kind = "session.resumed" if resumed else "session.created"
-        conn.emit(kind, session=conn.wire(), resume_token=session.issue_resume_token())
+        conn.emit(kind, session=conn.wire(), resume_token=await sessions.issue_resume_token(session))
 
         async def on_exit(why: str) -> None:
             if not session.attached_as(attachment):

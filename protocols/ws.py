@@ -24,9 +24,9 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from omni_rt import metrics
-from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, WS_POLICY_VIOLATION, OmniError
+from omni_rt.errors import WS_INTERNAL_ERROR, WS_NORMAL, WS_POLICY_VIOLATION, WS_SERVICE_RESTART, OmniError
 from protocols.errors import close_reason, error_event, to_omni
-from sessions import Session, SessionEvent, SessionManager
+from sessions import END_EVENTS, RESTART_REASONS, Session, SessionEvent, SessionManager
 
 # Frames up to this size reach the protocols, which answer oversized ones in their own
 # error shape (a realtime append over 15 MiB of audio, an OpenPI observation over 64
@@ -141,7 +141,7 @@ async def write_events(sock: Socket, session: Session, frame: Callable[[SessionE
         out = frame(ev)
         if out is not None:
             await sock.send(out)
-        if ev.type in ("session.expired", "session.closed"):
+        if ev.type in END_EVENTS:
             break
 
 
@@ -209,11 +209,13 @@ async def serve_events(
 async def close_attachment(sock: Socket, session: Session, why: str) -> None:
     """Close a JSON event socket after `serve_events`: 1011 after a fault of ours,
     1008 when the session was ended for not reading its events (`slow_consumer`),
-    else 1000 with the session's close reason."""
+    1012 when it moved to another node or ended for a restart (a drain), else 1000 with the session's close reason."""
     if why == "server_error":
         await sock.close(WS_INTERNAL_ERROR, "internal error")
     elif session.close_reason == "slow_consumer":
         await sock.close(WS_POLICY_VIOLATION, "slow_consumer")
+    elif session.close_reason in RESTART_REASONS:  # moved to another node, or ended for a restart
+        await sock.close(WS_SERVICE_RESTART, session.close_reason)
     else:
         await sock.close(WS_NORMAL, session.close_reason or "")
 

@@ -13,11 +13,13 @@ from sessions.errors import (
     StoreUnavailable,
     UnknownPipeline,
 )
-from sessions.manager import SessionManager, make_store
-from sessions.session import SIGNALS, Session, SessionEvent, SessionState
+from sessions.manager import RESTART_REASONS, SessionManager, make_store
+from sessions.session import END_EVENTS, SIGNALS, Session, SessionEvent, SessionState
 from sessions.store import Limits, MemoryStore, SessionStore, Slot
 
 __all__ = [
+    "END_EVENTS",
+    "RESTART_REASONS",
     "IllegalTransition",
     "InvalidResumeToken",
     "Limits",

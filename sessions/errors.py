@@ -71,6 +71,23 @@ class CapacityLimit(SessionLimit):
         self.predicted_rtf = predicted_rtf
 
 
+class Draining(CapacityLimit):
+    """Admission refused: this node is draining (its sessions are moving to other
+    nodes); another node takes new sessions."""
+
+    def __init__(self, kind: str, retry_after_s: int, what: str | None = None) -> None:
+        SessionError.__init__(
+            self,
+            f"This node is draining for a restart and admits no {what or f'new {kind!r} session'}; retry in {retry_after_s} s "
+            "(another node takes it).",
+            headers={"retry-after": str(retry_after_s)},
+        )
+        self.scope = "capacity"
+        self.kind = kind
+        self.cap = 0
+        self.retry_after_s = retry_after_s
+
+
 class StoreUnavailable(SessionError):
     """The session store (Redis) cannot be reached: no new admissions."""
 

@@ -31,12 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.specs import SESSION_KINDS, SessionsSpec
+from sessions import migration
 from sessions.admission import RealtimeAdmission
 from sessions.errors import (
     CapacityLimit,
+    Draining,
     IllegalTransition,
     InvalidResumeToken,
     SessionElsewhere,
+    SessionError,
     SessionGone,
     SessionLimit,
     SessionNotFound,
@@ -53,7 +56,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("sessions")
 
 # Why a session ended → the event its client hears.
-EXPIRY_REASONS = frozenset({"idle_timeout", "disconnect_grace_expired", "evicted", "operator", "shutdown"})
+EXPIRY_REASONS = frozenset({"idle_timeout", "disconnect_grace_expired", "evicted", "operator", "shutdown", "drained"})
+# Ends that tell the client to reconnect elsewhere (WebSocket close 1012): its session
+# moved to the session store ("migrated", it resumes on another node) or could not
+# move and was ended for the restart ("drained").
+RESTART_REASONS = frozenset({"migrated", "drained", "shutdown"})
 
 
 def make_store(spec: SessionsSpec) -> SessionStore:
@@ -109,7 +116,12 @@ class SessionManager:
         # The last admission decisions, newest last (the dashboard shows them): what was
         # asked, the outcome, and for weighed sessions what the load-aware check saw.
         self.decisions: deque[dict[str, Any]] = deque(maxlen=DECISIONS_KEPT)
-        self.stats = {"admitted": 0, "rejected": 0, "closed": 0, "expired": 0, "evicted": 0, "slots_released": 0, "lapsed_leases": 0}
+        # draining: no admissions; sessions move to the store (drain)
+        self.draining = False
+        self.drain_report: dict[str, Any] | None = None
+        # (kind, pipeline) -> the wire's restorer of a moved session's state
+        self.restorers: dict[tuple[str, str | None], migration.Restorer] = {}
+        self.stats = {"moved_out": 0, "moved_in": 0, "admitted": 0, "rejected": 0, "closed": 0, "expired": 0, "evicted": 0, "slots_released": 0, "lapsed_leases": 0}
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -145,6 +157,11 @@ class SessionManager:
             raise ValueError(f"unknown session kind {kind!r}; known: {', '.join(SESSION_KINDS)}")
         if pipeline is not None and self.orchestrator is not None and pipeline not in self.orchestrator.pipelines:
             raise UnknownPipeline(f"Pipeline '{pipeline}' is not served here; served: {', '.join(sorted(self.orchestrator.pipelines))}.")
+        if self.draining:
+            self.stats["rejected"] += 1
+            metrics.SESSIONS_REJECTED.labels(kind=kind, reason="draining").inc()
+            self._decided(kind, principal, None, "draining", "this node is draining", weighed=False)
+            raise Draining(kind, self.spec.retry_after_s)
         t0 = time.perf_counter()
         sid = f"sess_{secrets.token_hex(12)}"
         slot = Slot(sid, kind, principal)
@@ -257,6 +274,11 @@ class SessionManager:
         (the old attachment's event stream ends)."""
         s = self._sessions.get(session_id)
         if s is None:
+            blob = await self.store.get_state(session_id)
+            if blob is not None:  # moved off a draining node: adopted here
+                if self.draining:
+                    raise Draining("moved", self.spec.retry_after_s, what="session moved from another node")
+                return await self._adopt(session_id, blob, token, principal)
             if session_id in self._gone:
                 raise SessionGone(session_id, self._gone[session_id])
             rec = await self.store.lookup(session_id)
@@ -321,8 +343,11 @@ class SessionManager:
         try:
             s._transition(SessionState.CLOSING, "close")
             s.close_reason = reason
-            event = "session.expired" if reason in EXPIRY_REASONS else "session.closed"
-            s.emit(event, {"session_id": s.id, "reason": reason})
+            if reason == "migrated":
+                s.emit("session.migrated", {"session_id": s.id, "reason": "drain", "resume_url": self.spec.resume_url})
+            else:
+                event = "session.expired" if reason in EXPIRY_REASONS else "session.closed"
+                s.emit(event, {"session_id": s.id, "reason": reason})
             await s._release_resources(reason)
             if self.orchestrator is not None:
                 self.orchestrator.release_session(s.id)
@@ -349,6 +374,137 @@ class SessionManager:
             metrics.SESSIONS_ENDED.labels(kind=s.kind, reason=reason).inc()
             if reason in ("idle_timeout", "disconnect_grace_expired", "evicted"):
                 metrics.SESSIONS_EVICTED.labels(kind=s.kind, reason=reason).inc()
+
+    # ---- drain: moving sessions to other nodes ---------------------------------------
+    async def drain(self, timeout_s: float) -> dict[str, Any]:
+        """Stop admitting, then hand every session off: a session whose wire can move it
+        reaches a clean point, its state goes to the store and its client hears
+        `session.migrated` (it resumes on any node); one that cannot move finishes its
+        turn (a one-shot request its answer) and ends with reason `drained`. Returns
+        what moved, ended and failed; sessions still here at the timeout are ended."""
+        self.draining = True
+        t0 = time.monotonic()
+        deadline = t0 + max(0.0, timeout_s)
+        log.info("draining: %d session(s) to hand off within %.0f s", len(self._sessions), timeout_s)
+        outcomes = await asyncio.gather(*(self._hand_off(s, deadline) for s in list(self._sessions.values())))
+        report: dict[str, Any] = {"node": self.node_id, "moved": [], "ended": [], "failed": []}
+        for sid, outcome, why in outcomes:
+            report[outcome].append({"session_id": sid, **({"reason": why} if why else {})})
+        report["remaining"] = len(self._sessions)
+        report["seconds"] = round(time.monotonic() - t0, 3)
+        self.drain_report = report
+        log.info("drained in %.2f s: %d moved, %d ended, %d failed", report["seconds"], len(report["moved"]), len(report["ended"]), len(report["failed"]))
+        return report
+
+    async def _hand_off(self, s: Session, deadline: float) -> tuple[str, str, str | None]:
+        """(session id, moved | ended | failed, why)."""
+        try:
+            if s.exporter is not None and s.is_open:
+                left = max(0.0, deadline - time.monotonic())
+                state = await asyncio.wait_for(s.exporter(left), timeout=left + 1.0)
+            else:
+                state = None
+                await self._quiesce(s, deadline)
+            if not s.is_open:
+                await s.closed.wait()
+                return s.id, "ended", s.close_reason
+            if state is None:
+                await self.end(s, "drained")
+                return s.id, "ended", "nothing to move"
+            # after its clean point: what the client has not read goes with it (a
+            # detached session's events, replayed where it resumes)
+            blob = migration.encode(self._core_state(s), state, self.spec.migration_max_bytes)
+            await self.store.put_state(s.id, blob, self.spec.migration_ttl_s, {**self._record(s), "state": "migrated", "node": None,
+                                                                               "from_node": self.node_id, "url": self.spec.resume_url})
+            await self.end(s, "migrated")
+            self.stats["moved_out"] += 1
+            metrics.SESSIONS_MIGRATED.labels(kind=s.kind, direction="out").inc()
+            log.info("session %s (%s) moved: %d bytes of state", s.id, s.kind, len(blob))
+            return s.id, "moved", None
+        except Exception as exc:  # noqa: BLE001 - one session's failure is reported, the others still move
+            if isinstance(exc, SessionError):
+                why = exc.message
+            elif isinstance(exc, asyncio.TimeoutError):
+                why = "no clean point before the drain timeout"
+            else:
+                why = f"{type(exc).__name__}: {exc}"
+                log.exception("session %s (%s): its hand-off failed", s.id, s.kind)
+            log.warning("session %s (%s) could not move: %s", s.id, s.kind, why)
+            if s.is_open:
+                await self.end(s, "drained")
+            return s.id, "failed", why
+
+    async def _quiesce(self, s: Session, deadline: float) -> None:
+        """A session with nothing to move: a one-shot one finishes here (its handler ends
+        it); another finishes the turn it is generating."""
+        while s.is_open and time.monotonic() < deadline:
+            if s.kind != "oneshot" and not s.holds_lease():
+                return
+            try:
+                await asyncio.wait_for(s.closed.wait(), timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+            except asyncio.TimeoutError:
+                pass
+
+    def _core_state(self, s: Session) -> dict[str, Any]:
+        detached = s.state == SessionState.DETACHED
+        return {
+            "id": s.id, "kind": s.kind, "pipeline": s.pipeline, "params": s.params, "principal": s.principal,
+            "token_hash": s.token_hash, "epoch": s.epoch, "turn": s.turn, "seq": s._seq, "created_at": s.created_at,
+            "from_node": self.node_id,
+            # an attached client reads what is queued before it hears it moved
+            "events": migration.events_state(list(s._events)) if detached else [],
+            "dropped_events": s.dropped_events,
+        }
+
+    async def _adopt(self, session_id: str, blob: bytes, token: str | None, principal: str | None) -> Session:
+        """Take over a session another node moved: its token is checked, a slot taken,
+        the wire's state restored; on any failure nothing is kept (the state stays in
+        the store for another try until it lapses)."""
+        doc = migration.decode(session_id, blob, self.spec.migration_max_bytes)
+        core, state = doc["session"], doc["state"]
+        if not token or not core.get("token_hash") or not _hash_eq(str(core["token_hash"]), token):
+            raise InvalidResumeToken(session_id, missing=not token)
+        if principal is not None and principal != core.get("principal"):
+            raise InvalidResumeToken(session_id)
+        kind, pipeline = str(core["kind"]), core.get("pipeline")
+        if pipeline is not None and self.orchestrator is not None and pipeline not in self.orchestrator.pipelines:
+            raise UnknownPipeline(
+                f"Session '{session_id}' was moved from node {core.get('from_node')} running pipeline '{pipeline}', which this node "
+                f"does not serve (served: {', '.join(sorted(self.orchestrator.pipelines))}); resume it on a node that does."
+            )
+        restore = self.restorers.get((kind, pipeline))
+        if restore is None:
+            raise migration.MigrationError(f"Session '{session_id}' ({kind}) was moved, but this node cannot restore {kind} sessions of pipeline '{pipeline}'.")
+        s = Session(self, session_id, kind, pipeline, core.get("params") or {}, str(core["principal"]), self.spec.replay_buffer_events, self.spec.max_pending_events)
+        s._token_hash = str(core["token_hash"])
+        s.epoch, s.turn, s._seq = int(core["epoch"]), int(core["turn"]), int(core["seq"])
+        s.created_at = float(core.get("created_at") or s.created_at)
+        s.dropped_events = int(core.get("dropped_events") or 0)
+        slot = Slot(session_id, kind, s.principal)
+        try:
+            await self.store.acquire(slot, self.limits, {**self._record(s), "state": SessionState.ACTIVE.value})
+        except ValueError:
+            raise IllegalTransition(session_id, "being resumed on another node", "resume") from None
+        try:
+            s._events.extend(migration.events_of(session_id, list(core.get("events") or [])))
+            restore(s, state)
+        except Exception as exc:
+            await self.store.release(slot)
+            log.exception("session %s: its moved state could not be restored", session_id)
+            raise migration.MigrationFailed(f"Session '{session_id}' was moved, but restoring it failed ({type(exc).__name__}: {exc}).") from None
+        self._sessions[session_id] = s
+        s._transition(SessionState.ACTIVE, "resume")
+        s.weighed = self.admission.applies(kind, None)
+        try:
+            await self.store.drop_state(session_id)
+        except StoreUnavailable as exc:
+            log.warning("session %s: its moved state was not dropped from the store (%s); it lapses", session_id, exc)
+        self.stats["moved_in"] += 1
+        metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
+        metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
+        metrics.SESSIONS_MIGRATED.labels(kind=kind, direction="in").inc()
+        log.info("session %s (%s) moved in from node %s", session_id, kind, core.get("from_node"))
+        return s
 
     # ---- leases ----------------------------------------------------------------------
     async def reap(self) -> list[str]:
@@ -451,6 +607,8 @@ class SessionManager:
             by_state[s.state.value] = by_state.get(s.state.value, 0) + 1
         return {
             "node": self.node_id,
+            "draining": self.draining,
+            **({"drain": self.drain_report} if self.drain_report is not None else {}),
             "store": self.store.health(),
             "local": len(self._sessions),
             "by_state": by_state,

@@ -114,6 +114,11 @@ class RedisStore(SessionStore):
             decode_responses=True,
         )
         self._redis = aioredis.Redis(connection_pool=pool)
+        # moved sessions' state blobs are bytes: a client of their own that does not decode
+        raw_pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=4, timeout=timeout_s, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self._raw = aioredis.Redis(connection_pool=raw_pool)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
@@ -127,6 +132,9 @@ class RedisStore(SessionStore):
 
     def _dir_key(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
+
+    def _state_key(self, session_id: str) -> str:
+        return f"{self.prefix}:moved:{session_id}"
 
     def _unavailable(self, exc: Exception) -> StoreUnavailable:
         self.last_error = f"{type(exc).__name__}: {exc}"
@@ -142,6 +150,7 @@ class RedisStore(SessionStore):
 
     async def close(self) -> None:
         await self._redis.aclose(close_connection_pool=True)
+        await self._raw.aclose(close_connection_pool=True)
 
     # ---- slots ---------------------------------------------------------------------
     async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:
@@ -218,6 +227,30 @@ class RedisStore(SessionStore):
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
         return json.loads(raw) if raw else None
+
+    # ---- moved sessions --------------------------------------------------------------
+    async def put_state(self, session_id: str, blob: bytes, ttl_s: float, record: Mapping[str, Any]) -> None:
+        px = max(1, int(ttl_s * 1000))
+        try:
+            async with self._raw.pipeline(transaction=True) as pipe:
+                pipe.set(self._state_key(session_id), blob, px=px)
+                pipe.set(self._dir_key(session_id), json.dumps(dict(record)), px=px)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+
+    async def get_state(self, session_id: str) -> bytes | None:
+        try:
+            raw = await self._raw.get(self._state_key(session_id))
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+        return raw if isinstance(raw, bytes) else None
+
+    async def drop_state(self, session_id: str) -> None:
+        try:
+            await self._raw.delete(self._state_key(session_id))
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
 
     def health(self) -> dict[str, Any]:
         return {"backend": self.name, "url": redact(self.url), "prefix": self.prefix, "last_error": self.last_error}

@@ -29,6 +29,7 @@ from sessions.errors import IllegalTransition, StaleFence
 if TYPE_CHECKING:
     from omni_rt.request import RequestStream
     from sessions.manager import SessionManager
+    from sessions.migration import Exporter
 
 log = logging.getLogger("sessions")
 
@@ -48,6 +49,10 @@ TRANSITIONS: dict[SessionState, frozenset[SessionState]] = {
     SessionState.CLOSING: frozenset({SessionState.CLOSED}),
     SessionState.CLOSED: frozenset(),
 }
+
+# The events that end an attachment's stream: the session is over here (closed,
+# expired) or moved to another node (migrated).
+END_EVENTS = frozenset({"session.expired", "session.closed", "session.migrated"})
 
 # Signals a client may send. cancel / barge_in / clear advance the epoch.
 SIGNALS = ("commit", "cancel", "barge_in", "clear")
@@ -113,6 +118,9 @@ class Session:
         self.dropped_events = 0
         self.overflowed = False  # the attached client stopped reading (slow_consumer)
         self.closed = asyncio.Event()
+        # how this session's wire moves it to another node when this one drains
+        # (sessions.migration); None: it finishes or ends here
+        self.exporter: Exporter | None = None
 
     # ---- state machine ---------------------------------------------------------------
     def _transition(self, to: SessionState, action: str) -> None:

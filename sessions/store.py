@@ -9,6 +9,7 @@ a session live (the directory). `memory` serves one process; `redis` (in
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,20 @@ class SessionStore(abc.ABC):
     @abc.abstractmethod
     async def lookup(self, session_id: str) -> dict[str, Any] | None: ...
 
+    # ---- moved sessions (sessions.migration) -------------------------------------------
+    @abc.abstractmethod
+    async def put_state(self, session_id: str, blob: bytes, ttl_s: float, record: Mapping[str, Any]) -> None:
+        """Keep a moved session's state for `ttl_s`, with its directory entry (`record`:
+        state "migrated", no node) for as long."""
+
+    @abc.abstractmethod
+    async def get_state(self, session_id: str) -> bytes | None:
+        """A moved session's state, or None (never moved, adopted already, or lapsed)."""
+
+    @abc.abstractmethod
+    async def drop_state(self, session_id: str) -> None:
+        """Forget a moved session's state (the node that adopted it holds it now)."""
+
     def health(self) -> dict[str, Any]:
         return {"backend": self.name}
 
@@ -89,6 +104,7 @@ class MemoryStore(SessionStore):
         self._per_kind: dict[str, int] = {}
         self._per_principal: dict[str, int] = {}
         self._directory: dict[str, dict[str, Any]] = {}
+        self._moved: dict[str, tuple[float, bytes]] = {}  # session id -> (expires at, monotonic; blob)
 
     async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:
         total, per_kind, per_principal = limits.caps_for(slot)
@@ -131,3 +147,20 @@ class MemoryStore(SessionStore):
     async def lookup(self, session_id: str) -> dict[str, Any] | None:
         rec = self._directory.get(session_id)
         return dict(rec) if rec is not None else None
+
+    async def put_state(self, session_id: str, blob: bytes, ttl_s: float, record: Mapping[str, Any]) -> None:
+        self._moved[session_id] = (time.monotonic() + ttl_s, bytes(blob))
+        self._directory[session_id] = dict(record)
+
+    async def get_state(self, session_id: str) -> bytes | None:
+        held = self._moved.get(session_id)
+        if held is None:
+            return None
+        if held[0] <= time.monotonic():
+            await self.drop_state(session_id)
+            return None
+        return held[1]
+
+    async def drop_state(self, session_id: str) -> None:
+        if self._moved.pop(session_id, None) is not None and self._directory.get(session_id, {}).get("state") == "migrated":
+            del self._directory[session_id]

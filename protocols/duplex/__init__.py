@@ -38,16 +38,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
 
 from omni_rt.errors import WS_POLICY_VIOLATION, ClientError, OmniError
+from protocols.audio_formats import Pcm16Resampler
 from protocols.auth import principal_of
-from protocols.duplex.transport import DuplexTiming, DuplexTransport
+from protocols.duplex.transport import RATES, DuplexTiming, DuplexTransport
 from protocols.duplex.writer import write
 from protocols.errors import error_event
-from protocols.realtime import Conversation, vad_of
+from protocols.realtime import RATE, Conversation, vad_of
+from protocols.realtime.state import config_of, conversation_state, items_of
 from protocols.registry import Mount
 from protocols.wire_json import load_json
 from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, fail_socket, reject
@@ -55,14 +58,56 @@ from sessions import Session, SessionError, SessionGone, SessionState
 
 log = logging.getLogger("protocols.duplex")
 
+MOVE_MARGIN_S = 0.5  # of a drain's time left, kept for writing the state and telling the client
+
 
 class Duplex:
     """A duplex session's conversation and transport; they live in the session (they
-    survive reconnects) and stop with it."""
+    survive reconnects, and move with it to another node when this one drains) and
+    stop with it."""
 
     def __init__(self, conv: Conversation, transport: DuplexTransport) -> None:
         self.conv = conv
         self.transport = transport
+        self.moving = False  # handed off (a drain): input is no longer taken here
+
+    async def export(self, left_s: float) -> dict[str, Any]:
+        """The state that moves, at a clean point: the answer in progress has finished
+        and what it said has gone out to an attached client (at the drain's deadline an
+        answer still running is cancelled, as a barge-in would, and moves cut there)."""
+        session, conv, t = self.conv.session, self.conv, self.transport
+        deadline = time.monotonic() + max(0.0, left_s - MOVE_MARGIN_S)
+
+        def busy() -> bool:
+            attached = session.state == SessionState.ACTIVE
+            return conv.responses.active is not None or (attached and bool(session.queued_events or t.outbox or t.sending_audio))
+
+        while busy() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.moving = True
+        if conv.responses.active is not None:
+            await conv.responses.cancel("migrated")
+        return {
+            "conversation": conversation_state(conv),
+            "transport": {"in_rate": t.in_rate, "out_rate": t.out_rate, "binary_out": t.binary_out, "paced": t.paced,
+                          # + session.migrated, the last event this node sends
+                          "out_seq": t.out_seq + 1},
+        }
+
+    @classmethod
+    def restore(cls, session: Session, m: Mount, state: dict[str, Any]) -> Duplex:
+        """A moved duplex session, as its exporter left it."""
+        conv, tr = state["conversation"], state["transport"]
+        cfg = config_of(conv["config"])
+        session.data["items"] = items_of(conv["items"])
+        if tr["in_rate"] not in RATES or tr["out_rate"] not in RATES:
+            raise ValueError(f"audio rates {tr['in_rate']}/{tr['out_rate']} are not served here")
+        self = cls.create(session, m, cfg.model)
+        self.conv.cfg = cfg
+        t = self.transport
+        t.in_rate, t.out_rate, t.binary_out, t.paced, t.out_seq = int(tr["in_rate"]), int(tr["out_rate"]), bool(tr["binary_out"]), bool(tr["paced"]), int(tr["out_seq"])
+        t._out = Pcm16Resampler(RATE, t.out_rate)
+        return self
 
     @classmethod
     def create(cls, session: Session, m: Mount, model: str) -> Duplex:
@@ -72,6 +117,7 @@ class Duplex:
         conv.transport = transport
         self = cls(conv, transport)
         session.data["duplex"] = self
+        session.exporter = self.export
 
         async def stop() -> None:
             await conv.shutdown("session_ended")
@@ -88,6 +134,11 @@ def _refusal(exc: OmniError, session_id: str) -> dict[str, Any]:
 
 def mount(m: Mount) -> None:
     sessions, pipeline = m.sessions, m.pipeline
+
+    def restore(session: Session, state: dict[str, Any]) -> None:
+        Duplex.restore(session, m, state)
+
+    sessions.restorers[("duplex", pipeline.name)] = restore
 
     async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, Duplex]:
         if not isinstance(sid, str) or not sid:
@@ -118,6 +169,8 @@ def mount(m: Mount) -> None:
         left = True  # however this attachment ends (the client left, a fault, a cancel)...
         try:
             while (data := await sock.receive(writer, ended)) is not None:
+                if d.moving:
+                    continue  # handed off: the client hears session.migrated next
                 if isinstance(data, bytes) and data[:1] != b"{":
                     try:
                         session.touch()
@@ -149,6 +202,9 @@ def mount(m: Mount) -> None:
         finally:
             beat.cancel()
             ended.cancel()
+            if session.state == SessionState.CLOSED and not writer.done():
+                # the session's last event (closed, expired, migrated) goes out first
+                await asyncio.wait({writer}, timeout=1.0)
             writer.cancel()
             await asyncio.gather(writer, beat, return_exceptions=True)
             if left and switch is None and session.attached_as(gen):
@@ -178,7 +234,7 @@ def mount(m: Mount) -> None:
                     return await reject(request, exc)
                 d = Duplex.create(session, m, model)
                 sock = await accept(request)
-                d.conv.emit("session.created", session=d.transport.session_wire(d.conv), resume_token=session.issue_resume_token())
+                d.conv.emit("session.created", session=d.transport.session_wire(d.conv), resume_token=await sessions.issue_resume_token(session))
                 resumed = False
             first = not resumed
             while True:
@@ -189,7 +245,7 @@ def mount(m: Mount) -> None:
                         d.transport.direct(
                             "session.resumed",
                             session=d.transport.session_wire(d.conv),
-                            resume_token=session.issue_resume_token(),
+                            resume_token=await sessions.issue_resume_token(session),
                             replayed_events=session.queued_events,
                             dropped_events=dropped,
                         )

@@ -369,14 +369,14 @@ def mount(m: Mount) -> None:
                 except SessionError as exc:
                     return await reject(request, exc)
                 sock = await accept(request)
-                session.emit("session.created", {"session": conv.wire(caps()), "resume_token": session.issue_resume_token()})
+                session.emit("session.created", {"session": conv.wire(caps()), "resume_token": await sessions.issue_resume_token(session)})
                 first, resumed = True, False
             while True:
                 if resumed:
                     conv.out_seq += 1
                     await sock.send(json.dumps({
                         "type": "session.resumed", "event_id": f"event_{conv.out_seq:06d}", "server_event_seq": conv.out_seq,
-                        "session": conv.wire(caps()), "resume_token": session.issue_resume_token(), "replayed_events": session.queued_events,
+                        "session": conv.wire(caps()), "resume_token": await sessions.issue_resume_token(session), "replayed_events": session.queued_events,
                     }))
                 nxt = await attach(sock, session, conv, first)
                 if nxt is None:

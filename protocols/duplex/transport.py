@@ -6,6 +6,7 @@ ways, binary audio frames, optional real-time pacing, playback acks, the monoton
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -87,6 +88,8 @@ class DuplexTransport:
         self._in_rs: soxr.ResampleStream | None = None
         self._out = Pcm16Resampler(RATE, self.out_rate)
         self.out_seq = 0  # server_event_seq: monotonic across attachments
+        self.outbox: deque[SessionEvent] | None = None  # the attached writer's events not yet sent
+        self.sending_audio = False  # the paced writer is sending one audio event's frames
 
     # ---- session shape -----------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:

@@ -19,13 +19,14 @@ from dataclasses import replace
 from omni_rt import metrics
 from protocols.duplex.transport import AUDIO_DELTA, RENDERED_RATE, DuplexTransport
 from protocols.ws import Socket
-from sessions import Session, SessionEvent, SessionManager
+from sessions import END_EVENTS, Session, SessionEvent, SessionManager
 
 log = logging.getLogger("protocols.duplex")
 
 
 async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: SessionManager) -> None:
     pending: deque[SessionEvent] = deque()
+    t.outbox = pending
     wake, room = asyncio.Event(), asyncio.Event()
     over = False
     timing = t.timing
@@ -81,13 +82,14 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
             if ev.type != AUDIO_DELTA or not t.paced:
                 await send(t.frame(ev))
                 taken()
-                if ev.type in ("session.expired", "session.closed") and ev.data.get("session_id") == session.id:
+                if ev.type in END_EVENTS and ev.data.get("session_id") == session.id:
                     return  # this session's end (not a refused resume of another)
                 continue
             pcm = t.out_audio(ev)
             taken()
             step = t.out_rate * 2 // 50  # 20 ms
             i = 0
+            t.sending_audio = True
             try:
                 while i < len(pcm):
                     now = time.monotonic()
@@ -106,7 +108,11 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                 if i < len(pcm):  # the socket went away mid-answer: keep what it did not get
                     pending.appendleft(replace(ev, data={**ev.data, "delta": pcm[i:], RENDERED_RATE: t.out_rate}))
                 raise
+            finally:
+                t.sending_audio = False
     finally:
         puller.cancel()
         await asyncio.gather(puller, return_exceptions=True)
+        if t.outbox is pending:
+            t.outbox = None
         session.requeue(pending)

@@ -41,7 +41,7 @@ import numpy as np
 from aiohttp import web
 
 from omni_rt import metrics
-from omni_rt.errors import WS_GOING_AWAY, WS_INTERNAL_ERROR, WS_NORMAL, WS_TRY_AGAIN_LATER, ClientError, RequestAborted, StageError
+from omni_rt.errors import WS_GOING_AWAY, WS_INTERNAL_ERROR, WS_NORMAL, WS_SERVICE_RESTART, WS_TRY_AGAIN_LATER, ClientError, RequestAborted, StageError
 from omni_rt.load import GENERATION
 from omni_rt.payloads import Payload, PayloadError, PayloadKind
 from omni_rt.request import RequestStream
@@ -50,7 +50,7 @@ from protocols.errors import to_omni
 from protocols.openpi.codec import ProtocolError, flatten, packb, unpackb
 from protocols.registry import Mount
 from protocols.ws import DISCONNECTED, Socket, accept, reject
-from sessions import IllegalTransition, Session, SessionError, SessionManager
+from sessions import RESTART_REASONS, IllegalTransition, Session, SessionError, SessionManager
 
 log = logging.getLogger("protocols.openpi")
 
@@ -201,7 +201,9 @@ class PolicyConnection:
             await stream.close()
 
     def _ended(self) -> _Refusal:
-        return _Refusal(f"session ended by the server ({self.session.close_reason or 'aborted'})", WS_GOING_AWAY)
+        why = self.session.close_reason
+        # a drain (the node restarts): 1012, the robot reconnects and another node serves it
+        return _Refusal(f"session ended by the server ({why or 'aborted'})", WS_SERVICE_RESTART if why in RESTART_REASONS else WS_GOING_AWAY)
 
     async def _watch(self) -> None:
         """A session ended by the server (idle lease, operator) while the robot is

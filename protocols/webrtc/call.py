@@ -16,7 +16,7 @@ from omni_rt import metrics
 from omni_rt.errors import ClientError
 from protocols.realtime import RATE, Config, Conversation, apply_session_update, wire_data
 from protocols.webrtc.track import TrackOutput
-from sessions import Session, SessionManager
+from sessions import END_EVENTS, Session, SessionManager
 
 log = logging.getLogger("protocols.webrtc")
 
@@ -114,7 +114,7 @@ class Call:
                 self.sessions.end_soon(self.session, "slow_consumer")
                 continue
             ch.send(json.dumps({"type": ev.type, "event_id": f"event_{ev.seq:06d}", **wire_data(ev.data)}))
-            if ev.type in ("session.expired", "session.closed"):
+            if ev.type in END_EVENTS:
                 break
 
     async def close(self) -> None:

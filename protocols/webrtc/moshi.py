@@ -32,7 +32,7 @@ from protocols.registry import Mount
 from protocols.webrtc import answer_offer, check_offer, hangup_handler, ice_setup, read_offer
 from protocols.webrtc.call import MAX_DC_BUFFERED
 from protocols.webrtc.track import RTP_RATE, PacedAudioTrack
-from sessions import Session, SessionManager
+from sessions import END_EVENTS, Session, SessionManager
 
 log = logging.getLogger("protocols.webrtc.moshi")
 
@@ -92,7 +92,7 @@ class MoshiCall:
                     self.sessions.end_soon(self.session, "slow_consumer")
                 continue
             self.send(json.dumps({"type": ev.type, "event_id": f"event_{ev.seq:06d}", **ev.data}))
-            if ev.type in ("session.expired", "session.closed"):
+            if ev.type in END_EVENTS:
                 break
 
     def send(self, text: str) -> None:
