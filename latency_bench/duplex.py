@@ -354,7 +354,8 @@ def _refusal(exc: BaseException) -> dict[str, Any] | None:
     return None
 
 
-HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "refusing")
+HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "cpu_own", "cpu_outside",
+               "machine_busy", "throttled", "why", "refusing")
 
 
 def _stall_stats(turns: list[dict[str, Any]], transport: str) -> dict[str, Any]:

@@ -20,6 +20,13 @@ fraction of the CPUs this process may run on. Generation speed degrades gently u
 the cores are saturated and then falls off a cliff (every stage waits for a core), so
 admission also keeps this under a bound rather than trusting a straight-line fit of
 the RTF up to the cliff.
+
+`MachineMeter` sees what the server's own figure cannot: CPU taken by anything else on
+the CPUs it may run on (the whole machine's busy time on those cores, from psutil's
+per-CPU times, so a noisy neighbour or a build on the same box counts) and, inside a
+container, the cgroup's CPU quota (cgroup v2 `cpu.max` / v1 `cpu.cfs_quota_us`) with how
+often the cgroup was throttled over the window (`cpu.stat`). Admission adds the
+outside share to its prediction, and refuses while the cgroup is being throttled.
 """
 
 from __future__ import annotations
@@ -33,7 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GENERATION", "CpuMeter", "RtfMeter", "StreamRtf", "tree_cpu_seconds"]
+__all__ = [
+    "GENERATION", "CgroupCpu", "CpuMeter", "MachineLoad", "MachineMeter", "RtfMeter", "StreamRtf", "machine_cpu_seconds",
+    "read_cgroup_cpu", "tree_cpu_seconds",
+]
 
 
 @dataclass
@@ -167,3 +177,140 @@ class CpuMeter:
         if t - t0 < 1.0:
             return None
         return (cpu - c0) / (t - t0) / self.cpus
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+@dataclass(frozen=True)
+class CgroupCpu:
+    """One reading of the cgroup's CPU controller: its quota in CPUs (None: unlimited),
+    the CPU seconds it used, and its enforcement periods (all / throttled)."""
+
+    quota_cpus: float | None
+    usage_s: float | None
+    periods: int
+    throttled: int
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _stat(text: str | None) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in (text or "").splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().lstrip("-").isdigit():
+            out[k] = int(v)
+    return out
+
+
+def read_cgroup_cpu(root: str = CGROUP_ROOT) -> CgroupCpu | None:
+    """The CPU controller of the cgroup this process is in as the container sees it
+    (cgroup v2 at `root`, else v1 at `root/cpu`); None when neither is readable."""
+    v2 = _read(f"{root}/cpu.max")
+    if v2 is not None:
+        quota, *period = v2.split()
+        q = None if quota == "max" or not period else int(quota) / int(period[0])
+        st = _stat(_read(f"{root}/cpu.stat"))
+        usage = st.get("usage_usec")
+        return CgroupCpu(q, None if usage is None else usage / 1e6, st.get("nr_periods", 0), st.get("nr_throttled", 0))
+    quota_us = _read(f"{root}/cpu/cpu.cfs_quota_us")
+    if quota_us is None:
+        return None
+    period_us = _read(f"{root}/cpu/cpu.cfs_period_us")
+    q1 = int(quota_us)
+    quota_cpus = q1 / int(period_us) if q1 > 0 and period_us else None
+    st = _stat(_read(f"{root}/cpu/cpu.stat"))
+    usage_ns = _read(f"{root}/cpuacct/cpuacct.usage") or _read(f"{root}/cpu/cpuacct.usage")
+    usage_s = int(usage_ns) / 1e9 if usage_ns and usage_ns.strip().isdigit() else None
+    return CgroupCpu(quota_cpus, usage_s, st.get("nr_periods", 0), st.get("nr_throttled", 0))
+
+
+def machine_cpu_seconds(cpus: set[int] | None = None) -> tuple[float, float]:
+    """(busy, total) CPU seconds since boot over the CPUs in `cpus` (default: those this
+    process may run on), every process on the machine counted. Idle and iowait are not
+    busy; steal (time a hypervisor gave to another guest) is."""
+    import psutil
+
+    if cpus is None:
+        try:
+            cpus = set(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = None
+    busy = total = 0.0
+    for i, t in enumerate(psutil.cpu_times(percpu=True)):
+        if cpus is not None and i not in cpus:
+            continue
+        d = t._asdict()
+        all_s = sum(v for k, v in d.items() if k not in ("guest", "guest_nice"))  # guest time is inside user
+        idle = d.get("idle", 0.0) + d.get("iowait", 0.0)
+        busy += all_s - idle
+        total += all_s
+    return busy, total
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """The whole machine's load over the meter's window, on this process's CPUs."""
+
+    busy: float  # busy fraction of the CPUs this process may run on, everyone's work counted
+    capacity_cpus: float  # CPUs this server may use: its affinity, capped by a cgroup quota
+    cgroup_busy: float | None  # the cgroup's CPU use over its quota (None: no quota / unreadable)
+    throttled: float | None  # fraction of the cgroup's enforcement periods it was throttled in
+
+    def effective(self) -> float:
+        """The busy fraction that binds: the cores' or the quota's, whichever is fuller."""
+        return max(self.busy, self.cgroup_busy or 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        r = lambda v: None if v is None else round(v, 4)  # noqa: E731
+        return {"machine_busy": r(self.busy), "capacity_cpus": r(self.capacity_cpus), "cgroup_busy": r(self.cgroup_busy),
+                "throttled": r(self.throttled)}
+
+
+class MachineMeter:
+    """Whole-machine CPU load over the last `window_s` (None until two readings at
+    least a second apart); readers injectable for tests."""
+
+    def __init__(
+        self,
+        window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+        read_machine: Callable[[], tuple[float, float]] = machine_cpu_seconds,
+        read_cgroup: Callable[[], CgroupCpu | None] = read_cgroup_cpu,
+        cpus: int | None = None,
+    ) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self.read_machine = read_machine
+        self.read_cgroup = read_cgroup
+        self.cpus = cpus or usable_cpus()
+        self._readings: deque[tuple[float, tuple[float, float], CgroupCpu | None]] = deque()
+
+    def load(self) -> MachineLoad | None:
+        t, m, cg = self.clock(), self.read_machine(), self.read_cgroup()
+        if self._readings and m[1] < self._readings[-1][1][1]:
+            self._readings.clear()
+        self._readings.append((t, m, cg))
+        while len(self._readings) > 2 and t - self._readings[1][0] >= self.window_s:
+            self._readings.popleft()
+        t0, m0, cg0 = self._readings[0]
+        if t - t0 < 1.0 or m[1] <= m0[1]:
+            return None
+        busy = min(1.0, max(0.0, (m[0] - m0[0]) / (m[1] - m0[1])))
+        capacity = float(self.cpus)
+        cgroup_busy = throttled = None
+        if cg is not None and cg0 is not None:
+            if cg.quota_cpus is not None:
+                capacity = min(capacity, cg.quota_cpus)
+                if cg.usage_s is not None and cg0.usage_s is not None:
+                    cgroup_busy = max(0.0, (cg.usage_s - cg0.usage_s) / (t - t0) / cg.quota_cpus)
+            if cg.periods > cg0.periods:
+                throttled = (cg.throttled - cg0.throttled) / (cg.periods - cg0.periods)
+        return MachineLoad(busy, capacity, cgroup_busy, throttled)

@@ -87,6 +87,21 @@ SESSIONS_ENDED = Counter("omni_rt_sessions_ended_total", "Sessions ended, by rea
 SESSION_EVENTS_DROPPED = Counter(
     "omni_rt_session_events_dropped_total", "Events dropped from a detached session's bounded replay buffer", ["kind"]
 )
+ADMISSION_CPU = Gauge(
+    "omni_rt_admission_cpu_busy_fraction",
+    "CPU busy fraction load-aware admission last read on this server's cores: own (this server's process tree), outside "
+    "(everything else on those cores, or the container quota's fill beyond the server's own), machine (all of it)",
+    ["scope"],
+)
+ADMISSION_THROTTLED = Gauge(
+    "omni_rt_admission_cgroup_throttled_fraction", "Fraction of the container cgroup's CPU periods it was throttled in (window)"
+)
+ADMISSION_REFUSING = Gauge(
+    "omni_rt_admission_refusing",
+    "1 while load-aware admission refuses new real-time sessions, by why: rtf, cpu (this server's own load), "
+    "outside_load (CPU taken by other processes), throttled (the container's CPU quota)",
+    ["why"],
+)
 ADMISSION_SECONDS = Histogram(
     "omni_rt_session_admission_seconds",
     "Time to admit a session (cap check in the store)",

@@ -334,6 +334,14 @@ class RealtimeAdmissionSpec(_Strict):
         0.7, gt=0, le=1.0, description="the busy fraction of this server's CPUs (its engine processes included) one more session may "
         "bring it to; null: not weighed (a GPU box whose CPUs are not the bottleneck)"
     )
+    weigh_outside_load: bool = Field(default=
+        True, description="count CPU taken by other processes on this server's cores (and a container's CPU quota) against "
+        "max_cpu_utilisation, not only this server's own share"
+    )
+    max_throttled_fraction: float | None = Field(default=
+        0.05, ge=0, le=1.0, description="refuse while the container's cgroup was throttled in more than this fraction of its CPU "
+        "periods over the window; null: not weighed"
+    )
     session_cost_cpu: float = Field(default=
         0.05, gt=0, le=1.0, description="what one more session adds to the CPU busy fraction until the server has measured it"
     )

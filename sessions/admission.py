@@ -27,6 +27,13 @@ The same prediction is made for the CPU busy fraction of the server's process tr
 (`CpuMeter`, the mean of the last `CPU_WINDOW_S`; its own fitted cost, prior
 `session_cost_cpu`) against `max_cpu_utilisation`: generation speed holds until the
 cores saturate and then falls off a cliff a straight-line RTF fit does not foresee.
+The CPU figure is the larger of the server's own share and the whole machine's busy
+fraction on the server's cores (`MachineMeter`; a container's quota fill counts too), so
+CPU taken by other processes is in the prediction (`weigh_outside_load`); the fitted
+per-session cost stays the server's own. While the container's cgroup is throttled in
+more than `max_throttled_fraction` of its CPU periods, nothing is admitted. Each refusal
+says why (`rtf`, `cpu`, `outside_load`, `throttled`) in its message, in `/health`
+(`realtime_admission.why`) and in the `omni_rt_admission_refusing{why}` gauge.
 Once it refuses, it admits again only under each bound less `hysteresis`, so a server
 at the edge does not flap between admitting and refusing. Only attached sessions are
 weighed. The first `min_sessions` sessions are always admitted. A
@@ -42,7 +49,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from omni_rt.load import GENERATION, CpuMeter, RtfMeter
+from omni_rt import metrics
+from omni_rt.load import GENERATION, CpuMeter, MachineLoad, MachineMeter, RtfMeter
 from omni_rt.specs import RealtimeAdmissionSpec
 from sessions.errors import CapacityLimit
 
@@ -72,10 +80,13 @@ class RealtimeAdmission:
         meter: RtfMeter | None = None,
         clock: Callable[[], float] = time.monotonic,
         cpu: CpuMeter | None = None,
+        machine: MachineMeter | None = None,
     ) -> None:
         self.spec = spec
         self.meter = meter if meter is not None else GENERATION
         self.cpu = cpu if cpu is not None else CpuMeter(CPU_WINDOW_S)
+        self.machine = machine if machine is not None else MachineMeter(CPU_WINDOW_S)
+        self.machine_load: MachineLoad | None = None
         self.clock = clock
         self.kinds = frozenset(spec.kinds)
         # (time, established sessions, worst rtf or None, cpu busy fraction or None)
@@ -94,6 +105,8 @@ class RealtimeAdmission:
         now = self.clock()
         rtf = self.meter.worst()  # on the meter's own clock, like the streams it measured
         cpu = self.cpu.utilisation() if self.spec.max_cpu_utilisation is not None else None
+        if self.spec.weigh_outside_load or self.spec.max_throttled_fraction is not None:
+            self.machine_load = self.machine.load()
         self._samples.append((now, sessions, rtf, cpu))
         horizon = now - 6 * self.spec.window_s
         while self._samples and self._samples[0][0] < horizon:
@@ -116,20 +129,49 @@ class RealtimeAdmission:
         """What one more session adds to the CPU busy fraction."""
         return self._fitted(3, self.spec.session_cost_cpu)
 
+    def _busy(self, own: float | None) -> tuple[float | None, float]:
+        """(CPU busy fraction now, the part of it taken by others): the server's own
+        share, raised to the whole machine's on its cores when outside load is weighed."""
+        load = self.machine_load
+        if not self.spec.weigh_outside_load or load is None:
+            return own, 0.0
+        whole = load.effective()
+        if own is None:
+            return whole, 0.0
+        own = own * self._quota_scale()
+        return max(own, whole), max(0.0, whole - own)
+
+    def _quota_scale(self) -> float:
+        """The server's own share is measured on the cores it may run on; under a
+        smaller container quota the same CPU seconds fill more of what it may use."""
+        load = self.machine_load
+        if not self.spec.weigh_outside_load or load is None or load.capacity_cpus <= 0:
+            return 1.0
+        return max(1.0, self.cpu.cpus / load.capacity_cpus)
+
     def check(self, kind: str, sessions: int, new: int = 0) -> None:
         """Admit one more `kind` session next to `sessions` established real-time ones
         and `new` ones that have not shown their load yet, or raise CapacityLimit."""
-        rtf, cpu = self.observe(sessions)
+        rtf, own = self.observe(sessions)
         cost, source = self.cost()
         predicted = rtf + cost * (new + 1) if rtf is not None else (sessions + new + 1) * cost
         margin = self.spec.hysteresis if self.refusing else 0.0
-        fits = predicted <= self.spec.target_rtf - margin + 1e-9
+        why: list[str] = []
+        if predicted > self.spec.target_rtf - margin + 1e-9:
+            why.append("rtf")
+        cpu, outside = self._busy(own)
         predicted_cpu = None
         if self.spec.max_cpu_utilisation is not None and cpu is not None:
-            ccost, csource = self.cpu_cost()
+            ccost = self.cpu_cost()[0] * self._quota_scale()
+            bound = self.spec.max_cpu_utilisation - margin + 1e-9
             predicted_cpu = cpu + ccost * (new + 1)
-            fits = fits and predicted_cpu <= self.spec.max_cpu_utilisation - margin + 1e-9
-        admit = sessions + new < self.spec.min_sessions or fits
+            if predicted_cpu > bound:
+                why.append("outside_load" if outside > 0 and predicted_cpu - outside <= bound else "cpu")
+        load = self.machine_load
+        throttled = None if load is None else load.throttled
+        if self.spec.max_throttled_fraction is not None and throttled is not None and throttled > self.spec.max_throttled_fraction:
+            why.append("throttled")
+        admit = sessions + new < self.spec.min_sessions or not why
         self.refusing = not admit
         self.last = {
             "sessions": sessions,
@@ -139,15 +181,33 @@ class RealtimeAdmission:
             "cost_from": source,
             "predicted_rtf": round(predicted, 4),
             "cpu_now": None if cpu is None else round(cpu, 4),
+            "cpu_own": None if own is None else round(own * self._quota_scale(), 4),
+            "cpu_outside": round(outside, 4),
             "predicted_cpu": None if predicted_cpu is None else round(predicted_cpu, 4),
+            **(load.as_dict() if load is not None else {}),
             "admitting": admit,
+            "why": [] if admit else why,
         }
+        self._export(own, outside, cpu, throttled, [] if admit else why)
         if not admit:
             raise CapacityLimit(
                 kind, sessions + new, predicted, self.spec.target_rtf, self.spec.retry_after_s,
-                cpu=predicted_cpu, max_cpu=self.spec.max_cpu_utilisation,
+                cpu=predicted_cpu, max_cpu=self.spec.max_cpu_utilisation, outside=outside, throttled=throttled, why=why,
             )
 
+    @staticmethod
+    def _export(own: float | None, outside: float, cpu: float | None, throttled: float | None, why: list[str]) -> None:
+        if own is not None:
+            metrics.ADMISSION_CPU.labels("own").set(own)
+        metrics.ADMISSION_CPU.labels("outside").set(outside)
+        if cpu is not None:
+            metrics.ADMISSION_CPU.labels("machine").set(cpu)
+        if throttled is not None:
+            metrics.ADMISSION_THROTTLED.set(throttled)
+        for w in ("rtf", "cpu", "outside_load", "throttled"):
+            metrics.ADMISSION_REFUSING.labels(w).set(1 if w in why else 0)
+
     def health(self) -> dict[str, Any]:
+        live = self.machine_load.as_dict() if self.machine_load is not None else {}
         return {"enabled": self.spec.enabled, "target_rtf": self.spec.target_rtf, "max_cpu_utilisation": self.spec.max_cpu_utilisation,
-                "refusing": self.refusing, **self.last}
+                "weigh_outside_load": self.spec.weigh_outside_load, "refusing": self.refusing, **self.last, "machine_now": live}

@@ -56,14 +56,23 @@ class CapacityLimit(SessionLimit):
         *,
         cpu: float | None = None,
         max_cpu: float | None = None,
+        outside: float = 0.0,
+        throttled: float | None = None,
+        why: list[str] | None = None,
     ) -> None:
         cpus = f", its CPUs {cpu:.0%} busy (at most {max_cpu:.0%})" if cpu is not None and max_cpu is not None else ""
+        if outside > 0 and cpus:
+            cpus += f", {outside:.0%} of them taken by other processes"
+        if throttled is not None and "throttled" in (why or []):
+            cpus += f", its container CPU-throttled in {throttled:.0%} of periods"
+        because = f" [{', '.join(why)}]" if why else ""
         SessionError.__init__(
             self,
-            f"Server at real-time capacity: with {sessions} '{kind}'-class session(s) running, one more would generate at "
+            f"Server at real-time capacity{because}: with {sessions} '{kind}'-class session(s) running, one more would generate at "
             f"{predicted_rtf:.2f}x real time (target {target_rtf:.2f}){cpus}; retry in {retry_after_s} s.",
             headers={"retry-after": str(retry_after_s)},
         )
+        self.why = list(why or [])
         self.scope = "capacity"
         self.kind = kind
         self.cap = sessions

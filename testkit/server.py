@@ -173,7 +173,7 @@ async def serve(
     wanted = set(pipelines)
     data: dict[str, Any] = {
         "pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()},
-        "sessions": {"reaper_interval_s": 60, "realtime_admission": {"max_cpu_utilisation": None}},
+        "sessions": {"reaper_interval_s": 60, "realtime_admission": {"max_cpu_utilisation": None, "max_throttled_fraction": None}},
     }
     for key, value in (overlay or {}).items():
         if isinstance(value, Mapping) and isinstance(data.get(key), dict):
@@ -185,7 +185,7 @@ async def serve(
             data[key] = value
     clock = FakeClock()
     # The CPU guard of load-aware admission is off: it would weigh the test process's own
-    # CPU (tests that want it set sessions.realtime_admission.max_cpu_utilisation).
+    # CPU and the machine's (tests that want it set sessions.realtime_admission.max_cpu_utilisation).
     # The generation meter is process-wide (one server per process in production):
     # streams an earlier in-process server measured must not decide this one's admissions.
     from omni_rt.load import GENERATION

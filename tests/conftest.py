@@ -35,6 +35,12 @@ def start_server(overlay: dict, tmp: Path, models_dir: Path, tls_ca: Path | None
     from latency_bench.server import ServerProcess
 
     log = tmp / "server.log"
+    # The test process and its clients (espeak-ng, Chromium, decoders) share the cores
+    # with the server by design: admission does not count them as a noisy neighbour
+    # unless the test says so.
+    sessions = dict(overlay.get("sessions") or {})
+    sessions["realtime_admission"] = {"weigh_outside_load": False, **(sessions.get("realtime_admission") or {})}
+    overlay = {**overlay, "sessions": sessions}
     deploy = tmp / "deploy.yaml"
     deploy.write_text(yaml.safe_dump(overlay))
     env = dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir))

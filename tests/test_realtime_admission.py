@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_rt.load import CpuMeter, RtfMeter
+from omni_rt import metrics
+from omni_rt.load import CgroupCpu, CpuMeter, MachineMeter, RtfMeter, machine_cpu_seconds, read_cgroup_cpu
 from omni_rt.specs import RealtimeAdmissionSpec, SessionsSpec
 from sessions import SessionManager
 from sessions.admission import CPU_WINDOW_S
@@ -25,6 +26,14 @@ class World:
         self.m.admission.meter = self.meter
         self.cpu_s = [0.0]  # CPU seconds the fake server tree has used
         self.m.admission.cpu = CpuMeter(CPU_WINDOW_S, clock=lambda: self.t[0], read=lambda: self.cpu_s[0], cpus=2)
+        # the whole machine (2 CPUs): the server's CPU seconds plus what other processes
+        # used (`outside_s`); the container's cgroup, when a test gives it one
+        self.outside_s = [0.0]
+        self.cgroup: list[CgroupCpu | None] = [None]
+        self.m.admission.machine = MachineMeter(
+            CPU_WINDOW_S, clock=lambda: self.t[0], read_machine=lambda: (self.cpu_s[0] + self.outside_s[0], 2 * self.t[0]),
+            read_cgroup=lambda: self.cgroup[0], cpus=2,
+        )
 
     def rtf(self, sessions: int) -> float:
         return self.base + self.per * sessions
@@ -178,6 +187,125 @@ async def test_a_lull_between_turns_is_not_room_for_more_sessions():
     await w.m.stop()
 
 
+async def test_cpu_taken_by_other_processes_refuses_new_sessions_and_health_and_metrics_say_why():
+    """A noisy neighbour on one of the two cores: the server's own share is small and
+    its RTF looks fine, but the cores are not free. New sessions are refused (the
+    reason named in the error, /health and the metrics) until the burner stops."""
+    w = World(base=0.2, per=0.001, new_session_s=0, max_cpu_utilisation=0.7, hysteresis=0.05)
+    await w.m.open("duplex")
+
+    def second(own: float, outside: float) -> None:
+        w.cpu_s[0] += own * 2
+        w.outside_s[0] += outside * 2
+        w.speak()
+
+    for _ in range(11):
+        second(0.1, 0.0)
+    await w.m.open("duplex")  # 10 % own, nothing else: room
+    for _ in range(11):  # a process burns one core: 50 % of the machine
+        second(0.2, 0.5)
+    with pytest.raises(CapacityLimit) as exc:
+        await w.m.open("duplex")
+    assert exc.value.why == ["outside_load"]
+    assert "50% of them taken by other processes" in str(exc.value)
+    assert exc.value.headers["retry-after"] == "5"
+    h = w.m.health()["realtime_admission"]
+    assert h["refusing"] and h["why"] == ["outside_load"]
+    assert h["cpu_own"] == pytest.approx(0.2, abs=0.01) and h["cpu_outside"] == pytest.approx(0.5, abs=0.01)
+    assert h["machine_busy"] == pytest.approx(0.7, abs=0.01)
+    assert metrics.REGISTRY.get_sample_value("omni_rt_admission_refusing", {"why": "outside_load"}) == 1
+    assert metrics.REGISTRY.get_sample_value("omni_rt_admission_cpu_busy_fraction", {"scope": "outside"}) == pytest.approx(0.5, abs=0.01)
+    for _ in range(11):  # the burner stops
+        second(0.2, 0.0)
+    await w.m.open("duplex")
+    assert metrics.REGISTRY.get_sample_value("omni_rt_admission_refusing", {"why": "outside_load"}) == 0
+    await w.m.stop()
+
+
+async def test_outside_load_is_ignored_when_told_and_the_servers_own_load_is_named_cpu():
+    w = World(base=0.2, per=0.001, new_session_s=0, max_cpu_utilisation=0.7, weigh_outside_load=False)
+    await w.m.open("duplex")
+    for _ in range(11):
+        w.cpu_s[0] += 0.2 * 2
+        w.outside_s[0] += 0.7 * 2
+        w.speak()
+    await w.m.open("duplex")  # 20 % own: the outside 70 % is not weighed
+    for _ in range(11):
+        w.cpu_s[0] += 0.8 * 2
+        w.speak()
+    with pytest.raises(CapacityLimit) as exc:
+        await w.m.open("duplex")
+    assert exc.value.why == ["cpu"] and "other processes" not in str(exc.value)
+    await w.m.stop()
+
+
+async def test_a_throttled_container_or_a_full_cpu_quota_refuses():
+    """In a container with a 1-CPU quota on a 2-core machine, the quota binds: the
+    cgroup's use over its quota is the busy figure, and throttling refuses outright."""
+    w = World(base=0.2, per=0.001, new_session_s=0, max_cpu_utilisation=0.7, max_throttled_fraction=0.05)
+    used = [0.0]
+    periods = [0, 0]
+
+    def second(cg_cpus: float, throttled: int) -> None:
+        used[0] += cg_cpus
+        periods[0] += 10
+        periods[1] += throttled
+        w.cpu_s[0] += cg_cpus
+        w.cgroup[0] = CgroupCpu(1.0, used[0], periods[0], periods[1])
+        w.speak()
+
+    await w.m.open("duplex")
+    for _ in range(11):
+        second(0.3, 0)
+    await w.m.open("duplex")  # 30 % of the quota
+    for _ in range(11):
+        second(0.8, 0)  # 40 % of two cores, but 80 % of the one-CPU quota
+    with pytest.raises(CapacityLimit) as exc:
+        await w.m.open("duplex")
+    assert exc.value.why == ["cpu"]
+    assert w.m.health()["realtime_admission"]["capacity_cpus"] == 1.0
+    assert w.m.health()["realtime_admission"]["cgroup_busy"] == pytest.approx(0.8, abs=0.01)
+    for _ in range(11):
+        second(0.3, 3)  # little use, but throttled in 30 % of periods
+    with pytest.raises(CapacityLimit) as exc:
+        await w.m.open("duplex")
+    assert exc.value.why == ["throttled"] and "throttled in 30% of periods" in str(exc.value)
+    await w.m.stop()
+
+
+def test_the_cgroup_cpu_controller_is_read_in_v2_and_v1_layouts(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    (v2 / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\nnr_periods 40\nnr_throttled 4\nthrottled_usec 9\n")
+    assert read_cgroup_cpu(str(v2)) == CgroupCpu(1.5, 2.5, 40, 4)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert read_cgroup_cpu(str(v2)).quota_cpus is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpuacct").mkdir()
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.stat").write_text("nr_periods 7\nnr_throttled 1\nthrottled_time 5\n")
+    (v1 / "cpuacct" / "cpuacct.usage").write_text("3000000000\n")
+    assert read_cgroup_cpu(str(v1)) == CgroupCpu(0.5, 3.0, 7, 1)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert read_cgroup_cpu(str(v1)).quota_cpus is None
+    assert read_cgroup_cpu(str(tmp_path / "none")) is None
+
+
+def test_the_machine_reading_counts_every_process_on_this_processes_cores():
+    busy0, total0 = machine_cpu_seconds()
+    x = 0
+    for i in range(3_000_000):  # burn a little CPU in this process
+        x += i
+    busy1, total1 = machine_cpu_seconds()
+    assert 0 <= busy0 <= total0 and busy1 > busy0 and total1 > total0
+    assert busy1 - busy0 <= total1 - total0 + 1e-6
+    only0 = machine_cpu_seconds({0})
+    assert only0[1] < total1  # one core's times are a part of the whole
+
+
 def test_the_cpu_meter_reads_the_busy_fraction_over_its_window():
     t, used = [0.0], [0.0]
     m = CpuMeter(5.0, clock=lambda: t[0], read=lambda: used[0], cpus=2)
@@ -232,3 +360,49 @@ async def test_robots_are_weighed_only_when_they_declare_a_control_rate():
             w.t[0] += 1.0
             w.m.admission.observe(n)
     assert len(admitted) == 2 and w.rtf(2) <= 0.8 < w.rtf(3)  # the third would have pushed every robot late
+
+
+@pytest.mark.integration
+async def test_a_real_cpu_burner_beside_the_server_refuses_new_voice_sessions_until_it_stops(tmp_path):
+    """The real meters on this machine: an in-process server, then a process that is
+    not the server's (an orphan, so not in its process tree) spins one core. The next
+    voice session is refused on the wire with `capacity` naming the outside load; once
+    the burner has stopped for a window, sessions are admitted again."""
+    import asyncio
+    import subprocess
+    import sys
+    import time
+
+    from testkit import serve
+    from tests.protocols.helpers import connect
+
+    overlay = {"sessions": {"realtime_admission": {"max_cpu_utilisation": 0.4, "weigh_outside_load": True, "hysteresis": 0.05}}}
+    pidfile = tmp_path / "burner.pid"
+    async with serve(["voice"], overlay) as h:
+        first = await connect(h, "/v1/realtime?model=gpt-realtime")
+        await first.until("session.created")  # the first session is always admitted; the meters take a reading
+        subprocess.run(  # the shell exits at once: the burner is reparented, outside this process tree
+            ["sh", "-c", f"{sys.executable} -c 'import time\nt=time.monotonic()\nwhile time.monotonic()-t<8: pass' & echo $! > {pidfile}"],
+            check=True,
+        )
+        try:
+            await asyncio.sleep(3.0)
+            extra = await connect(h, "/v1/realtime?model=gpt-realtime")
+            ev = await extra.until("error")
+            assert ev["error"]["code"] == "capacity" and "outside_load" in ev["error"]["message"]
+            assert "taken by other processes" in ev["error"]["message"]
+            await extra.until("connection.closed")
+            assert extra.closed is not None and extra.closed[0] == 1013
+            adm = h.sessions.health()["realtime_admission"]
+            assert adm["why"] == ["outside_load"] and adm["cpu_outside"] >= 0.3, adm
+        finally:
+            pid = int(pidfile.read_text())
+            subprocess.run(["kill", str(pid)], check=False)
+        t = time.monotonic()
+        while time.monotonic() - t < 11.0:  # a quiet window
+            await asyncio.sleep(0.5)
+        again = await connect(h, "/v1/realtime?model=gpt-realtime")
+        await again.until("session.created")
+        assert h.sessions.health()["realtime_admission"]["refusing"] is False
+        await again.ws.close()
+        await first.ws.close()
