@@ -294,7 +294,11 @@ class MachineMeter:
         self._readings: deque[tuple[float, tuple[float, float], CgroupCpu | None]] = deque()
 
     def load(self) -> MachineLoad | None:
-        t, m, cg = self.clock(), self.read_machine(), self.read_cgroup()
+        t = self.clock()
+        try:  # an unreadable or odd /proc or cgroup file must not break admission
+            m, cg = self.read_machine(), self.read_cgroup()
+        except (OSError, ValueError, IndexError):
+            return None
         if self._readings and m[1] < self._readings[-1][1][1]:
             self._readings.clear()
         self._readings.append((t, m, cg))

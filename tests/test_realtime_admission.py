@@ -292,6 +292,9 @@ def test_the_cgroup_cpu_controller_is_read_in_v2_and_v1_layouts(tmp_path):
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert read_cgroup_cpu(str(v1)).quota_cpus is None
     assert read_cgroup_cpu(str(tmp_path / "none")) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("")  # a file that cannot be parsed: no reading, no error out of the meter
+    meter = MachineMeter(read_cgroup=lambda: read_cgroup_cpu(str(v1)))
+    assert meter.load() is None
 
 
 def test_the_machine_reading_counts_every_process_on_this_processes_cores():
