@@ -28,6 +28,8 @@ import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
+from clients.closing import close
+
 
 class OpenPIError(RuntimeError):
     """The server answered with a text frame (openpi's error form) or closed."""
@@ -139,7 +141,7 @@ class PolicyClient:
         return await self.call({"endpoint": "reset", **({"seed": seed} if seed is not None else {})})
 
     async def close(self) -> None:
-        await self.ws.close()
+        await close(self.ws)
 
     async def __aenter__(self) -> PolicyClient:
         return self

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from clients.closing import close
 from clients.errors import ErrorEvent
 
 RATE = 24000
@@ -195,7 +196,7 @@ class RealtimeClient:
         return await self.collect(t_end)
 
     async def close(self) -> None:
-        await self.ws.close()
+        await close(self.ws)
 
     async def __aenter__(self) -> RealtimeClient:
         return self

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
+from clients.closing import close
 from clients.errors import HttpApiError
 
 
@@ -101,7 +102,7 @@ class LiveVideo:
                 return ev
 
     async def close(self) -> None:
-        await self.ws.close()
+        await close(self.ws)
 
 
 async def _main(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from urllib.parse import urlencode
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 
+from clients.closing import close
 from clients.errors import ErrorEvent
 
 
@@ -91,7 +92,7 @@ class WorldClient:
             frames.append(decode_frame(ev))
 
     async def close(self) -> None:
-        await self.ws.close()
+        await close(self.ws)
 
     async def __aenter__(self) -> WorldClient:
         return self

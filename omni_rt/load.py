@@ -148,6 +148,12 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# A meter asked again within this long answers what it read last: each reading scans
+# /proc (every process of the tree, every CPU), and a burst of opens would repeat it for
+# a figure that is the mean of `window_s` anyway.
+REREAD_S = 0.25
+
+
 class CpuMeter:
     """Busy fraction of this server's CPUs over the last `window_s` (None until two
     readings at least a second apart). A process that exits takes its CPU time with it:
@@ -165,18 +171,22 @@ class CpuMeter:
         self.read = read
         self.cpus = cpus or usable_cpus()
         self._readings: deque[tuple[float, float]] = deque()
+        self._last: tuple[float, float | None] | None = None  # (when, what) of the last answer
 
     def utilisation(self) -> float | None:
-        t, cpu = self.clock(), self.read()
+        t = self.clock()
+        if self._last is not None and t - self._last[0] < REREAD_S:
+            return self._last[1]
+        cpu = self.read()
         if self._readings and cpu < self._readings[-1][1]:
             self._readings.clear()
         self._readings.append((t, cpu))
         while len(self._readings) > 2 and t - self._readings[1][0] >= self.window_s:
             self._readings.popleft()
         t0, c0 = self._readings[0]
-        if t - t0 < 1.0:
-            return None
-        return (cpu - c0) / (t - t0) / self.cpus
+        busy = None if t - t0 < 1.0 else (cpu - c0) / (t - t0) / self.cpus
+        self._last = (t, busy)
+        return busy
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -292,9 +302,17 @@ class MachineMeter:
         self.read_cgroup = read_cgroup
         self.cpus = cpus or usable_cpus()
         self._readings: deque[tuple[float, tuple[float, float], CgroupCpu | None]] = deque()
+        self._last: tuple[float, MachineLoad | None] | None = None
 
     def load(self) -> MachineLoad | None:
         t = self.clock()
+        if self._last is not None and t - self._last[0] < REREAD_S:
+            return self._last[1]
+        load = self._load(t)
+        self._last = (t, load)
+        return load
+
+    def _load(self, t: float) -> MachineLoad | None:
         try:  # an unreadable or odd /proc or cgroup file must not break admission
             m, cg = self.read_machine(), self.read_cgroup()
         except (OSError, ValueError, IndexError):

@@ -153,11 +153,18 @@ def drain_on_sigterm(timeout_s: float) -> Callable[[web.Application], Awaitable[
     return install
 
 
+LINGER_S = 1.0
+
+
 def runner_options(overlay: DeployOverlay) -> dict[str, Any]:
     """aiohttp server settings: a connection that has not sent a whole request within
     `header_timeout_s` (of opening, or of its last reply) is closed; handlers are never
-    cancelled when their client goes away (each hears the disconnect itself)."""
-    return {"keepalive_timeout": overlay.server.header_timeout_s, "handler_cancellation": False}
+    cancelled when their client goes away (each hears the disconnect itself); the rest
+    of a body refused unread (413) is read and dropped for at most `LINGER_S`, so a
+    client still sending it can read the refusal. (aiohttp's own 10 s would hold the
+    connection that long even after its client left: with handler cancellation off,
+    nothing ends that read early, and a stopping server waits for it.)"""
+    return {"keepalive_timeout": overlay.server.header_timeout_s, "handler_cancellation": False, "lingering_time": LINGER_S}
 
 
 def ssl_context(spec: ServerSpec, source: str) -> ssl.SSLContext | None:

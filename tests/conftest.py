@@ -84,6 +84,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         integration = item.get_closest_marker("integration") is not None
         if "server" in fixtures and not integration:
             wrong.append(f"{item.nodeid}: uses the real server but is not marked integration")
+        if "models_dir" in fixtures and not integration:
+            wrong.append(f"{item.nodeid}: loads the tiny checkpoints into real engines but is not marked integration")
         if "tests/protocols/" in item.nodeid.replace("\\", "/") and ("server" in fixtures or integration):
             wrong.append(f"{item.nodeid}: the in-process tier must not use the real server")
     if wrong:

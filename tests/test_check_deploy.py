@@ -17,6 +17,8 @@ import yaml
 from omni_rt.cli import main
 from pipelines.tiny_pi0 import IMAGE_SIZE as TINY_SIDE
 
+pytestmark = pytest.mark.integration  # each check reads the tiny checkpoints as real model directories (processors, tokenizers, configs)
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "deploy"
 

@@ -18,6 +18,8 @@ from omni_rt.connectors.shm import ShmConnector
 from omni_rt.payloads import Handle, Payload, PayloadKind
 from tests.test_connectors import FENCE, TIMEOUT, _conn_entries, _payload, _rid, _rid_entries
 
+pytestmark = pytest.mark.integration  # processes of their own (spawned, killed)
+
 
 def _child_put(conn_name: str, pool_bytes: int, rid: str, out: Any, done: Any) -> None:
     conn = ShmConnector(conn_name, pool_bytes=pool_bytes)

@@ -14,6 +14,8 @@ import torch
 from omni_rt.engines.base import EngineError
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
 
+pytestmark = pytest.mark.integration  # diffusers pipelines on the tiny checkpoints
+
 
 @pytest.fixture
 async def engine(models_dir):

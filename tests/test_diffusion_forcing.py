@@ -17,6 +17,8 @@ from omni_rt.engines.base import EngineError
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
 from omni_rt.payloads import Fence
 
+pytestmark = pytest.mark.integration  # diffusers pipelines on the tiny checkpoints
+
 
 @pytest.fixture
 async def engine(models_dir):

@@ -28,6 +28,8 @@ import pytest
 from omni_rt.lifeline import PID_ENV, START_ENV, leftover_engines, server_env, start_time, watch_server
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.integration  # watcher processes and servers of their own
+
 WATCHER = "from omni_rt.lifeline import watch_server; import sys, time; print(watch_server(), flush=True); time.sleep(120)"
 
 
@@ -173,7 +175,6 @@ def _engines(proc: subprocess.Popen[bytes]) -> list[int]:
     return [k.pid for k in kids]
 
 
-@pytest.mark.integration
 @pytest.mark.vllm
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
 def test_a_server_that_dies_or_stops_leaves_no_process_behind(tmp_path, models_dir, how):
@@ -195,7 +196,6 @@ def test_a_server_that_dies_or_stops_leaves_no_process_behind(tmp_path, models_d
         _kill_group(proc)
 
 
-@pytest.mark.integration
 @pytest.mark.vllm
 def test_a_crash_inside_the_event_loop_leaves_no_process_behind(tmp_path, models_dir):
     proc, log = _serve(tmp_path, models_dir, crash=True)

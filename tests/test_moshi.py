@@ -26,6 +26,7 @@ def rows_of(n: int) -> dict[str, torch.Tensor]:
     return {k: torch.full((n,), v) for k, v in SAMPLING.items()}
 
 
+@pytest.mark.integration
 def test_streaming_encode_equals_transformers_streaming_mimi(moshi_dir: str) -> None:
     steps = MoshiSteps.load(moshi_dir)
     mimi = steps.moshi.audio_encoder
@@ -59,6 +60,7 @@ def test_streaming_encode_equals_transformers_streaming_mimi(moshi_dir: str) -> 
         assert torch.equal(torch.stack(got[i]), ref[i])
 
 
+@pytest.mark.integration
 def test_streaming_decode_matches_a_whole_decode_after_the_first_frame(moshi_dir: str) -> None:
     steps = MoshiSteps.load(moshi_dir)
     mimi = steps.moshi.audio_encoder
@@ -74,6 +76,7 @@ def test_streaming_decode_matches_a_whole_decode_after_the_first_frame(moshi_dir
     assert float(whole.abs().max()) > 100 * DECODE_TOLERANCE  # the comparison is not of silence
 
 
+@pytest.mark.integration
 def test_batched_steps_equal_each_conversation_alone(moshi_dir: str) -> None:
     """Three conversations join and leave at different frames, in slots out of order;
     each one's text tokens and codes equal its run alone, its audio within 1e-5."""
@@ -120,6 +123,7 @@ def test_batched_steps_equal_each_conversation_alone(moshi_dir: str) -> None:
     assert [int(x["text"]) for x in got[0]] != [int(x["text"]) for x in got[1]]
 
 
+@pytest.mark.integration
 def test_placing_the_model_moves_every_slots_state_with_it(moshi_dir: str) -> None:
     """The torch engine places the module with `.to(device)` then `.to(dtype)` (cuda,
     bfloat16 on a GPU): the slots' rings, Mimi's stream caches and the last codes go with
@@ -182,6 +186,7 @@ def test_step_times_predict_from_what_was_measured() -> None:
     assert math.isclose(t.predict(4, now=59.0) or 0, 0.018 * 4 / 3)  # stale: from size 3, proportional
 
 
+@pytest.mark.integration
 def test_a_directory_of_another_architecture_is_refused(tmp_path: Path, moshi_dir: str) -> None:
     MoshiProcessor.check_model(moshi_dir)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))

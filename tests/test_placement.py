@@ -29,6 +29,8 @@ from omni_rt.specs import SpecError
 from testkit import Speeds, serve
 from tests.protocols.helpers import barge_in, connect
 
+pytestmark = pytest.mark.integration  # a Ray cluster and stage processes of their own
+
 SPEECH = {"model": "tts", "input": "one two three four five six", "voice": "tara", "response_format": "pcm", "seed": 3}
 
 

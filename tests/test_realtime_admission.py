@@ -317,7 +317,9 @@ def test_the_cpu_meter_reads_the_busy_fraction_over_its_window():
     assert m.utilisation() == pytest.approx(0.5)  # 2 CPU-s in 2 s of 2 CPUs
     t[0], used[0] = 10.0, 2.0  # idle since: the old readings leave the window
     assert m.utilisation() == pytest.approx(0.0)
-    used[0] = 1.0  # a child exited and took its CPU time along: start over
+    t[0], used[0] = 10.1, 3.0  # asked again at once: the last answer, nothing is read
+    assert m.utilisation() == pytest.approx(0.0)
+    t[0], used[0] = 10.5, 1.0  # a child exited and took its CPU time along: start over
     assert m.utilisation() is None
 
 

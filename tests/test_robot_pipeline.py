@@ -129,6 +129,7 @@ def pi0_dir(models_dir):
     return models_dir / "tiny-pi0"
 
 
+@pytest.mark.integration
 def test_prepare_runs_the_checkpoints_processor_for_a_layout(pi0_dir):
     proc = _processor(pi0_dir)
     side, n = proc.size[0], proc.image_tokens
@@ -167,6 +168,7 @@ def test_prepare_runs_the_checkpoints_processor_for_a_layout(pi0_dir):
         ({"images/cam_high": np.zeros((3, 5000, 8), np.uint8)}, "1..4096"),
     ],
 )
+@pytest.mark.integration
 def test_prepare_refuses_bad_observations(pi0_dir, change, message):
     proc = _processor(pi0_dir)
     arrays: dict[str, np.ndarray] = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
@@ -176,6 +178,7 @@ def test_prepare_refuses_bad_observations(pi0_dir, change, message):
         proc.prepare(proc.layout("aloha"), _obs(arrays))
 
 
+@pytest.mark.integration
 def test_layouts_prepared_at_once_in_threads_keep_their_own_prompt_length(pi0_dir):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -194,6 +197,7 @@ def test_layouts_prepared_at_once_in_threads_keep_their_own_prompt_length(pi0_di
     assert {k for lay, k in got if lay == "aloha"} == {3 * n + 48} and {k for lay, k in got if lay == "droid"} == {2 * n + 48}
 
 
+@pytest.mark.integration
 def test_a_prompt_over_the_token_limit_is_refused_naming_the_limit(pi0_dir):
     proc = _processor(pi0_dir, max_prompt_tokens=8)
     arrays: dict[str, np.ndarray] = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
@@ -217,11 +221,13 @@ def test_a_prompt_over_the_token_limit_is_refused_naming_the_limit(pi0_dir):
         ({"temperature": 1.0}, "unknown policy processor_args"),
     ],
 )
+@pytest.mark.integration
 def test_bad_policy_configuration_is_refused(pi0_dir, args, message):
     with pytest.raises(ValueError, match=message):
         _processor(pi0_dir, **args)
 
 
+@pytest.mark.integration
 def test_omni_rt_check_names_a_bad_layout(models_dir, tmp_path):
     deploy = tmp_path / "d.yaml"
     deploy.write_text(yaml.safe_dump({
@@ -279,6 +285,7 @@ async def pi0_engine(pi0_dir):
     await engine.stop()
 
 
+@pytest.mark.integration
 async def test_step_by_step_on_the_engine_equals_the_models_own_sample_actions(pi0_dir, pi0_engine):
     proc = _processor(pi0_dir, pi0_engine, smoothing=0.0)
     obs = _droid(3)
@@ -294,6 +301,7 @@ async def test_step_by_step_on_the_engine_equals_the_models_own_sample_actions(p
     np.testing.assert_allclose(got, ref[0, :16, :8].numpy(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.integration
 async def test_the_prefix_kv_state_and_noisy_actions_stay_tensors_on_the_engine_between_steps(pi0_dir, pi0_engine):
     seen: list[tuple[str | None, dict[str, str]]] = []
     run = pi0_engine.run
@@ -316,6 +324,7 @@ async def test_the_prefix_kv_state_and_noisy_actions_stay_tensors_on_the_engine_
         assert {k: v for k, v in types.items() if k not in ("t", "dt")} == dict.fromkeys(("kv", "attention_mask", "state", "x"), "Tensor")
 
 
+@pytest.mark.integration
 async def test_robots_at_different_steps_share_batches_and_get_what_they_get_alone(pi0_dir, pi0_engine):
     proc = _processor(pi0_dir, pi0_engine)
     observations = [_droid(10 + i, prompt=f"task {i}") for i in range(6)]
@@ -364,6 +373,7 @@ def _with_stats(pi0_dir, tmp_path, state_mode="MEAN_STD", action_mode="MEAN_STD"
 
 
 @pytest.mark.parametrize("state_mode, action_mode", [("MEAN_STD", "MEAN_STD"), ("MIN_MAX", "QUANTILES")])
+@pytest.mark.integration
 async def test_normalisation_round_trip_with_the_checkpoints_stats(pi0_dir, pi0_engine, tmp_path, state_mode, action_mode):
     d, stats = _with_stats(pi0_dir, tmp_path, state_mode, action_mode)
     layouts = {"droid": _spec(pi0_dir).processor_args["layouts"]["droid"]}
@@ -393,12 +403,14 @@ async def test_normalisation_round_trip_with_the_checkpoints_stats(pi0_dir, pi0_
     assert not np.allclose(got, y)
 
 
+@pytest.mark.integration
 def test_a_layout_of_another_embodiment_than_the_stats_is_refused(pi0_dir, tmp_path):
     d, _ = _with_stats(pi0_dir, tmp_path)
     with pytest.raises(ValueError, match=r"layouts.aloha: state of 14 dims, but the checkpoint normalises observation.state with 8"):
         _processor(d)
 
 
+@pytest.mark.integration
 def test_a_missing_stats_or_processor_file_refuses_the_policy_naming_the_file(pi0_dir, tmp_path):
     d, _ = _with_stats(pi0_dir, tmp_path, write_state_file=False)
     with pytest.raises(StageError, match="policy_preprocessor_step_3_normalizer_processor.safetensors, which is missing"):
@@ -425,6 +437,7 @@ def test_a_missing_stats_or_processor_file_refuses_the_policy_naming_the_file(pi
     assert _processor(bare, processor=str(pi0_dir)).metadata(None)["image_resolution"] == [IMAGE_SIZE, IMAGE_SIZE]
 
 
+@pytest.mark.integration
 def test_a_checkpoint_in_lerobots_format_loads_into_the_same_model(pi0_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -443,6 +456,7 @@ def test_a_checkpoint_in_lerobots_format_loads_into_the_same_model(pi0_dir, tmp_
         assert torch.equal(loaded[k], v), k
 
 
+@pytest.mark.integration
 def test_omni_rt_check_refuses_a_directory_that_is_not_pi0(pi0_dir, tmp_path):
     from pipelines.robot import check_policy_dir
 
@@ -471,6 +485,7 @@ def hub(models_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["transformers", "lerobot"])
+@pytest.mark.integration
 def test_a_paligemma_processor_whose_only_extra_token_is_the_image_token_is_accepted(hub, layout):
     """PaliGemma's 257,153 tokens against π0's 257,152 embeddings: `<image>` (257152) is
     never looked up (its positions take the vision tower's features)."""
@@ -490,6 +505,7 @@ def test_a_paligemma_processor_whose_only_extra_token_is_the_image_token_is_acce
     assert int((ids == IMAGE_TOKEN).sum()) == 2 * proc.image_tokens and int(ids[ids != IMAGE_TOKEN].max()) < VOCAB
 
 
+@pytest.mark.integration
 def test_a_tokenizer_that_can_emit_an_id_past_the_table_is_refused_naming_it(hub, tmp_path):
     extra = paligemma_processor(tmp_path / "paligemma-plus", extra_tokens=("<tool_call>", "<tool_result>"))
     with pytest.raises(ValueError) as err:

@@ -14,6 +14,8 @@ import torch
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
 from tests.diffusion_helpers import output_of, staggered
 
+pytestmark = pytest.mark.integration  # diffusers pipelines on the tiny checkpoints
+
 
 @pytest.fixture
 async def engine(models_dir):

@@ -38,6 +38,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return build_tiny(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.mark.integration  # builds every tiny checkpoint twice
 def test_build_is_deterministic_and_idempotent(tiny: dict[str, Path], tmp_path: Path) -> None:
     # every checkpoint, built a second time in a process whose memory the first build
     # left dirty: a weight a model class leaves as torch.empty would differ here
@@ -57,6 +58,7 @@ def test_build_is_deterministic_and_idempotent(tiny: dict[str, Path], tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in again.values())
 
 
+@pytest.mark.integration  # builds every tiny checkpoint
 def test_every_weight_is_finite_and_drawn(tiny: dict[str, Path]) -> None:
     """No tensor of a tiny checkpoint is inf/NaN, and no weight matrix is one constant
     (a parameter its model class never initialised); the EMA sums of Mimi's codebooks
@@ -75,6 +77,7 @@ def test_every_weight_is_finite_and_drawn(tiny: dict[str, Path]) -> None:
                     assert float(t.float().std()) > 0, where
 
 
+@pytest.mark.integration  # reads the tiny checkpoints it builds
 def test_talker_tokenizer_and_layout(tiny: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
@@ -112,6 +115,7 @@ def test_codec_layout_defaults_are_orpheus(tmp_path: Path) -> None:
     assert CodecLayout.load(tmp_path) == custom
 
 
+@pytest.mark.integration  # reads the tiny checkpoints it builds
 def test_snac_decode(tiny: dict[str, Path]) -> None:
     model = load_snac(tiny["code2wav"])
     assert not model.training
@@ -196,6 +200,7 @@ def test_load_snac_real_layout_with_noise(tmp_path: Path) -> None:
         load_snac(tmp_path / "missing")
 
 
+@pytest.mark.integration  # reads the tiny checkpoints it builds
 def test_thinker_segment_encoder_equals_whole_prompt_encoding(tiny: dict[str, Path]) -> None:
     """Prompt pieces between added tokens are encoded once and remembered; the ids are
     always those of encoding the whole rendered prompt."""

@@ -62,6 +62,7 @@ def edge(mode: str, **chunking) -> dict:
     return {"pipelines": {"tts": {"profile": "split", "edges": {"talker->code2wav": e}}}}
 
 
+@pytest.mark.integration
 async def test_stream_equals_batch_default_chunking(models_dir):
     batch, batch_chunks = await synth(models_dir, edge("batch"), TEXT)
     stream, stream_chunks = await synth(models_dir, edge("chunk"), TEXT)
@@ -84,6 +85,7 @@ async def test_stream_equals_batch_default_chunking(models_dir):
         {"first_chunk_frames": 5, "chunk_frames": 1, "left_context_frames": 4, "lookahead_frames": 4},
     ],
 )
+@pytest.mark.integration
 async def test_stream_equals_batch_other_chunkings(models_dir, chunking):
     batch, _ = await synth(models_dir, edge("batch"), TEXT)
     stream, chunks = await synth(models_dir, edge("chunk", **chunking), TEXT)
@@ -91,6 +93,7 @@ async def test_stream_equals_batch_other_chunkings(models_dir, chunking):
     np.testing.assert_allclose(stream, batch, atol=ATOL, rtol=0)
 
 
+@pytest.mark.integration
 async def test_without_context_chunk_boundaries_differ(models_dir):
     """The context frames are what makes streaming exact: without them it is not."""
     batch, _ = await synth(models_dir, edge("batch"), TEXT)
@@ -100,6 +103,7 @@ async def test_without_context_chunk_boundaries_differ(models_dir):
     assert np.abs(stream - batch).max() > ATOL
 
 
+@pytest.mark.integration
 async def test_fused_equals_split(models_dir):
     split, _ = await synth(models_dir, edge("chunk"), TEXT)
     fused, chunks = await synth(models_dir, {"pipelines": {"tts": {"profile": "fused"}}}, TEXT)
@@ -107,6 +111,7 @@ async def test_fused_equals_split(models_dir):
     np.testing.assert_allclose(fused, split, atol=ATOL, rtol=0)
 
 
+@pytest.mark.integration
 async def test_shm_edge_equals_inproc(models_dir):
     inproc, _ = await synth(models_dir, edge("chunk"), TEXT)
     over = edge("chunk")
@@ -115,6 +120,7 @@ async def test_shm_edge_equals_inproc(models_dir):
     np.testing.assert_array_equal(shm, inproc)
 
 
+@pytest.mark.integration
 async def test_duration_follows_text_length(models_dir):
     short, _ = await synth(models_dir, edge("chunk"), "Hi.")
     long, _ = await synth(models_dir, edge("chunk"), TEXT * 3)

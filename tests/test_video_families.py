@@ -16,6 +16,8 @@ from omni_rt.engines.base import EngineError
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
 from tests.diffusion_helpers import staggered
 
+pytestmark = pytest.mark.integration  # diffusers pipelines on the tiny checkpoints
+
 # directory, the size multiple, frames are multiple·k + 1, a valid clip, an invalid frame count
 FAMILIES = {
     "wan": ("tiny-wan", 16, 4, (64, 96, 9), 8),

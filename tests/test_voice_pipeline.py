@@ -4,6 +4,7 @@ with a fake AR engine: prompt building and streamed text."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from omni_rt.connectors.inproc import InprocConnector
 from omni_rt.orchestrator import Orchestrator
@@ -13,6 +14,8 @@ from omni_rt.stage_pool import Replica, StagePool
 from pipelines import PIPELINE_DIR
 from pipelines.voice import ThinkerProcessor
 from testkit import FakeArEngine
+
+pytestmark = pytest.mark.integration  # the thinker's real processor and tokenizer on the tiny checkpoint
 
 
 class Recording(FakeArEngine):

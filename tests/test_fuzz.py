@@ -23,6 +23,10 @@ import pytest
 from latency_bench.fuzz import ALL, failure_report, run_fuzz, summary_lines
 from testkit import Speeds, serve
 
+# 11,000 messages through the whole in-process server (some 15 s): the integration
+# tier's; each defect it found is pinned by tests/protocols/test_hardening.py.
+pytestmark = pytest.mark.integration
+
 PER_PROTOCOL = 1000
 SEED = 20240601
 PIPELINES = ["voice", "tts", "image", "world", "video", "video_edit", "robot"]
