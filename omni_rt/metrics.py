@@ -41,6 +41,13 @@ DUPLEX_STEP_SECONDS = Histogram(
 DUPLEX_FRAMES_LATE = Counter(
     "omni_rt_duplex_frames_late_total", "Conversation frames whose step overran the 80 ms frame", ["stage"]
 )
+PLAYOUT_UNDERRUN_SECONDS = Histogram(
+    "omni_rt_playout_underrun_seconds",
+    "Holes in a paced answer: how long a client playing it as it arrives waited for its next audio, by cause (generation: the "
+    "audio was not made in time; send: it was there but went out late, the server process did not run)",
+    ["api", "cause"],
+    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
 ENGINE_LOAD = Gauge("omni_rt_engine_load", "Requests queued or running per stage", ["stage"])
 
 # ---- requests --------------------------------------------------------------------------

@@ -46,6 +46,10 @@ class ChunkingSpec(_Strict):
         200, ge=0, le=60000, description="a stream's first chunk is due this long after its frames are ready: the decoder runs it ahead of "
         "chunks of running streams whose playback lasts longer, behind those about to run dry (earliest deadline first)"
     )
+    jitter_ms: int = Field(default=
+        30, ge=0, le=60000, description="with refill on: the first chunk holds at least first_chunk_frames, and more when the stream's "
+        "frames come slowly or decoding is slow: enough audio to play while its next frame is made and decoded, plus this margin"
+    )
 
 
 class EdgeSpec(_Strict):
@@ -208,6 +212,7 @@ class ChunkingOverlay(_Strict):
     left_context_frames: int | None = Field(default=None, ge=0, le=4096)
     lookahead_frames: int | None = Field(default=None, ge=0, le=4096)
     refill_ms: int | None = Field(default=None, ge=0, le=60000)
+    jitter_ms: int | None = Field(default=None, ge=0, le=60000)
 
 
 class EdgeOverlay(_Strict):

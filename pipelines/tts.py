@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -262,6 +264,20 @@ class SnacFrameDecoder(torch.nn.Module):
         return audio[:, 0, :].float()
 
 
+class DecodeTimes:
+    """How long a decoder stage's recent decodes took (its streams share one): the
+    slowest of the last `n`, which a new stream's first chunk must outlast."""
+
+    def __init__(self, n: int = 8) -> None:
+        self._recent: deque[float] = deque(maxlen=n)
+
+    def add(self, seconds: float) -> None:
+        self._recent.append(seconds)
+
+    def recent(self) -> float:
+        return max(self._recent, default=0.0)
+
+
 class StreamingDecoder:
     """Turns a growing frame sequence into audio chunks.
 
@@ -282,6 +298,14 @@ class StreamingDecoder:
     frames that are ready at once: chunks then grow by the speed factor, back up to
     `chunk_frames`. A talker slower than real time (playback already dry) gets full
     chunks: short ones would only multiply the decoding work of an overloaded stage.
+
+    The first chunk is where a stream is most fragile: its audio is all a listener has
+    while the next frame is made and decoded. With refill on, it holds at least
+    `first_chunk_frames` and as many more as that takes: this stream's frame period so
+    far plus the stage's recent decode time plus `jitter_ms`. On an idle stage that is
+    one frame; on a busy one (frames every 65 ms, 40 ms decodes: measured with four
+    answers starting together on 2 cores) a one-frame first chunk (85 ms) ran out
+    before the second, every such answer opened with a hole.
     """
 
     def __init__(
@@ -292,8 +316,11 @@ class StreamingDecoder:
         meter: RtfMeter | None = None,
         samples_per_frame: int = SAMPLES_PER_FRAME,
         width: int = 7,
+        decode_times: DecodeTimes | None = None,
     ) -> None:
         self._decode = decode
+        self._decode_times = decode_times if decode_times is not None else DecodeTimes()
+        self._first_t: float | None = None  # when this stream's first frames came
         self.samples_per_frame = samples_per_frame
         self._meter = meter  # told of every chunk emitted (load-aware admission reads it)
         self._meter_key = meter.new_stream() if meter is not None else 0
@@ -306,12 +333,26 @@ class StreamingDecoder:
         self.emitted = 0  # frames whose audio has been produced
 
     def _append(self, frames: np.ndarray) -> None:
+        if self._first_t is None:
+            self._first_t = self._clock()
         self._buf = np.concatenate([self._buf, frames.astype(np.int32, copy=False)])
         self.total += len(frames)
 
+    def first_chunk_frames(self, c: ChunkingSpec) -> int:
+        """The first chunk's size (see the class): enough audio to outlast the making
+        and decoding of the next frame."""
+        if not c.refill_ms or self._first_t is None or self.total < 2:
+            return c.first_chunk_frames
+        period = (self._clock() - self._first_t) / (self.total - 1)
+        need = period + self._decode_times.recent() + c.jitter_ms / 1000
+        frame_s = self.samples_per_frame / SAMPLE_RATE
+        return max(c.first_chunk_frames, min(c.chunk_frames, math.ceil(need / frame_s - 1e-9)))
+
     async def _window(self, start: int, end: int, keep_from: int, keep_to: int) -> np.ndarray:
         lo, hi = start - self._base, end - self._base
+        t0 = self._clock()
         audio = await self._decode(np.ascontiguousarray(self._buf[lo:hi]), deadline=self.deadline(keep_from))
+        self._decode_times.add(self._clock() - t0)
         a = (keep_from - start) * self.samples_per_frame
         b = (keep_to - start) * self.samples_per_frame
         if self._meter is not None:
@@ -346,7 +387,7 @@ class StreamingDecoder:
             return out
         while True:
             ready = self.total - c.lookahead_frames - self.emitted  # frames whose lookahead is in
-            size = c.first_chunk_frames if self.emitted == 0 else c.chunk_frames
+            size = self.first_chunk_frames(c) if self.emitted == 0 else c.chunk_frames
             if ready < size:
                 if self.emitted == 0 or ready < 1 or not self._running_low(c):
                     break
@@ -422,10 +463,11 @@ class Code2WavProcessor(StageProcessor):
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
         self.decoder = self.engine_as(StepEngine)
+        self.decode_times = DecodeTimes()
 
     async def run(self, ctx: StageContext) -> None:
         inp = ctx.input()
-        dec = StreamingDecoder(self.decoder.run, inp.chunking if inp.mode == "chunk" else None, meter=GENERATION)
+        dec = StreamingDecoder(self.decoder.run, inp.chunking if inp.mode == "chunk" else None, meter=GENERATION, decode_times=self.decode_times)
         emit = _Emitter(ctx)
         async for payload in inp:
             await emit(await dec.push(payload.arrays["frames"]))
@@ -447,6 +489,7 @@ class FusedTalkerProcessor(StageProcessor):
         args = dict(spec.processor_args)
         self.chunking = ChunkingSpec.model_validate(args.pop("chunking", {}))
         self.talker = CodecTalker(spec.model, args)
+        self.decode_times = DecodeTimes()
 
     @staticmethod
     def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
@@ -468,7 +511,7 @@ class FusedTalkerProcessor(StageProcessor):
 
         producer = asyncio.get_running_loop().create_task(produce())
         try:
-            dec = StreamingDecoder(self.decoder.run, self.chunking, meter=GENERATION)
+            dec = StreamingDecoder(self.decoder.run, self.chunking, meter=GENERATION, decode_times=self.decode_times)
             emit = _Emitter(ctx)
             while (frames := await queue.get()) is not None:
                 await emit(await dec.push(frames))

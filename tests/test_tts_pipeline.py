@@ -13,7 +13,7 @@ import pipelines
 from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.runtime import Runtime
 from omni_rt.specs import ChunkingSpec, DeployOverlay, apply_overlay, parse_overlay
-from pipelines.tts import SAMPLES_PER_FRAME, StreamingDecoder, split_text
+from pipelines.tts import SAMPLES_PER_FRAME, DecodeTimes, StreamingDecoder, split_text
 
 # Float tolerance of chunked vs one-shot decoding: the same convolution over a
 # different window length may use a different summation order in oneDNN (observed
@@ -180,7 +180,7 @@ async def test_streaming_decoder_never_lets_real_time_playback_run_dry(speed):
             assert now[0] <= played_to + 1e-9, f"playback ran dry for {(now[0] - played_to) * 1000:.0f} ms before chunk {len(sizes)}"
             played_to += len(audio) / 24000
             sizes.append(len(audio) // SAMPLES_PER_FRAME)
-    assert sizes[0] == c.first_chunk_frames and max(sizes) <= c.chunk_frames
+    assert sizes[0] == _first_chunk(frame_s / speed, 0.0, c) and max(sizes) <= c.chunk_frames
     if speed >= 1.5:
         assert sizes[-1] == c.chunk_frames
 
@@ -203,8 +203,49 @@ async def test_a_talker_slower_than_real_time_gets_short_chunks_only_before_a_ho
                 assert now[0] < played_to, f"a short chunk ({n}) after the audio ran out"
             played_to = max(played_to, now[0]) + n * frame_s
             sizes.append(n)
-    assert sizes[0] == 1 and 16 in sizes
+    assert sizes[0] == _first_chunk(frame_s / speed, 0.0, ChunkingSpec()) and 16 in sizes
     assert len(sizes) <= 120 // 4  # at least 4 frames per decode on average
+
+
+def _first_chunk(period_s: float, decode_s: float, c: ChunkingSpec) -> int:
+    """The fewest frames (at least first_chunk_frames) whose audio outlasts the next
+    frame's making and decoding plus the jitter margin."""
+    frame_s = SAMPLES_PER_FRAME / 24000
+    n = c.first_chunk_frames
+    while n * frame_s < period_s + decode_s + c.jitter_ms / 1000 - 1e-9 and n < c.chunk_frames:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize(("speed", "decode_ms", "first"), [(8.0, 5, 1), (1.3, 40, 2), (1.1, 120, 3)])
+async def test_a_first_chunk_outlasts_the_making_and_decoding_of_the_next_frame(speed, decode_ms, first):
+    """Decoding takes time too (on a virtual clock each decode advances it): with a
+    talker barely faster than real time and slow decodes, as on a busy stage, a
+    one-frame first chunk (85 ms) runs out before the second is decoded. The first
+    chunk grows to what the stream's frame period and the stage's recent decode time
+    need, and playback never runs dry; an idle stage keeps its one-frame first chunk."""
+    frame_s = SAMPLES_PER_FRAME / 24000
+    now = [0.0]
+
+    async def slow(frames, deadline):
+        now[0] += decode_ms / 1000
+        return np.zeros(len(frames) * SAMPLES_PER_FRAME, np.float32)
+
+    c = ChunkingSpec()
+    times = DecodeTimes()
+    times.add(decode_ms / 1000)  # the stage decoded before: the new stream knows its pace
+    dec = StreamingDecoder(slow, c, clock=lambda: now[0], decode_times=times)
+    played_to: float | None = None
+    sizes: list[int] = []
+    for k in range(60):
+        now[0] = max(now[0], (k + 1) * frame_s / speed)  # frame k is out of the talker
+        for audio in await dec.push(np.zeros((1, 7), np.int32)):
+            if played_to is None:
+                played_to = now[0]
+            assert now[0] <= played_to + 1e-9, f"playback ran dry for {(now[0] - played_to) * 1000:.0f} ms before chunk {len(sizes)}"
+            played_to += len(audio) / 24000
+            sizes.append(len(audio) // SAMPLES_PER_FRAME)
+    assert sizes[0] == first == _first_chunk(frame_s / speed, decode_ms / 1000, c)
 
 
 async def test_refill_off_keeps_fixed_chunks():

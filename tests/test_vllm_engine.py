@@ -6,6 +6,7 @@ One engine for the whole module (start costs ~20-40 s and ~2 GB on a CPU box).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
 
 import pytest
@@ -220,3 +221,34 @@ async def test_bad_requests_are_clear_errors(engine: VllmEngine, layout: CodecLa
         await _collect(engine, "bad3", sampling={"max_tokens": 2})
     assert engine.load() == 0
     assert engine.health()["ok"]
+
+
+def _worker_cores(engine_children_before: set[int]) -> list[set[int]]:
+    import psutil
+
+    me = psutil.Process()
+    return [set(c.cpu_affinity()) for c in me.children(recursive=True)
+            if c.name().startswith("VLLM::Worker") and c.pid not in engine_children_before]
+
+
+async def test_a_later_engine_binds_its_worker_where_the_first_did_not_on_the_frontends_core(engine: VllmEngine, talker_dir: str) -> None:
+    """The first engine moved this process off its Worker's core. A second engine is
+    spawned from all of the server's cores again, so vLLM binds its Worker where it
+    bound the first's, never onto the frontend's core (on 2 cores that put the
+    thinker's prefill beside every audio decode)."""
+    import psutil
+
+    first = _worker_cores(set())
+    assert len(first) == 1
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    frontend = set(os.sched_getaffinity(0))
+    second = VllmEngine(talker_dir, name="second")
+    await second.start()
+    try:
+        [cores] = _worker_cores(before)
+        assert cores == first[0], (cores, first[0])
+        if engine.isolated_cores is not None:  # the frontend was moved: it shares no core with a Worker
+            assert not (frontend & cores) and not (set(os.sched_getaffinity(0)) & cores)
+        assert set(os.sched_getaffinity(0)) == frontend  # the spawning thread got its own cores back
+    finally:
+        await second.stop()

@@ -138,6 +138,29 @@ def _platform_defaults() -> dict[str, Any]:
     return {**CPU_DEFAULT_ENGINE_ARGS, **dtype}
 
 
+# The cores this server may run on, read before any engine moved it (see below).
+_SERVER_CORES: frozenset[int] | None = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+@contextlib.contextmanager
+def _server_cores() -> Iterator[None]:
+    """Spawn an engine's processes from all of the server's cores. Once one engine has
+    moved the frontend off its Worker's core, a later engine spawned from there would
+    inherit that core only, and vLLM would bind its Worker to the frontend's core (on
+    2 cores: the thinker's prefill and every audio decode on one core, the other core
+    with the talker alone). From the whole set, every engine's Worker takes the cores
+    vLLM chooses for the first. This thread only; it gets its affinity back after."""
+    if _SERVER_CORES is None:
+        yield
+        return
+    now = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _SERVER_CORES)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, now)
+
+
 def _keep_frontend_off_worker_cores() -> set[int] | None:
     """On CPU, move this process and vLLM's EngineCore off the cores of its Worker.
 
@@ -232,7 +255,7 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self.resolved_engine_args())
-        with _patched_environ(self._child_env()):
+        with _patched_environ(self._child_env()), _server_cores():
             # Handed back through `box`, not as the thread's return value: the
             # executor's finished future/frame would keep a reference to the engine,
             # so it outlives stop() and AsyncLLM.__del__ runs at interpreter exit.

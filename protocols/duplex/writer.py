@@ -2,6 +2,11 @@
 audio cut into 20 ms frames sent in real time (`pacing_lead_s` ahead) with the other
 events in order between them.
 
+Paced, it knows when a client playing the frames as they arrive runs dry within an
+answer: `omni_rt_playout_underrun_seconds{cause}` counts each hole, "generation" when
+the writer had no audio to send (the pipeline was late), "send" when it had some but
+ran late itself.
+
 Unsent events go back to the session when the attachment ends and are replayed on
 resume, including the unsent rest of an answer the writer was in the middle of (kept
 at the output rate it was already converted to). A barge-in drops the unsent old
@@ -62,12 +67,15 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
 
     puller = asyncio.get_running_loop().create_task(pull())
     clock, ahead = 0.0, 0.0  # the stream clock and the audio seconds sent on it
+    answer: object = None  # the answer on the stream clock (another starts it again)
+    starved = False  # the writer waited for audio since its last frame
     try:
         while True:
             if not pending:
                 if over:
                     return
                 wake.clear()
+                starved = True
                 await wake.wait()
                 continue
             ev = pending[0]
@@ -87,6 +95,8 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                 continue
             pcm = t.out_audio(ev)
             taken()
+            if (ev.fence, ev.data.get("response_id")) != answer:  # another answer: the silence before it is no hole
+                answer, clock, ahead = (ev.fence, ev.data.get("response_id")), 0.0, 0.0
             step = t.out_rate * 2 // 50  # 20 ms
             i = 0
             t.sending_audio = True
@@ -94,7 +104,10 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                 while i < len(pcm):
                     now = time.monotonic()
                     if now > clock + ahead:  # idle or behind: the stream clock starts again
+                        if ahead > 0:  # within an answer: the client's playback ran dry
+                            metrics.PLAYOUT_UNDERRUN_SECONDS.labels("duplex", "generation" if starved else "send").observe(now - clock - ahead)
                         clock, ahead = now, 0.0
+                    starved = False
                     due = clock + ahead - timing.pacing_lead_s
                     if due > now:
                         await asyncio.sleep(due - now)
