@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech, else noise")
     d.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
     d.add_argument("--barge-in", type=int, default=0, metavar="N", help="also run N barge-in trials (default 0)")
+    d.add_argument("--burner", action="store_true",
+                   help="run every level twice: as the machine is, then beside a process spinning one core (started and stopped around it)")
     d.add_argument("--ramp", type=int, default=0, metavar="N",
                    help="rising load instead of levels: offer a new session every --ramp-every seconds up to N (admitted vs refused, stalls)")
     d.add_argument("--ramp-every", type=float, default=3.0, metavar="S", help="seconds between offered sessions with --ramp (default 3)")

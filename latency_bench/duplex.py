@@ -21,6 +21,7 @@ Targets: RTF p50 < 1 at 16 sessions; p99 frame gap ≤ 40 ms at 8; barge-in p99 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
@@ -32,6 +33,7 @@ import numpy as np
 from clients.duplex import DuplexClient
 from clients.webrtc import CallClient, CallRefused, use_host_addresses
 from latency_bench import finish, machine_info, utc_now
+from latency_bench.machine import Burner, HealthPoller, LoopStalls, metrics_text, steal_seconds, underruns_between
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
 from omni_rt.load import tree_cpu_seconds
@@ -41,19 +43,26 @@ SILENCE = bytes(24000 * 2)
 AUDIBLE = 64  # |sample| above this counts as sound
 
 
-def _ws_stall_ms(chunks: list[tuple[float, int]]) -> list[float]:
-    """Playout stalls (ms) for chunks (arrival, samples @24 kHz) played back to back."""
-    stalls = []
+def _ws_stalls(chunks: list[tuple[float, int]]) -> list[tuple[float, float]]:
+    """Playout holes (when the audio ran out, when more arrived) for chunks (arrival,
+    samples @24 kHz) played back to back from the first one's arrival."""
+    holes = []
     play_end = None
     for t, n in chunks:
         if play_end is not None and t > play_end:
-            stalls.append((t - play_end) * 1000)
+            holes.append((play_end, t))
         start = t if play_end is None or t > play_end else play_end
         play_end = start + n / 24000
-    return stalls
+    return holes
+
+
+def _ws_stall_ms(chunks: list[tuple[float, int]]) -> list[float]:
+    """Playout stalls (ms) for chunks (arrival, samples @24 kHz) played back to back."""
+    return [(b - a) * 1000 for a, b in _ws_stalls(chunks)]
 
 
 PACING = {"value": "realtime"}  # --pacing of the WebSocket sessions
+BURNER_LEAD_S = 12.0  # a burner runs this long before the sessions: > the admission's CPU window (10 s)
 
 
 async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens: int) -> list[dict[str, Any]]:
@@ -79,7 +88,7 @@ async def _ws_session(base: str, key: str | None, pcm: bytes, turns: int, tokens
                 "ok": ok, "status": done["response"]["status"],
                 "reply_s": chunks[0][0] - t_end if chunks else None,
                 "rtf": (done["_t"] - created) / audio_s if ok and created and audio_s else None,
-                "audio_s": audio_s, "stalls_ms": _ws_stall_ms(chunks),
+                "audio_s": audio_s, "stalls_ms": _ws_stall_ms(chunks), "holes": _ws_stalls(chunks),
                 "gaps_ms": [(b[0] - a[0]) * 1000 for a, b in zip(chunks, chunks[1:], strict=False)],
             })
     finally:
@@ -112,6 +121,8 @@ async def _rtc_session(base: str, key: str | None, pcm: bytes, turns: int, token
         gaps = list(np.diff(times[len(times) // 10 :]) * 1000) if len(times) > 20 else []
         if out:
             out[-1]["gaps_ms"] = gaps
+            tail = times[len(times) // 10 :] if len(times) > 20 else np.array([])
+            out[-1]["rtp_gaps"] = [(float(a), float(b)) for a, b in zip(tail, tail[1:], strict=False) if b - a > 0.12]
     finally:
         await call.hangup()
     return out
@@ -132,31 +143,76 @@ def _loopback(transport: str, base: str) -> None:
         use_host_addresses(["127.0.0.1"])
 
 
-async def run_level(transport: str, base: str, key: str | None, sessions: int, turns: int, pcm: bytes, tokens: int, ps: Any) -> dict[str, Any]:
+async def run_level(transport: str, base: str, key: str | None, sessions: int, turns: int, pcm: bytes, tokens: int, ps: Any,
+                    burner: int = 0) -> dict[str, Any]:
+    """S sessions at once, `turns` turns each; with `burner`, beside that many processes
+    spinning a core each, started `BURNER_LEAD_S` before the sessions (the server reads
+    the machine's load over a window) and stopped after them. Sessions the server
+    refuses (capacity, session_limit) are counted as such, with what it said; every
+    admitted one is summarised on its own (`per_session`)."""
     fn = _session_fn(transport)
-    cpu0, t0 = (tree_cpu_seconds(ps) if ps else None), time.monotonic()
-    results = await asyncio.gather(*(fn(base, key, pcm, turns, tokens) for _ in range(sessions)), return_exceptions=True)
+    stalls, poller = LoopStalls(), HealthPoller(base, key)
+    with Burner(burner) if burner else contextlib.nullcontext():
+        if burner:
+            await asyncio.sleep(BURNER_LEAD_S)
+        t_before, steal0 = await metrics_text(base, key), steal_seconds()
+        stalls.start()
+        poller.start()
+        cpu0, t0 = (tree_cpu_seconds(ps) if ps else None), time.monotonic()
+        try:
+            results = await asyncio.gather(*(fn(base, key, pcm, turns, tokens) for _ in range(sessions)), return_exceptions=True)
+        finally:
+            await stalls.stop()
+            await poller.stop()
     wall = time.monotonic() - t0
     cpu = tree_cpu_seconds(ps) - cpu0 if ps and cpu0 is not None else None
-    turns_, errors = [], []
+    steal1 = steal_seconds()
+    turns_, errors, per_session, refusals = [], [], [], []
     for r in results:
         if isinstance(r, BaseException):
-            errors.append(f"{type(r).__name__}: {r}")
+            why = _refusal(r)
+            if why is not None:
+                refusals.append(why)
+            else:
+                errors.append(f"{type(r).__name__}: {r}")
         else:
             turns_.extend(r)
+            per_session.append(_session_summary(r, transport, stalls))
     ok = [t for t in turns_ if t["ok"]]
     gaps = [g for t in turns_ for g in t.get("gaps_ms", [])]
-    stalls = [g for t in turns_ for g in t.get("stalls_ms", [])]
+    stall_ms = [g for t in turns_ for g in t.get("stalls_ms", [])]
     return {
-        "sessions": sessions, "turns": len(turns_), "failed": len(turns_) - len(ok) + len(errors), "errors": errors[:5],
+        "sessions": sessions, "burner_processes": burner, "admitted": len(per_session), "refused": len(refusals), "refusals": refusals[:5],
+        "turns": len(turns_), "failed": len(turns_) - len(ok) + len(errors), "errors": errors[:5],
         "wall_s": round(wall, 3),
         "reply_s": summarize([t["reply_s"] for t in ok]),
         "rtf": summarize([t["rtf"] for t in ok]),
         "frame_gap_ms": summarize(gaps) if gaps else {},
-        "playout_stall_ms": summarize(stalls) if stalls else {},
+        "playout_stall_ms": summarize(stall_ms) if stall_ms else {},
+        "admitted_sessions_with_stalls_over_100ms": sum(1 for x in per_session if x["stalls_over_100ms"]),
+        "per_session": per_session,
+        "server_underruns": underruns_between(t_before, await metrics_text(base, key)),
+        "outside_load": poller.outside_load(),
+        "bench_loop_stalls": {"count": len(stalls.intervals), "max_ms": round(max((b - a for a, b in stalls.intervals), default=0.0) * 1000, 1)},
+        "steal_s": round(steal1 - steal0, 2) if steal0 is not None and steal1 is not None else None,
         "cpu_cores_per_session": round(cpu / wall / sessions, 3) if cpu is not None and wall > 0 else None,
-        "samples": [{k: v for k, v in t.items() if k not in ("gaps_ms", "stalls_ms")} for t in turns_],
+        "samples": [{k: v for k, v in t.items() if k not in ("gaps_ms", "stalls_ms", "holes")} for t in turns_],
     }
+
+
+def _session_summary(turns: list[dict[str, Any]], transport: str, stalls: LoopStalls) -> dict[str, Any]:
+    """One admitted session: its holes over 100 ms, those the bench heard while its own
+    loop was stalled (the machine, not the server: counted apart), its widest frame gap."""
+    if transport == "ws":
+        holes = [(a, b) for t in turns for a, b in t.get("holes", []) if b - a > 0.1]
+    else:  # one frame every 20 ms: a gap past 120 ms is 100 ms of silence
+        holes = [(a, b) for t in turns for a, b in t.get("rtp_gaps", []) if b - a > 0.12]
+    machine = [h for h in holes if stalls.overlaps(*h)]
+    gaps = [g for t in turns for g in t.get("gaps_ms", [])]
+    return {"turns": len(turns), "failed": sum(1 for t in turns if not t["ok"]),
+            "stalls_over_100ms": len(holes) - len(machine), "stalls_over_100ms_bench_stalled": len(machine),
+            "longest_stall_ms": round(max(((b - a) * 1000 for a, b in holes), default=0.0), 1),
+            "frame_gap_max_ms": round(max(gaps, default=0.0), 1)}
 
 
 async def barge_in(transport: str, base: str, key: str | None, pcm: bytes, trials: int) -> dict[str, Any]:
@@ -216,18 +272,31 @@ def histogram_p(text: str, name: str, q: float) -> float | None:
     return next(le for le, n in buckets if n >= q * total)
 
 
-def run(transport: str, base: str, key: str | None, levels: list[int], turns: int, tokens: int, wav: str | None, trials: int, ps: Any) -> dict[str, Any]:
+def run(transport: str, base: str, key: str | None, levels: list[int], turns: int, tokens: int, wav: str | None, trials: int, ps: Any,
+        burner: bool = False) -> dict[str, Any]:
+    """Every level once on the machine as it is, then (`burner`) once more beside a
+    process spinning one core, started before the level and stopped after it."""
     pcm, source = _line(wav)
 
     async def go() -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         _loopback(transport, base)
         await run_level(transport, base, key, 1, 1, pcm, tokens, None)  # warm-up
-        lv = [await run_level(transport, base, key, s, turns, pcm, tokens, ps) for s in levels]
+        lv = []
+        for s in levels:
+            lv.append(await run_level(transport, base, key, s, turns, pcm, tokens, ps))
+            if burner:
+                lv.append(await run_level(transport, base, key, s, turns, pcm, tokens, ps, burner=1))
         return lv, (await barge_in(transport, base, key, pcm, trials) if trials else None)
 
     lv, barge = asyncio.run(go())
-    by = {x["sessions"]: x for x in lv}
+    by = {x["sessions"]: x for x in lv if not x["burner_processes"]}
     targets: dict[str, Any] = {}
+    for x in lv:
+        where = f"{x['sessions']}_sessions" + ("_beside_a_burner" if x["burner_processes"] else "")
+        n = x["admitted_sessions_with_stalls_over_100ms"]
+        targets[f"admitted_without_stalls_at_{where}"] = {
+            "goal": "every admitted session 0 stalls > 100 ms (or refused at admission)", "admitted": x["admitted"], "refused": x["refused"],
+            "value": n, "met": n == 0 and x["admitted"] + x["refused"] == x["sessions"]}
     top = max(by)
     r = by[top]["rtf"].get("p50")
     if transport == "ws" and PACING["value"] == "realtime":
@@ -313,7 +382,8 @@ def main_duplex(args: Any) -> int:
         if args.ramp:
             result = ramp(args.transport, base.rstrip("/"), args.api_key, args.ramp, args.ramp_every, args.turns, args.max_output_tokens, args.wav)
         else:
-            result = run(args.transport, base.rstrip("/"), args.api_key, levels, args.turns, args.max_output_tokens, args.wav, args.barge_in, ps)
+            result = run(args.transport, base.rstrip("/"), args.api_key, levels, args.turns, args.max_output_tokens, args.wav, args.barge_in, ps,
+                         burner=args.burner)
     finally:
         if server is not None:
             server.stop()
@@ -327,11 +397,16 @@ def main_duplex(args: Any) -> int:
         finish(args.json, result)
         return 1 if r["errored"] else 0
     print(f"duplex bench over {args.transport} ({result['utterance']}, {result['utterance_s']} s per turn, {args.turns} turns per session)")
-    print(f"{'S':>3} {'turns':>6} {'fail':>5} {'reply p50':>10} {'reply p90':>10} {'RTF p50':>8} {'gap p99 ms':>10} {'CPU/sess':>9}")
+    print(f"{'S':>3} {'burner':>6} {'admit':>5} {'refuse':>6} {'turns':>6} {'fail':>5} {'reply p50':>10} {'reply p90':>10} {'RTF p50':>8} "
+          f"{'gap p99 ms':>10} {'stall>100':>9} {'server>100':>10} {'outside':>7} {'CPU/sess':>9}")
     f = lambda d, k: f"{d[k]:.3f}" if d.get(k) is not None else "-"  # noqa: E731
     for lvl in result["levels"]:
-        print(f"{lvl['sessions']:>3} {lvl['turns']:>6} {lvl['failed']:>5} {f(lvl['reply_s'], 'p50'):>10} {f(lvl['reply_s'], 'p90'):>10} "
-              f"{f(lvl['rtf'], 'p50'):>8} {f(lvl['frame_gap_ms'], 'p99'):>10} {lvl['cpu_cores_per_session'] if lvl['cpu_cores_per_session'] is not None else '-':>9}")
+        server = sum(c["over_100ms"] for c in lvl["server_underruns"].values())
+        outside = lvl["outside_load"].get("cpu_outside_max")
+        print(f"{lvl['sessions']:>3} {lvl['burner_processes']:>6} {lvl['admitted']:>5} {lvl['refused']:>6} {lvl['turns']:>6} {lvl['failed']:>5} "
+              f"{f(lvl['reply_s'], 'p50'):>10} {f(lvl['reply_s'], 'p90'):>10} {f(lvl['rtf'], 'p50'):>8} {f(lvl['frame_gap_ms'], 'p99'):>10} "
+              f"{sum(x['stalls_over_100ms'] for x in lvl['per_session']):>9} {server:>10.0f} {'-' if outside is None else f'{outside:.2f}':>7} "
+              f"{lvl['cpu_cores_per_session'] if lvl['cpu_cores_per_session'] is not None else '-':>9}")
     if result["barge_in"]:
         b = result["barge_in"]
         print(f"barge-in: {b['measured']} measured ({b['skipped']} skipped): speech_started -> silent ms "
@@ -354,10 +429,6 @@ def _refusal(exc: BaseException) -> dict[str, Any] | None:
     return None
 
 
-HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "cpu_own", "cpu_outside",
-               "machine_busy", "throttled", "why", "refusing")
-
-
 def _stall_stats(turns: list[dict[str, Any]], transport: str) -> dict[str, Any]:
     gaps = [g for t in turns for g in t.get("gaps_ms", [])]
     if transport == "ws":
@@ -377,26 +448,7 @@ async def run_ramp(transport: str, base: str, key: str | None, up_to: int, every
     """Offer a new session every `every_s` seconds up to `up_to`; each admitted one
     speaks `turns` turns. Records what admission decided and how every admitted
     session sounded, and polls /health for the server's own generation RTF."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    polls: list[dict[str, Any]] = []
-    stop = asyncio.Event()
-
-    async def poll() -> None:
-        async with httpx.AsyncClient(timeout=5) as http:
-            while not stop.is_set():
-                try:
-                    h = (await http.get(base + "/health", headers=headers)).json()
-                    adm = h.get("sessions", {}).get("realtime_admission", {})
-                    polls.append({"t": time.monotonic(), **{k: adm.get(k) for k in HEALTH_KEYS}})
-                except (httpx.HTTPError, ValueError):
-                    pass
-                try:
-                    await asyncio.wait_for(stop.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
-
+    poller = HealthPoller(base, key)
     t0 = time.monotonic()
     live = [0, 0]  # now, peak
 
@@ -417,12 +469,12 @@ async def run_ramp(transport: str, base: str, key: str | None, up_to: int, every
         finally:
             live[0] -= 1
 
-    poller = asyncio.get_running_loop().create_task(poll())
+    poller.start()
     try:
         sessions = await asyncio.gather(*(one(i) for i in range(up_to)))
     finally:
-        stop.set()
-        await poller
+        await poller.stop()
+    polls = poller.polls
     admitted = [s for s in sessions if s["admitted"]]
     refused = [s for s in sessions if s["admitted"] is False]
     rtfs = [p["rtf_now"] for p in polls if p.get("rtf_now") is not None]

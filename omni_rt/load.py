@@ -141,11 +141,21 @@ def tree_cpu_seconds(root: Any = None) -> float:
     return total
 
 
-def usable_cpus() -> int:
+def _startup_cores() -> frozenset[int] | None:
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return None
+
+
+# The cores this server may run on, read when it starts: on CPU the vLLM engine moves
+# the front end's threads off its Workers' cores (omni_rt.engines.vllm), so the process's
+# affinity later names only some of the cores the server's processes use.
+SERVER_CORES = _startup_cores()
+
+
+def usable_cpus() -> int:
+    return len(SERVER_CORES) if SERVER_CORES else (os.cpu_count() or 1)
 
 
 # A meter asked again within this long answers what it read last: each reading scans
@@ -243,16 +253,13 @@ def read_cgroup_cpu(root: str = CGROUP_ROOT) -> CgroupCpu | None:
 
 
 def machine_cpu_seconds(cpus: set[int] | None = None) -> tuple[float, float]:
-    """(busy, total) CPU seconds since boot over the CPUs in `cpus` (default: those this
-    process may run on), every process on the machine counted. Idle and iowait are not
-    busy; steal (time a hypervisor gave to another guest) is."""
+    """(busy, total) CPU seconds since boot over the CPUs in `cpus` (default: those the
+    server may run on, `SERVER_CORES`), every process on the machine counted. Idle and
+    iowait are not busy; steal (time a hypervisor gave to another guest) is."""
     import psutil
 
     if cpus is None:
-        try:
-            cpus = set(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = None
+        cpus = set(SERVER_CORES) if SERVER_CORES is not None else None
     busy = total = 0.0
     for i, t in enumerate(psutil.cpu_times(percpu=True)):
         if cpus is not None and i not in cpus:

@@ -208,6 +208,10 @@ class RealtimeAdmission:
             metrics.ADMISSION_REFUSING.labels(w).set(1 if w in why else 0)
 
     def health(self) -> dict[str, Any]:
+        """The last decision's figures, and the machine's load now (read afresh: the
+        last decision may be long past)."""
+        if self.spec.weigh_outside_load or self.spec.max_throttled_fraction is not None:
+            self.machine_load = self.machine.load() or self.machine_load
         live = self.machine_load.as_dict() if self.machine_load is not None else {}
         return {"enabled": self.spec.enabled, "target_rtf": self.spec.target_rtf, "max_cpu_utilisation": self.spec.max_cpu_utilisation,
                 "weigh_outside_load": self.spec.weigh_outside_load, "refusing": self.refusing, **self.last, "machine_now": live}

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+import pipelines
 from clients.duplex import DuplexClient
 from testkit import Speeds, serve
 from tests.protocols.test_duplex import ask, connect
@@ -76,3 +77,62 @@ async def test_a_paced_answer_generated_just_faster_than_real_time_plays_without
         stalls = _ws_stall_ms(chunks)
         assert max(stalls, default=0.0) <= 100, stalls
         await c.close()
+
+
+async def test_holes_in_a_paced_answer_are_counted_by_cause_and_answers_apart_are_none():
+    """The writer counts a hole when a client playing the frames as they come would run
+    dry within an answer: a talker slower than real time makes them ("generation");
+    the silence between two answers is none."""
+    from prometheus_client import REGISTRY
+
+    def holes(cause: str) -> float:
+        return REGISTRY.get_sample_value("omni_rt_playout_underrun_seconds_count", {"api": "duplex", "cause": cause}) or 0.0
+
+    async with serve(["voice"], speeds=Speeds(token_s=FRAME_S / 1.5)) as h:  # one frame per token, 1.5x real time
+        c = await connect(h)
+        await c.update(turn_detection=None, audio={"output": {"transport": "binary", "pacing": "realtime"}})
+        before = holes("generation")
+        for _ in range(2):  # two answers, back to back
+            await ask(c, "Hi", 12)
+            done = await c.until("response.done", timeout=30)
+            assert done["response"]["status"] == "completed"
+        steady = holes("generation") - before
+        await c.close()
+    async with serve(["voice"], speeds=Speeds(token_s=FRAME_S / 0.7)) as h:  # 0.7x real time
+        c = await connect(h)
+        await c.update(turn_detection=None, audio={"output": {"transport": "binary", "pacing": "realtime"}})
+        before = holes("generation")
+        await ask(c, "Hi", 12)
+        await c.until("response.done", timeout=30)
+        slow = holes("generation") - before
+        await c.close()
+    assert slow >= 1, slow  # the audio made so far played out before the rest was made
+    assert steady == 0, steady  # nor the silence between the answers
+
+
+@pytest.mark.vllm
+def test_four_paced_sessions_keep_real_time_idle_and_beside_a_cpu_burner(models_dir, tmp_path):
+    """What an operator sees on a 2-core machine (the real server, its default voice
+    profile and admission; espeak-ng speech over /v1/duplex, paced): four sessions of
+    four spoken turns each, then the same beside a process spinning one core. Every
+    admitted session plays its answers without a hole over 100 ms; a session the
+    server cannot keep in real time is refused at admission (capacity, retry-after)."""
+    from latency_bench.duplex import run
+    from tests.conftest import start_server
+
+    proc = start_server({"pipelines": {n: {"enabled": n == "voice"} for n in pipelines.load_all()},
+                         "sessions": {"realtime_admission": {"weigh_outside_load": True}}}, tmp_path, models_dir)
+    try:
+        result = run("ws", proc.url, None, [4], 4, 24, None, 0, None, burner=True)
+    finally:
+        proc.stop()
+    idle, busy = result["levels"]
+    assert busy["burner_processes"] == 1 and not idle["burner_processes"]
+    for lvl in (idle, busy):
+        summary = {k: lvl[k] for k in ("admitted", "refused", "refusals", "errors", "server_underruns", "outside_load", "bench_loop_stalls", "steal_s")}
+        assert not lvl["errors"] and lvl["failed"] == 0, summary
+        assert lvl["admitted"] >= 1 and lvl["admitted"] + lvl["refused"] == 4, summary
+        assert all(r.get("code") == "capacity" and "retry in" in (r.get("message") or "") for r in lvl["refusals"]), summary
+        for s in lvl["per_session"]:
+            assert s["turns"] == 4 and s["stalls_over_100ms"] == 0, (s, summary)
+    assert busy["outside_load"]["cpu_outside_max"] is not None and busy["outside_load"]["cpu_outside_max"] > 0.25, busy["outside_load"]

@@ -411,3 +411,23 @@ async def test_a_real_cpu_burner_beside_the_server_refuses_new_voice_sessions_un
         assert h.sessions.health()["realtime_admission"]["refusing"] is False
         await again.ws.close()
         await first.ws.close()
+
+
+def test_the_machine_is_read_on_the_servers_cores_after_its_threads_were_moved():
+    """On CPU the vLLM engine moves the front end's threads off its Workers' cores; the
+    machine's load is still read on every core the server started with (the Workers'
+    included), not on the one the reading thread is left on."""
+    import os
+
+    from omni_rt.load import SERVER_CORES
+
+    assert SERVER_CORES
+    one = {min(SERVER_CORES)}
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, one)
+    try:
+        _, total = machine_cpu_seconds()
+        _, total_one = machine_cpu_seconds(one)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert total > total_one * (len(SERVER_CORES) - 0.5)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from omni_rt.engines.base import Engine, EngineError, EngineRequestError
 from omni_rt.engines.vllm_token_ranges import ALLOWED_TOKEN_RANGES, check_ranges
 from omni_rt.lifeline import server_env
+from omni_rt.load import SERVER_CORES
 
 if TYPE_CHECKING:  # vllm is imported lazily: importing it costs ~3 s and ~300 MB
     from vllm.sampling_params import SamplingParams
@@ -138,10 +139,6 @@ def _platform_defaults() -> dict[str, Any]:
     return {**CPU_DEFAULT_ENGINE_ARGS, **dtype}
 
 
-# The cores this server may run on, read before any engine moved it (see below).
-_SERVER_CORES: frozenset[int] | None = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-
-
 @contextlib.contextmanager
 def _server_cores() -> Iterator[None]:
     """Spawn an engine's processes from all of the server's cores. Once one engine has
@@ -150,11 +147,11 @@ def _server_cores() -> Iterator[None]:
     2 cores: the thinker's prefill and every audio decode on one core, the other core
     with the talker alone). From the whole set, every engine's Worker takes the cores
     vLLM chooses for the first. This thread only; it gets its affinity back after."""
-    if _SERVER_CORES is None:
+    if SERVER_CORES is None:
         yield
         return
     now = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, _SERVER_CORES)
+    os.sched_setaffinity(0, SERVER_CORES)
     try:
         yield
     finally:

@@ -1,0 +1,175 @@
+"""What the machine did while a bench level ran, beside the server.
+
+- `Burner`: processes that each spin one core (a noisy neighbour), outside the
+  server's process tree, started and stopped around a level.
+- `LoopStalls`: when the bench's own event loop ran late. A gap the client measured
+  while it was itself stalled (the machine stopped every process, or the bench had no
+  core) says nothing of the server, and is reported apart from the server's gaps.
+- `steal_seconds()`: the CPU time the hypervisor took from this machine (`/proc/stat`).
+- `HealthPoller`: the server's own account polled from `/health` every second (load-
+  aware admission: sessions, RTF, its CPU, the outside load, why it refuses).
+- `underruns(metrics_text)`: the server's count of holes in paced answers, by cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from typing import Any
+
+# one core spinning until killed (or after an hour, should the bench be killed first)
+_SPIN = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 3600: pass"
+
+
+class Burner:
+    """`n` processes that each spin one core until `stop()`."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(self.n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        self.procs = []
+
+    def __enter__(self) -> Burner:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class LoopStalls:
+    """Intervals (start, end) in which this event loop woke over `threshold_s` late."""
+
+    def __init__(self, threshold_s: float = 0.05, tick_s: float = 0.01) -> None:
+        self.threshold_s = threshold_s
+        self.tick_s = tick_s
+        self.intervals: list[tuple[float, float]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(self.tick_s)
+            now = time.monotonic()
+            if now - t - self.tick_s > self.threshold_s:
+                self.intervals.append((t + self.tick_s, now))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def overlaps(self, start: float, end: float) -> bool:
+        return any(a < end and start < b for a, b in self.intervals)
+
+
+def steal_seconds() -> float | None:
+    """CPU seconds stolen by the hypervisor since boot, all CPUs (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / 100 if len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
+
+
+HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "cpu_own",
+               "cpu_outside", "machine_busy", "throttled", "why", "refusing")
+
+
+class HealthPoller:
+    """Polls the server's `/health` every `every_s` into `polls` (load-aware admission's figures)."""
+
+    def __init__(self, base: str, key: str | None, every_s: float = 1.0) -> None:
+        self.base = base
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.every_s = every_s
+        self.polls: list[dict[str, Any]] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not self._stop.is_set():
+                try:
+                    h = (await http.get(self.base + "/health", headers=self.headers)).json()
+                    adm = h.get("sessions", {}).get("realtime_admission", {})
+                    now = adm.get("machine_now") or {}
+                    self.polls.append({"t": time.monotonic(), **{k: adm.get(k) for k in HEALTH_KEYS}, "machine_busy_now": now.get("machine_busy")})
+                except (httpx.HTTPError, ValueError):
+                    pass
+                try:
+                    await asyncio.wait_for(self._stop.wait(), self.every_s)
+                except asyncio.TimeoutError:
+                    pass
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    def outside_load(self) -> dict[str, Any]:
+        """What the server saw of the machine over the polls: at its admission decisions,
+        the share of its CPUs other processes took (`cpu_outside`) and why it refused;
+        between them, the whole machine's busy fraction (`machine_busy_now`)."""
+        outside = [p["cpu_outside"] for p in self.polls if p.get("cpu_outside") is not None]
+        busy = [p["machine_busy_now"] for p in self.polls if p.get("machine_busy_now") is not None]
+        why = sorted({w for p in self.polls for w in (p.get("why") or [])})
+        return {"polls": len(self.polls), "cpu_outside_max": max(outside, default=None),
+                "machine_busy_now_max": max(busy, default=None),
+                "machine_busy_now_mean": round(sum(busy) / len(busy), 3) if busy else None, "refusing_why": why}
+
+
+async def metrics_text(base: str, key: str | None) -> str | None:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.get(base + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
+            return r.text if r.status_code == 200 else None
+    except httpx.HTTPError:
+        return None
+
+
+def underruns(text: str | None, over_s: float = 0.1) -> dict[str, dict[str, float]]:
+    """From a /metrics text: per cause, the paced-answer holes counted and those over
+    `over_s` (the histogram's `le` bucket at `over_s` must exist)."""
+    out: dict[str, dict[str, float]] = {}
+    if not text:
+        return out
+    name = "omni_rt_playout_underrun_seconds"
+    for line in text.splitlines():
+        if not line.startswith(name) or 'api="duplex"' not in line:
+            continue
+        cause = line.split('cause="', 1)[1].split('"', 1)[0]
+        value = float(line.rsplit(" ", 1)[1])
+        row = out.setdefault(cause, {"count": 0.0, "le": 0.0})
+        if line.startswith(name + "_count"):
+            row["count"] = value
+        elif line.startswith(name + "_bucket") and f'le="{over_s}"' in line:
+            row["le"] = value
+    return {c: {"holes": r["count"], "over_100ms": r["count"] - r["le"]} for c, r in out.items()}
+
+
+def underruns_between(before: str | None, after: str | None) -> dict[str, dict[str, float]]:
+    a, b = underruns(before), underruns(after)
+    return {c: {k: v - a.get(c, {}).get(k, 0.0) for k, v in row.items()} for c, row in b.items()}
