@@ -21,6 +21,11 @@ the cores are saturated and then falls off a cliff (every stage waits for a core
 admission also keeps this under a bound rather than trusting a straight-line fit of
 the RTF up to the cliff.
 
+`PLAYOUT`, a `HoleMeter`, is what the sessions hear: every paced writer reports each
+hole in an answer (its client, playing the audio as it came, ran dry). Whatever the
+cause, a hole means the server is not keeping real time, and admission refuses while
+one over its bound was heard within the window.
+
 `MachineMeter` sees what the server's own figure cannot: CPU taken by anything else on
 the CPUs it may run on (the whole machine's busy time on those cores, from psutil's
 per-CPU times, so a noisy neighbour or a build on the same box counts) and, inside a
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "GENERATION", "CgroupCpu", "CpuMeter", "MachineLoad", "MachineMeter", "RtfMeter", "StreamRtf", "machine_cpu_seconds",
+    "GENERATION", "PLAYOUT", "CgroupCpu", "HoleMeter", "CpuMeter", "MachineLoad", "MachineMeter", "RtfMeter", "StreamRtf", "machine_cpu_seconds",
     "read_cgroup_cpu", "tree_cpu_seconds",
 ]
 
@@ -119,6 +124,38 @@ class RtfMeter:
 
 
 GENERATION = RtfMeter()
+
+
+class HoleMeter:
+    """Holes heard in paced answers over the last `window_s`: how long a client playing
+    the audio as it arrived waited for more (the paced writers report each one). What
+    the sessions actually hear, whatever its cause (slow generation, a starved server
+    process, a neighbour on the machine)."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._holes: deque[tuple[float, float]] = deque()  # (when, seconds)
+        self._lock = threading.Lock()
+
+    def hole(self, seconds: float, now: float | None = None) -> None:
+        with self._lock:
+            self._holes.append((self.clock() if now is None else now, seconds))
+
+    def worst(self, now: float | None = None) -> float | None:
+        """The longest hole of the window (None: none)."""
+        t = self.clock() if now is None else now
+        with self._lock:
+            while self._holes and t - self._holes[0][0] > self.window_s:
+                self._holes.popleft()
+            return max((s for _, s in self._holes), default=None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._holes.clear()
+
+
+PLAYOUT = HoleMeter()
 
 
 def tree_cpu_seconds(root: Any = None) -> float:

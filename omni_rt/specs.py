@@ -350,6 +350,10 @@ class RealtimeAdmissionSpec(_Strict):
     session_cost_cpu: float = Field(default=
         0.05, gt=0, le=1.0, description="what one more session adds to the CPU busy fraction until the server has measured it"
     )
+    max_hole_ms: int | None = Field(default=
+        100, ge=1, le=60000, description="a hole this long in a paced answer (its client, playing the audio as it came, ran dry), heard "
+        "within window_s, refuses new sessions (why late_audio): what the sessions hear, whatever its cause; none: not weighed"
+    )
     min_sessions: int = Field(default=1, ge=0, description="this many sessions are always admitted, whatever is measured")
     retry_after_s: int = Field(default=5, ge=1, le=3600, description="retry-after sent with a capacity refusal")
 

@@ -50,7 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_rt import metrics
-from omni_rt.load import GENERATION, CpuMeter, MachineLoad, MachineMeter, RtfMeter
+from omni_rt.load import GENERATION, PLAYOUT, CpuMeter, HoleMeter, MachineLoad, MachineMeter, RtfMeter
 from omni_rt.specs import RealtimeAdmissionSpec
 from sessions.errors import CapacityLimit
 
@@ -81,9 +81,11 @@ class RealtimeAdmission:
         clock: Callable[[], float] = time.monotonic,
         cpu: CpuMeter | None = None,
         machine: MachineMeter | None = None,
+        holes: HoleMeter | None = None,
     ) -> None:
         self.spec = spec
         self.meter = meter if meter is not None else GENERATION
+        self.holes = holes if holes is not None else PLAYOUT
         self.cpu = cpu if cpu is not None else CpuMeter(CPU_WINDOW_S)
         self.machine = machine if machine is not None else MachineMeter(CPU_WINDOW_S)
         self.machine_load: MachineLoad | None = None
@@ -171,6 +173,9 @@ class RealtimeAdmission:
         throttled = None if load is None else load.throttled
         if self.spec.max_throttled_fraction is not None and throttled is not None and throttled > self.spec.max_throttled_fraction:
             why.append("throttled")
+        hole = self.holes.worst() if self.spec.max_hole_ms is not None else None
+        if hole is not None and self.spec.max_hole_ms is not None and hole * 1000 >= self.spec.max_hole_ms:
+            why.append("late_audio")
         admit = sessions + new < self.spec.min_sessions or not why
         self.refusing = not admit
         self.last = {
@@ -185,6 +190,7 @@ class RealtimeAdmission:
             "cpu_outside": round(outside, 4),
             "predicted_cpu": None if predicted_cpu is None else round(predicted_cpu, 4),
             **(load.as_dict() if load is not None else {}),
+            "worst_hole_ms": None if hole is None else round(hole * 1000, 1),
             "admitting": admit,
             "why": [] if admit else why,
         }
@@ -192,7 +198,7 @@ class RealtimeAdmission:
         if not admit:
             raise CapacityLimit(
                 kind, sessions + new, predicted, self.spec.target_rtf, self.spec.retry_after_s,
-                cpu=predicted_cpu, max_cpu=self.spec.max_cpu_utilisation, outside=outside, throttled=throttled, why=why,
+                cpu=predicted_cpu, max_cpu=self.spec.max_cpu_utilisation, outside=outside, throttled=throttled, hole=hole, why=why,
             )
 
     @staticmethod
@@ -204,7 +210,7 @@ class RealtimeAdmission:
             metrics.ADMISSION_CPU.labels("machine").set(cpu)
         if throttled is not None:
             metrics.ADMISSION_THROTTLED.set(throttled)
-        for w in ("rtf", "cpu", "outside_load", "throttled"):
+        for w in ("rtf", "cpu", "outside_load", "throttled", "late_audio"):
             metrics.ADMISSION_REFUSING.labels(w).set(1 if w in why else 0)
 
     def health(self) -> dict[str, Any]:

@@ -58,6 +58,7 @@ class CapacityLimit(SessionLimit):
         max_cpu: float | None = None,
         outside: float = 0.0,
         throttled: float | None = None,
+        hole: float | None = None,
         why: list[str] | None = None,
     ) -> None:
         cpus = f", its CPUs {cpu:.0%} busy (at most {max_cpu:.0%})" if cpu is not None and max_cpu is not None else ""
@@ -65,6 +66,8 @@ class CapacityLimit(SessionLimit):
             cpus += f", {outside:.0%} of them taken by other processes"
         if throttled is not None and "throttled" in (why or []):
             cpus += f", its container CPU-throttled in {throttled:.0%} of periods"
+        if hole is not None and "late_audio" in (why or []):
+            cpus += f", and a session's answer just went silent for {hole * 1000:.0f} ms waiting for its audio"
         because = f" [{', '.join(why)}]" if why else ""
         SessionError.__init__(
             self,

@@ -186,11 +186,12 @@ async def serve(
     clock = FakeClock()
     # The CPU guard of load-aware admission is off: it would weigh the test process's own
     # CPU and the machine's (tests that want it set sessions.realtime_admission.max_cpu_utilisation).
-    # The generation meter is process-wide (one server per process in production):
-    # streams an earlier in-process server measured must not decide this one's admissions.
-    from omni_rt.load import GENERATION
+    # The generation and playout meters are process-wide (one server per process in
+    # production): streams an earlier in-process server measured must not decide this one's admissions.
+    from omni_rt.load import GENERATION, PLAYOUT
 
     GENERATION.clear()
+    PLAYOUT.clear()
     parsed = parse_overlay(data, "test harness")
     app = create_app(
         parsed,
@@ -212,3 +213,5 @@ async def serve(
         yield Harness(app, client, clock)
     finally:
         await client.close()
+        GENERATION.clear()  # nor this server's the next one's (or another test's manager)
+        PLAYOUT.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from omni_rt import metrics
-from omni_rt.load import CgroupCpu, CpuMeter, MachineMeter, RtfMeter, machine_cpu_seconds, read_cgroup_cpu
+from omni_rt.load import CgroupCpu, CpuMeter, HoleMeter, MachineMeter, RtfMeter, machine_cpu_seconds, read_cgroup_cpu
 from omni_rt.specs import RealtimeAdmissionSpec, SessionsSpec
 from sessions import SessionManager
 from sessions.admission import CPU_WINDOW_S
@@ -34,6 +34,8 @@ class World:
             CPU_WINDOW_S, clock=lambda: self.t[0], read_machine=lambda: (self.cpu_s[0] + self.outside_s[0], 2 * self.t[0]),
             read_cgroup=lambda: self.cgroup[0], cpus=2,
         )
+        self.holes = HoleMeter(window_s=10.0, clock=lambda: self.t[0])  # holes the sessions' clients heard
+        self.m.admission.holes = self.holes
 
     def rtf(self, sessions: int) -> float:
         return self.base + self.per * sessions
@@ -431,3 +433,27 @@ def test_the_machine_is_read_on_the_servers_cores_after_its_threads_were_moved()
     finally:
         os.sched_setaffinity(0, before)
     assert total > total_one * (len(SERVER_CORES) - 0.5)
+
+
+async def test_a_hole_heard_in_a_paced_answer_refuses_new_sessions_until_it_leaves_the_window():
+    """What the sessions hear decides too: a paced answer's client ran dry for 150 ms
+    (whatever the cause); the next session is refused naming late_audio, health and
+    the gauges say so; a hole under the bound does not; ten seconds on, admitted."""
+    from omni_rt import metrics
+
+    w = World(base=0.1, per=0.01, target_rtf=0.8, new_session_s=0)
+    await w.m.open("duplex", principal="p")
+    w.speak()
+    w.holes.hole(0.05, w.t[0])  # under max_hole_ms (100)
+    await w.m.open("duplex", principal="p")
+    w.holes.hole(0.15, w.t[0])
+    with pytest.raises(CapacityLimit) as err:
+        await w.m.open("duplex", principal="p")
+    assert err.value.why == ["late_audio"] and "went silent for 150 ms" in err.value.message
+    adm = w.m.health()["realtime_admission"]
+    assert adm["why"] == ["late_audio"] and adm["worst_hole_ms"] == 150.0
+    assert metrics.ADMISSION_REFUSING.labels("late_audio")._value.get() == 1
+    for _ in range(11):
+        w.speak()
+    await w.m.open("duplex", principal="p")
+    assert w.m.health()["realtime_admission"]["refusing"] is False

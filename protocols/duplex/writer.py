@@ -5,7 +5,7 @@ events in order between them.
 Paced, it knows when a client playing the frames as they arrive runs dry within an
 answer: `omni_rt_playout_underrun_seconds{cause}` counts each hole, "generation" when
 the writer had no audio to send (the pipeline was late), "send" when it had some but
-ran late itself.
+ran late itself; load-aware admission reads them (`omni_rt.load.PLAYOUT`).
 
 Unsent events go back to the session when the attachment ends and are replayed on
 resume, including the unsent rest of an answer the writer was in the middle of (kept
@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import replace
 
 from omni_rt import metrics
+from omni_rt.load import PLAYOUT
 from protocols.duplex.transport import AUDIO_DELTA, RENDERED_RATE, DuplexTransport
 from protocols.ws import Socket
 from sessions import END_EVENTS, Session, SessionEvent, SessionManager
@@ -106,6 +107,7 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                     if now > clock + ahead:  # idle or behind: the stream clock starts again
                         if ahead > 0:  # within an answer: the client's playback ran dry
                             metrics.PLAYOUT_UNDERRUN_SECONDS.labels("duplex", "generation" if starved else "send").observe(now - clock - ahead)
+                            PLAYOUT.hole(now - clock - ahead)
                         clock, ahead = now, 0.0
                     starved = False
                     due = clock + ahead - timing.pacing_lead_s
