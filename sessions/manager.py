@@ -19,7 +19,6 @@ one-shot HTTP request. The manager is the one place that
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import secrets
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
 from omni_rt.specs import SESSION_KINDS, SessionsSpec
-from sessions import migration
+from sessions import handoff, migration
 from sessions.admission import RealtimeAdmission
 from sessions.errors import (
     CapacityLimit,
@@ -39,14 +38,13 @@ from sessions.errors import (
     IllegalTransition,
     InvalidResumeToken,
     SessionElsewhere,
-    SessionError,
     SessionGone,
     SessionLimit,
     SessionNotFound,
     StoreUnavailable,
     UnknownPipeline,
 )
-from sessions.session import Session, SessionState, hash_token
+from sessions.session import Session, SessionState, token_hash_matches
 from sessions.store import Limits, MemoryStore, SessionStore, Slot
 
 if TYPE_CHECKING:
@@ -278,13 +276,13 @@ class SessionManager:
             if blob is not None:  # moved off a draining node: adopted here
                 if self.draining:
                     raise Draining("moved", self.spec.retry_after_s, what="session moved from another node")
-                return await self._adopt(session_id, blob, token, principal)
+                return await handoff.adopt(self, session_id, blob, token, principal)
             if session_id in self._gone:
                 raise SessionGone(session_id, self._gone[session_id])
             rec = await self.store.lookup(session_id)
             if rec is None:
                 raise SessionNotFound(session_id)
-            if not token or rec.get("token_hash") is None or not _hash_eq(rec["token_hash"], token):
+            if not token or rec.get("token_hash") is None or not token_hash_matches(rec["token_hash"], token):
                 raise InvalidResumeToken(session_id, missing=not token)
             raise SessionElsewhere(session_id, str(rec.get("node")), rec.get("url"))
         if not token:
@@ -375,136 +373,10 @@ class SessionManager:
             if reason in ("idle_timeout", "disconnect_grace_expired", "evicted"):
                 metrics.SESSIONS_EVICTED.labels(kind=s.kind, reason=reason).inc()
 
-    # ---- drain: moving sessions to other nodes ---------------------------------------
+    # ---- drain: moving sessions to other nodes (sessions.handoff) ---------------------
     async def drain(self, timeout_s: float) -> dict[str, Any]:
-        """Stop admitting, then hand every session off: a session whose wire can move it
-        reaches a clean point, its state goes to the store and its client hears
-        `session.migrated` (it resumes on any node); one that cannot move finishes its
-        turn (a one-shot request its answer) and ends with reason `drained`. Returns
-        what moved, ended and failed; sessions still here at the timeout are ended."""
-        self.draining = True
-        t0 = time.monotonic()
-        deadline = t0 + max(0.0, timeout_s)
-        log.info("draining: %d session(s) to hand off within %.0f s", len(self._sessions), timeout_s)
-        outcomes = await asyncio.gather(*(self._hand_off(s, deadline) for s in list(self._sessions.values())))
-        report: dict[str, Any] = {"node": self.node_id, "moved": [], "ended": [], "failed": []}
-        for sid, outcome, why in outcomes:
-            report[outcome].append({"session_id": sid, **({"reason": why} if why else {})})
-        report["remaining"] = len(self._sessions)
-        report["seconds"] = round(time.monotonic() - t0, 3)
-        self.drain_report = report
-        log.info("drained in %.2f s: %d moved, %d ended, %d failed", report["seconds"], len(report["moved"]), len(report["ended"]), len(report["failed"]))
-        return report
-
-    async def _hand_off(self, s: Session, deadline: float) -> tuple[str, str, str | None]:
-        """(session id, moved | ended | failed, why)."""
-        try:
-            if s.exporter is not None and s.is_open:
-                left = max(0.0, deadline - time.monotonic())
-                state = await asyncio.wait_for(s.exporter(left), timeout=left + 1.0)
-            else:
-                state = None
-                await self._quiesce(s, deadline)
-            if not s.is_open:
-                await s.closed.wait()
-                return s.id, "ended", s.close_reason
-            if state is None:
-                await self.end(s, "drained")
-                return s.id, "ended", "nothing to move"
-            # after its clean point: what the client has not read goes with it (a
-            # detached session's events, replayed where it resumes)
-            blob = migration.encode(self._core_state(s), state, self.spec.migration_max_bytes)
-            await self.store.put_state(s.id, blob, self.spec.migration_ttl_s, {**self._record(s), "state": "migrated", "node": None,
-                                                                               "from_node": self.node_id, "url": self.spec.resume_url})
-            await self.end(s, "migrated")
-            self.stats["moved_out"] += 1
-            metrics.SESSIONS_MIGRATED.labels(kind=s.kind, direction="out").inc()
-            log.info("session %s (%s) moved: %d bytes of state", s.id, s.kind, len(blob))
-            return s.id, "moved", None
-        except Exception as exc:  # noqa: BLE001 - one session's failure is reported, the others still move
-            if isinstance(exc, SessionError):
-                why = exc.message
-            elif isinstance(exc, asyncio.TimeoutError):
-                why = "no clean point before the drain timeout"
-            else:
-                why = f"{type(exc).__name__}: {exc}"
-                log.exception("session %s (%s): its hand-off failed", s.id, s.kind)
-            log.warning("session %s (%s) could not move: %s", s.id, s.kind, why)
-            if s.is_open:
-                await self.end(s, "drained")
-            return s.id, "failed", why
-
-    async def _quiesce(self, s: Session, deadline: float) -> None:
-        """A session with nothing to move: a one-shot one finishes here (its handler ends
-        it); another finishes the turn it is generating."""
-        while s.is_open and time.monotonic() < deadline:
-            if s.kind != "oneshot" and not s.holds_lease():
-                return
-            try:
-                await asyncio.wait_for(s.closed.wait(), timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-            except asyncio.TimeoutError:
-                pass
-
-    def _core_state(self, s: Session) -> dict[str, Any]:
-        detached = s.state == SessionState.DETACHED
-        return {
-            "id": s.id, "kind": s.kind, "pipeline": s.pipeline, "params": s.params, "principal": s.principal,
-            "token_hash": s.token_hash, "epoch": s.epoch, "turn": s.turn, "seq": s._seq, "created_at": s.created_at,
-            "from_node": self.node_id,
-            # an attached client reads what is queued before it hears it moved
-            "events": migration.events_state(list(s._events)) if detached else [],
-            "dropped_events": s.dropped_events,
-        }
-
-    async def _adopt(self, session_id: str, blob: bytes, token: str | None, principal: str | None) -> Session:
-        """Take over a session another node moved: its token is checked, a slot taken,
-        the wire's state restored; on any failure nothing is kept (the state stays in
-        the store for another try until it lapses)."""
-        doc = migration.decode(session_id, blob, self.spec.migration_max_bytes)
-        core, state = doc["session"], doc["state"]
-        if not token or not core.get("token_hash") or not _hash_eq(str(core["token_hash"]), token):
-            raise InvalidResumeToken(session_id, missing=not token)
-        if principal is not None and principal != core.get("principal"):
-            raise InvalidResumeToken(session_id)
-        kind, pipeline = str(core["kind"]), core.get("pipeline")
-        if pipeline is not None and self.orchestrator is not None and pipeline not in self.orchestrator.pipelines:
-            raise UnknownPipeline(
-                f"Session '{session_id}' was moved from node {core.get('from_node')} running pipeline '{pipeline}', which this node "
-                f"does not serve (served: {', '.join(sorted(self.orchestrator.pipelines))}); resume it on a node that does."
-            )
-        restore = self.restorers.get((kind, pipeline))
-        if restore is None:
-            raise migration.MigrationError(f"Session '{session_id}' ({kind}) was moved, but this node cannot restore {kind} sessions of pipeline '{pipeline}'.")
-        s = Session(self, session_id, kind, pipeline, core.get("params") or {}, str(core["principal"]), self.spec.replay_buffer_events, self.spec.max_pending_events)
-        s._token_hash = str(core["token_hash"])
-        s.epoch, s.turn, s._seq = int(core["epoch"]), int(core["turn"]), int(core["seq"])
-        s.created_at = float(core.get("created_at") or s.created_at)
-        s.dropped_events = int(core.get("dropped_events") or 0)
-        slot = Slot(session_id, kind, s.principal)
-        try:
-            await self.store.acquire(slot, self.limits, {**self._record(s), "state": SessionState.ACTIVE.value})
-        except ValueError:
-            raise IllegalTransition(session_id, "being resumed on another node", "resume") from None
-        try:
-            s._events.extend(migration.events_of(session_id, list(core.get("events") or [])))
-            restore(s, state)
-        except Exception as exc:
-            await self.store.release(slot)
-            log.exception("session %s: its moved state could not be restored", session_id)
-            raise migration.MigrationFailed(f"Session '{session_id}' was moved, but restoring it failed ({type(exc).__name__}: {exc}).") from None
-        self._sessions[session_id] = s
-        s._transition(SessionState.ACTIVE, "resume")
-        s.weighed = self.admission.applies(kind, None)
-        try:
-            await self.store.drop_state(session_id)
-        except StoreUnavailable as exc:
-            log.warning("session %s: its moved state was not dropped from the store (%s); it lapses", session_id, exc)
-        self.stats["moved_in"] += 1
-        metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
-        metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
-        metrics.SESSIONS_MIGRATED.labels(kind=kind, direction="in").inc()
-        log.info("session %s (%s) moved in from node %s", session_id, kind, core.get("from_node"))
-        return s
+        """Stop admitting, then hand every session off (`sessions.handoff.drain`)."""
+        return await handoff.drain(self, timeout_s)
 
     # ---- leases ----------------------------------------------------------------------
     async def reap(self) -> list[str]:
@@ -615,6 +487,3 @@ class SessionManager:
             "realtime_admission": {**self.admission.health(), "open": self.realtime_sessions()},
         }
 
-
-def _hash_eq(stored_hash: str, token: str) -> bool:
-    return hmac.compare_digest(stored_hash, hash_token(token))

@@ -72,6 +72,11 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def token_hash_matches(stored_hash: str, token: str) -> bool:
+    """Whether `token` is the one whose hash was stored (in constant time)."""
+    return hmac.compare_digest(stored_hash, hash_token(token))
+
+
 Finalizer = Callable[[], Awaitable[None] | None]
 
 
@@ -150,7 +155,7 @@ class Session:
     def token_matches(self, token: str | None) -> bool:
         if self._token_hash is None or not token:
             return False
-        return hmac.compare_digest(self._token_hash, hash_token(token))
+        return token_hash_matches(self._token_hash, token)
 
     @property
     def token_hash(self) -> str | None:
