@@ -38,7 +38,12 @@ SERVER_OVERLAY = {
     # Answers run to their token limit (the stop token is masked until then): the
     # random tiny thinker would otherwise stop at a random point, and tests that need
     # an answer still running (cancel, barge-in, disconnect) would depend on chance.
-    "pipelines": {"voice": {"stages": {"thinker": {"processor_args": {"min_tokens": 100000}}}}},
+    "pipelines": {"voice": {"stages": {"thinker": {"processor_args": {"min_tokens": 100000}}}},
+                  # The shared server's Moshi tests check that conversations are heard, on a
+                  # machine whose step times vary with whatever else the suite runs (a
+                  # second conversation was refused at 114 ms predicted against 60): its
+                  # frame-budget admission is pinned in process (tests/protocols/test_moshi_duplex.py).
+                  "moshi": {"stages": {"moshi": {"processor_args": {"budget_headroom": 2.0}}}}},
 }
 
 
