@@ -161,6 +161,24 @@ async def _zeros(frames, deadline):
     return np.zeros(len(frames) * SAMPLES_PER_FRAME, np.float32)
 
 
+async def _play_without_running_dry(dec: StreamingDecoder, now: list[float], frames: int, speed: float) -> list[int]:
+    """A talker making a frame every frame period / `speed` on the virtual clock `now`
+    (a decode that moves the clock delays the next frame): audio played in real time
+    from the first chunk must never wait for the next one. The chunks' sizes."""
+    frame_s = SAMPLES_PER_FRAME / 24000
+    played_to: float | None = None
+    sizes: list[int] = []
+    for k in range(frames):
+        now[0] = max(now[0], (k + 1) * frame_s / speed)  # frame k is out of the talker
+        for audio in await dec.push(np.zeros((1, 7), np.int32)):
+            if played_to is None:
+                played_to = now[0]
+            assert now[0] <= played_to + 1e-9, f"playback ran dry for {(now[0] - played_to) * 1000:.0f} ms before chunk {len(sizes)}"
+            played_to += len(audio) / 24000
+            sizes.append(len(audio) // SAMPLES_PER_FRAME)
+    return sizes
+
+
 @pytest.mark.parametrize("speed", [1.1, 1.25, 1.5, 2.3, 8.0])
 async def test_streaming_decoder_never_lets_real_time_playback_run_dry(speed):
     """A talker faster than real time by `speed`, on a virtual clock: audio played in
@@ -170,16 +188,7 @@ async def test_streaming_decoder_never_lets_real_time_playback_run_dry(speed):
     now = [0.0]
     c = ChunkingSpec()  # the pipelines' chunking: 1, then 16, 3 + 3 context frames
     dec = StreamingDecoder(_zeros, c, clock=lambda: now[0])
-    played_to: float | None = None
-    sizes: list[int] = []
-    for k in range(200):
-        now[0] = (k + 1) * frame_s / speed  # frame k is out of the talker
-        for audio in await dec.push(np.zeros((1, 7), np.int32)):
-            if played_to is None:
-                played_to = now[0]
-            assert now[0] <= played_to + 1e-9, f"playback ran dry for {(now[0] - played_to) * 1000:.0f} ms before chunk {len(sizes)}"
-            played_to += len(audio) / 24000
-            sizes.append(len(audio) // SAMPLES_PER_FRAME)
+    sizes = await _play_without_running_dry(dec, now, 200, speed)
     assert sizes[0] == _first_chunk(frame_s / speed, 0.0, c) and max(sizes) <= c.chunk_frames
     if speed >= 1.5:
         assert sizes[-1] == c.chunk_frames
@@ -235,16 +244,7 @@ async def test_a_first_chunk_outlasts_the_making_and_decoding_of_the_next_frame(
     times = DecodeTimes()
     times.add(decode_ms / 1000)  # the stage decoded before: the new stream knows its pace
     dec = StreamingDecoder(slow, c, clock=lambda: now[0], decode_times=times)
-    played_to: float | None = None
-    sizes: list[int] = []
-    for k in range(60):
-        now[0] = max(now[0], (k + 1) * frame_s / speed)  # frame k is out of the talker
-        for audio in await dec.push(np.zeros((1, 7), np.int32)):
-            if played_to is None:
-                played_to = now[0]
-            assert now[0] <= played_to + 1e-9, f"playback ran dry for {(now[0] - played_to) * 1000:.0f} ms before chunk {len(sizes)}"
-            played_to += len(audio) / 24000
-            sizes.append(len(audio) // SAMPLES_PER_FRAME)
+    sizes = await _play_without_running_dry(dec, now, 60, speed)
     assert sizes[0] == first == _first_chunk(frame_s / speed, decode_ms / 1000, c)
 
 

@@ -224,11 +224,14 @@ async def test_bad_requests_are_clear_errors(engine: VllmEngine, layout: CodecLa
 
 
 def _worker_cores(engine_children_before: set[int]) -> list[set[int]]:
+    """The cores of the Workers of this process's own engines (a Worker's parent is its
+    EngineCore, a child of the process that built the engine; servers the suite started
+    in processes of their own have theirs one level further down)."""
     import psutil
 
     me = psutil.Process()
     return [set(c.cpu_affinity()) for c in me.children(recursive=True)
-            if c.name().startswith("VLLM::Worker") and c.pid not in engine_children_before]
+            if c.name().startswith("VLLM::Worker") and c.pid not in engine_children_before and (p := c.parent()) is not None and p.ppid() == me.pid]
 
 
 async def test_a_later_engine_binds_its_worker_where_the_first_did_not_on_the_frontends_core(engine: VllmEngine, talker_dir: str) -> None:
