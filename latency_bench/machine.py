@@ -5,7 +5,7 @@
 - `LoopStalls`: when the bench's own event loop ran late. A gap the client measured
   while it was itself stalled (the machine stopped every process, or the bench had no
   core) says nothing of the server, and is reported apart from the server's gaps.
-- `steal_seconds()`: the CPU time the hypervisor took from this machine (`/proc/stat`).
+- `steal_seconds()`: the CPU time the hypervisor took from this machine (psutil).
 - `HealthPoller`: the server's own account polled from `/health` every second (load-
   aware admission: sessions, RTF, its CPU, the outside load, why it refuses).
 - `underruns(metrics_text)`: the server's count of holes in paced answers, by cause.
@@ -78,13 +78,11 @@ class LoopStalls:
 
 
 def steal_seconds() -> float | None:
-    """CPU seconds stolen by the hypervisor since boot, all CPUs (None off Linux)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) / 100 if len(fields) > 8 else None
-    except (OSError, ValueError):
-        return None
+    """CPU seconds stolen by the hypervisor since boot, all CPUs (None where the
+    platform does not count them)."""
+    import psutil
+
+    return getattr(psutil.cpu_times(), "steal", None)
 
 
 HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "cpu_own",
@@ -153,20 +151,19 @@ async def metrics_text(base: str, key: str | None) -> str | None:
 def underruns(text: str | None, over_s: float = 0.1) -> dict[str, dict[str, float]]:
     """From a /metrics text: per cause, the paced-answer holes counted and those over
     `over_s` (the histogram's `le` bucket at `over_s` must exist)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, dict[str, float]] = {}
-    if not text:
-        return out
     name = "omni_rt_playout_underrun_seconds"
-    for line in text.splitlines():
-        if not line.startswith(name) or 'api="duplex"' not in line:
-            continue
-        cause = line.split('cause="', 1)[1].split('"', 1)[0]
-        value = float(line.rsplit(" ", 1)[1])
-        row = out.setdefault(cause, {"count": 0.0, "le": 0.0})
-        if line.startswith(name + "_count"):
-            row["count"] = value
-        elif line.startswith(name + "_bucket") and f'le="{over_s}"' in line:
-            row["le"] = value
+    for family in text_string_to_metric_families(text or ""):
+        for sample in family.samples:
+            if not sample.name.startswith(name) or sample.labels.get("api") != "duplex":
+                continue
+            row = out.setdefault(sample.labels["cause"], {"count": 0.0, "le": 0.0})
+            if sample.name == name + "_count":
+                row["count"] = sample.value
+            elif sample.name == name + "_bucket" and float(sample.labels["le"]) == over_s:
+                row["le"] = sample.value
     return {c: {"holes": r["count"], "over_100ms": r["count"] - r["le"]} for c, r in out.items()}
 
 
