@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = [
     "GENERATION", "PLAYOUT", "CgroupCpu", "HoleMeter", "CpuMeter", "MachineLoad", "MachineMeter", "RtfMeter", "StreamRtf", "machine_cpu_seconds",
@@ -200,6 +200,22 @@ def usable_cpus() -> int:
 # a figure that is the mean of `window_s` anyway.
 REREAD_S = 0.25
 
+T = TypeVar("T")
+
+
+class _Reread(Generic[T]):
+    """A meter's last answer, given again when it is asked within `REREAD_S` of it."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, T] | None = None  # (when, what)
+
+    def get(self, t: float, measure: Callable[[float], T]) -> T:
+        if self._last is not None and t - self._last[0] < REREAD_S:
+            return self._last[1]
+        value = measure(t)
+        self._last = (t, value)
+        return value
+
 
 class CpuMeter:
     """Busy fraction of this server's CPUs over the last `window_s` (None until two
@@ -218,12 +234,12 @@ class CpuMeter:
         self.read = read
         self.cpus = cpus or usable_cpus()
         self._readings: deque[tuple[float, float]] = deque()
-        self._last: tuple[float, float | None] | None = None  # (when, what) of the last answer
+        self._reread: _Reread[float | None] = _Reread()
 
     def utilisation(self) -> float | None:
-        t = self.clock()
-        if self._last is not None and t - self._last[0] < REREAD_S:
-            return self._last[1]
+        return self._reread.get(self.clock(), self._utilisation)
+
+    def _utilisation(self, t: float) -> float | None:
         cpu = self.read()
         if self._readings and cpu < self._readings[-1][1]:
             self._readings.clear()
@@ -231,9 +247,9 @@ class CpuMeter:
         while len(self._readings) > 2 and t - self._readings[1][0] >= self.window_s:
             self._readings.popleft()
         t0, c0 = self._readings[0]
-        busy = None if t - t0 < 1.0 else (cpu - c0) / (t - t0) / self.cpus
-        self._last = (t, busy)
-        return busy
+        if t - t0 < 1.0:
+            return None
+        return (cpu - c0) / (t - t0) / self.cpus
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -346,15 +362,10 @@ class MachineMeter:
         self.read_cgroup = read_cgroup
         self.cpus = cpus or usable_cpus()
         self._readings: deque[tuple[float, tuple[float, float], CgroupCpu | None]] = deque()
-        self._last: tuple[float, MachineLoad | None] | None = None
+        self._reread: _Reread[MachineLoad | None] = _Reread()
 
     def load(self) -> MachineLoad | None:
-        t = self.clock()
-        if self._last is not None and t - self._last[0] < REREAD_S:
-            return self._last[1]
-        load = self._load(t)
-        self._last = (t, load)
-        return load
+        return self._reread.get(self.clock(), self._load)
 
     def _load(self, t: float) -> MachineLoad | None:
         try:  # an unreadable or odd /proc or cgroup file must not break admission
