@@ -48,6 +48,7 @@ async def drain(m: SessionManager, timeout_s: float) -> dict[str, Any]:
     log.info("drained in %.2f s: %d moved, %d ended, %d failed", report["seconds"], len(report["moved"]), len(report["ended"]), len(report["failed"]))
     return report
 
+
 async def _hand_off(m: SessionManager, s: Session, deadline: float) -> tuple[str, str, str | None]:
     """(session id, moved | ended | failed, why)."""
     try:
@@ -67,7 +68,7 @@ async def _hand_off(m: SessionManager, s: Session, deadline: float) -> tuple[str
         # detached session's events, replayed where it resumes)
         blob = migration.encode(_core_state(m, s), state, m.spec.migration_max_bytes)
         await m.store.put_state(s.id, blob, m.spec.migration_ttl_s, {**m._record(s), "state": "migrated", "node": None,
-                                                                           "from_node": m.node_id, "url": m.spec.resume_url})
+                                                                     "from_node": m.node_id, "url": m.spec.resume_url})
         await m.end(s, "migrated")
         m.stats["moved_out"] += 1
         metrics.SESSIONS_MIGRATED.labels(kind=s.kind, direction="out").inc()
@@ -86,6 +87,7 @@ async def _hand_off(m: SessionManager, s: Session, deadline: float) -> tuple[str
             await m.end(s, "drained")
         return s.id, "failed", why
 
+
 async def _quiesce(s: Session, deadline: float) -> None:
     """A session with nothing to move: a one-shot one finishes here (its handler ends
     it); another finishes the turn it is generating."""
@@ -97,6 +99,7 @@ async def _quiesce(s: Session, deadline: float) -> None:
         except asyncio.TimeoutError:
             pass
 
+
 def _core_state(m: SessionManager, s: Session) -> dict[str, Any]:
     detached = s.state == SessionState.DETACHED
     return {
@@ -107,6 +110,7 @@ def _core_state(m: SessionManager, s: Session) -> dict[str, Any]:
         "events": migration.events_state(list(s._events)) if detached else [],
         "dropped_events": s.dropped_events,
     }
+
 
 async def adopt(m: SessionManager, session_id: str, blob: bytes, token: str | None, principal: str | None) -> Session:
     """Take over a session another node moved: its token is checked, a slot taken,

@@ -96,8 +96,8 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                 continue
             pcm = t.out_audio(ev)
             taken()
-            if (ev.fence, ev.data.get("response_id")) != answer:  # another answer: the silence before it is no hole
-                answer, clock, ahead = (ev.fence, ev.data.get("response_id")), 0.0, 0.0
+            if (this := (ev.fence, ev.data.get("response_id"))) != answer:  # another answer: the silence before it is no hole
+                answer, clock, ahead = this, 0.0, 0.0
             step = t.out_rate * 2 // 50  # 20 ms
             i = 0
             t.sending_audio = True
