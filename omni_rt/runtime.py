@@ -54,7 +54,7 @@ def build_engine(
             raise SpecError(f"stage {name}: a torch engine needs a model and a processor with torch_module()")
         from omni_rt.engines.torch_engine import TorchEngine
 
-        return TorchEngine(module, name=name, **engine_args)
+        return TorchEngine(module, name=name, realtime=processor.REALTIME, **engine_args)
     if kind == "diffusers":
         bad = set(engine_args) - _DIFFUSERS_ARGS
         if bad:

@@ -200,6 +200,11 @@ def check_processor_args(args: Mapping[str, Any], known: Iterable[str], what: st
 class StageProcessor(abc.ABC):
     """Pipeline code for one stage, one instance per replica."""
 
+    # A stage whose output must keep pace with playback or a frame clock (a talker, a
+    # vocoder, a full-duplex model's step): on a CPU its torch engine computes in
+    # float32 whatever dtype it was given (omni_rt.dtypes).
+    REALTIME: bool = False
+
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         self.spec = spec
         self.engine = engine

@@ -70,7 +70,14 @@ DEFAULTS: dict[str, Any] = {
     "text_top_k": 25,
     "audio_top_k": 250,
     "seed": 0,
+    # the text stream's ids that write nothing: Moshi's padding between words and the
+    # end of a padding run (Kyutai's models: 3 and 0; its servers skip both)
+    "text_pad_id": 3,
+    "text_epad_id": 0,
 }
+# SentencePiece's control pieces: the hub tokenizer (kmhf/hf-moshiko) declares only
+# <unk> special, so the others are named here, as Kyutai's tokenizer has them
+CONTROL_PIECES = ("<unk>", "<s>", "</s>", "<pad>")
 
 
 def _least_squares(points: Mapping[int, float], x: int) -> float:
@@ -254,6 +261,8 @@ def _tokenizer(model_dir: str) -> Any:
 class MoshiProcessor(StageProcessor):
     """The `moshi` stage (see the module docstring)."""
 
+    REALTIME = True
+
     @staticmethod
     def torch_module(model_dir: str, role: str) -> Callable[[], Any]:
         return lambda: MoshiSteps.load(model_dir)
@@ -334,23 +343,57 @@ class MoshiProcessor(StageProcessor):
         predicted = self.clock.times.predict(live + 1, self.clock.clock())
         if predicted is not None and predicted > self.budget_s and live > 0:
             raise FrameBudgetExceeded(live, predicted, self.budget_s)
+        # the first conversation is admitted under the headroom's margin, but not when a
+        # step of one conversation alone overruns the whole frame: it would hear nothing
+        frame_s = float(self.args["frame_budget_ms"]) / 1000.0
+        if predicted is not None and predicted > frame_s and live == 0:
+            raise FrameBudgetExceeded(0, predicted, frame_s, f"one conversation's step takes {predicted * 1000:.1f} ms, longer than the "
+                                      f"{frame_s * 1000:.0f} ms frame: this model cannot run in real time on this device")
         self._reserved.add(key)
 
     def cancel(self, key: str) -> None:
         self._reserved.discard(key)
 
     def load_text(self, model_dir: str) -> None:
-        """The text stream's tokenizer, and the ids that write nothing (padding, specials)."""
+        """The text stream's tokenizer, and the ids that write nothing: the padding and
+        end-of-padding ids (`text_pad_id`, `text_epad_id`), the config's pad, the
+        tokenizer's special and control pieces, and ids past the text vocabulary (the
+        stream's start token)."""
         self.tokenizer = _tokenizer(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.vocab = int(config.get("vocab_size", len(self.tokenizer)))
-        self.silent_ids = {i for i in (self.tokenizer.pad_token_id, config.get("pad_token_id")) if i is not None}
-        self.silent_ids |= set(self.tokenizer.all_special_ids)
+        tok = self.tokenizer
+        silent = {int(self.args["text_pad_id"]), int(self.args["text_epad_id"])}
+        silent |= {i for i in (tok.pad_token_id, config.get("pad_token_id")) if i is not None}
+        silent |= set(tok.all_special_ids)
+        vocab = tok.get_vocab()
+        silent |= {vocab[p] for p in CONTROL_PIECES if p in vocab}
+        self._fast = getattr(tok, "backend_tokenizer", None)
+        if self._fast is not None:
+            silent |= {i for i, t in self._fast.get_added_tokens_decoder().items() if t.special}
+        self.silent_ids = silent
 
-    def text_piece(self, token: int) -> str:
-        if token >= self.vocab or token in self.silent_ids:
-            return ""
-        return str(self.tokenizer.decode([token]))
+    def text_stream(self) -> Callable[[int], str]:
+        """One conversation's text as Kyutai's servers render it: the silent ids write
+        nothing, every other token the text it adds to the words so far, word spaces
+        included (its Rust server decodes [previous, token] and keeps the difference;
+        tokenizers' DecodeStream does the same, byte-fallback pieces included). A
+        tokenizer without a Rust backend renders pieces as its Python server does
+        (`id_to_piece`, "▁" as a space)."""
+        silent, vocab = self.silent_ids, self.vocab
+        if self._fast is None:
+            convert = self.tokenizer.convert_ids_to_tokens
+            return lambda token: "" if token >= vocab or token in silent else str(convert(token)).replace("\u2581", " ")
+        from tokenizers.decoders import DecodeStream
+
+        stream, fast = DecodeStream(skip_special_tokens=True), self._fast
+
+        def piece(token: int) -> str:
+            if token >= vocab or token in silent:
+                return ""
+            return stream.step(fast, token) or ""
+
+        return piece
 
     # ---- a conversation --------------------------------------------------------------------
     async def run(self, ctx: StageContext) -> None:
@@ -361,6 +404,7 @@ class MoshiProcessor(StageProcessor):
         self._seeds += 1
         lead = int(float(self.args["jitter_ms"]) / 1000 * SAMPLE_RATE)
         conv = Conversation(slot, seed, lead, int(float(self.args["max_buffer_s"]) * SAMPLE_RATE))
+        text_piece = self.text_stream()
         ended = asyncio.Event()
 
         async def read() -> None:
@@ -387,7 +431,7 @@ class MoshiProcessor(StageProcessor):
                 r = getter.result()
                 if isinstance(r, BaseException):
                     raise StageError(f"moshi step failed: {r}")
-                text = self.text_piece(int(r["text"]))
+                text = text_piece(int(r["text"]))
                 await ctx.emit(Payload(
                     PayloadKind.AUDIO, ctx.fence, arrays={"pcm": np.ascontiguousarray(r["pcm"], np.float32)},
                     meta={"sample_rate": SAMPLE_RATE, "frame": conv.frames - 1, "text": text, "text_token": int(r["text"]), "late": bool(r["late"])},

@@ -96,6 +96,7 @@ class TalkerBase(StageProcessor):
 
     DEFAULTS: dict[str, Any] = {}
     SLOTS = 16
+    REALTIME = True
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
@@ -334,6 +335,7 @@ class Token2WavProcessor(StageProcessor):
     `sway` -1.0: the reference's)."""
 
     DEFAULTS: dict[str, Any] = {"steps": 10, "guidance": 0.5, "sway": -1.0}
+    REALTIME = True
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -379,8 +381,7 @@ class Token2WavProcessor(StageProcessor):
         and seed): frames are (code, position) rows; the noise of each position is the
         request's, drawn in order."""
         sp = self.speakers[speaker_of(self.speakers, params)]
-        cond = sp["cond"].float().numpy()
-        ref_mel = sp["ref_mel"][0].float().numpy()
+        cond, ref_mel = sp["cond"].numpy(), sp["ref_mel"].numpy()  # (192,), (frames, mel): load_speakers
         gen = torch.Generator()
         gen.manual_seed(request_seed(params))
         noise: list[np.ndarray] = []  # per code: [repeats, mel]

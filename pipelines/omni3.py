@@ -171,6 +171,8 @@ class Omni3Code2WavProcessor(StageProcessor):
     decodes `left_context_frames` frames before the chunk (the decoder is causal: no
     look-ahead), as the reference's `chunked_decode` does."""
 
+    REALTIME = True
+
     @classmethod
     def check_model(cls, model_dir: str) -> None:
         check_omni3(model_dir, "code2wav", "code2wav_config")

@@ -13,6 +13,11 @@ three stages: vLLM runs its thinker; the modules here load its ``thinker.*``,
   code predictor the other codebooks, every live session in one batched forward.
 * `Omni3Code2WavModule`: the causal decoder (codes -> 24 kHz), decoded in windows with
   left context, as the reference's ``chunked_decode``.
+
+Dtypes (`omni_rt.dtypes`): the thinker and the talker are built in their sub-configs'
+dtypes, else the checkpoint's (the hub's config names bfloat16 for the thinker and at
+the top level, nothing for the talker: both bfloat16, as transformers loads them);
+what crosses from the thinker to the talker is cast to the talker's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 
 import torch
 
+from omni_rt.dtypes import config_dtype, dtype_of
 from omni_rt.errors import StageError
 from pipelines.omni_models import load_part
 
@@ -66,7 +72,7 @@ class Omni3TalkerModule(torch.nn.Module):
         cfg = omni3_config(model_dir)
         tc = cfg.talker_config
         self.accept = int(tc.accept_hidden_layer)
-        thinker = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(cfg.thinker_config)
+        thinker = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
         n_layers = len(thinker.model.layers)
         if not 0 < self.accept <= n_layers:
             raise StageError(f"{model_dir}: talker accept_hidden_layer {self.accept} is not one of the thinker's {n_layers} layers")
@@ -81,18 +87,19 @@ class Omni3TalkerModule(torch.nn.Module):
 
         load_part(thinker, model_dir, "thinker.", keep=needed)
         self.thinker = thinker
-        self.talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(tc)
+        self.talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(tc, dtype=config_dtype(cfg, "talker_config"))
         load_part(self.talker, model_dir, "talker.")
         self.audio_token = int(cfg.thinker_config.audio_token_id)
         self.mm_tokens = [int(cfg.thinker_config.audio_token_id), int(cfg.thinker_config.image_token_id), int(cfg.thinker_config.video_token_id)]
         self.groups = int(tc.num_code_groups)
         text = tc.text_config
         self.max_len = max_len
-        kv = torch.zeros(slots, text.num_hidden_layers, 2, text.num_key_value_heads, max_len, text.head_dim)
+        dt = dtype_of(self.talker)
+        kv = torch.zeros(slots, text.num_hidden_layers, 2, text.num_key_value_heads, max_len, text.head_dim, dtype=dt)
         self.register_buffer("kv", kv, persistent=False)
         self.register_buffer("lengths", torch.zeros(slots, dtype=torch.long), persistent=False)
         self.register_buffer("deltas", torch.zeros(slots, dtype=torch.long), persistent=False)
-        self.register_buffer("last", torch.zeros(slots, text.hidden_size), persistent=False)
+        self.register_buffer("last", torch.zeros(slots, text.hidden_size, dtype=dt), persistent=False)
         self.gens = [torch.Generator() for _ in range(slots)]
 
     # ---- the thinker's side ----
@@ -100,7 +107,7 @@ class Omni3TalkerModule(torch.nn.Module):
     def text_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Thinker tokens as the talker reads text: `text_projection` of their embeddings."""
         embed: Any = self.thinker.get_input_embeddings()
-        return self.talker.text_projection(embed(ids.long()))
+        return self.talker.text_projection(embed(ids.long()).to(dtype_of(self.talker)))
 
     def user_rows(self, ids: torch.Tensor, features: torch.Tensor | None = None, feature_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt's rows as the talker reads them: text rows, and where the prompt is
@@ -120,7 +127,7 @@ class Omni3TalkerModule(torch.nn.Module):
         for i in range(ids.shape[0]):
             row, fm = ids[i : i + 1], feature_mask[i : i + 1] if feature_mask is not None else None
             x = th.get_input_embeddings()(row)
-            audio = th.get_audio_features(features[i : i + 1], fm, return_dict=True).last_hidden_state.to(x.dtype)
+            audio = th.get_audio_features(features[i : i + 1].to(x.dtype), fm, return_dict=True).last_hidden_state.to(x.dtype)
             x = x.masked_scatter((row == self.audio_token).unsqueeze(-1).expand_as(x), audio)
             mask = torch.ones_like(row)
             pos, _ = th.get_rope_index(row, None, None, mask, False, fm.sum(-1) if fm is not None else None, None)
@@ -134,7 +141,7 @@ class Omni3TalkerModule(torch.nn.Module):
             hidden = res.last_hidden_state if self.accept == th.config.text_config.num_hidden_layers else caught[-1]
             r = rows[i].clone()
             m = mm[i]
-            r[m] = self.talker.hidden_projection(hidden[0][m])
+            r[m] = self.talker.hidden_projection(hidden[0][m].to(r.dtype))
             out.append(r)
         return torch.stack(out)
 
@@ -165,7 +172,7 @@ class Omni3TalkerModule(torch.nn.Module):
             else:
                 pos, delta = torch.arange(n).view(1, 1, n).expand(3, 1, n), torch.zeros(1, 1, dtype=torch.long)
             cache = DynamicCache(config=t.config.text_config)
-            out = t.model(inputs_embeds=embeds[i : i + 1], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            out = t.model(inputs_embeds=embeds[i : i + 1].to(dtype_of(t)), attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
             for li, layer in enumerate(cache.layers):
                 self.kv[s, li, 0, :, :n] = layer.keys[0]
                 self.kv[s, li, 1, :, :n] = layer.values[0]
@@ -204,7 +211,7 @@ class Omni3TalkerModule(torch.nn.Module):
         kv = self.kv[slots, :, :, :, :span]
         tcache = DynamicCache(ddp_cache_data=[(kv[:, li, 0], kv[:, li, 1]) for li in range(kv.shape[1])], config=t.config.text_config)
         mask = torch.cat([(torch.arange(span)[None, :] < lens[:, None]).long(), torch.ones(b, 1, dtype=torch.long)], 1)
-        inp = torch.cat(embeds, 1).sum(1, keepdim=True) + text.view(b, 1, -1)
+        inp = torch.cat(embeds, 1).sum(1, keepdim=True) + text.view(b, 1, -1).to(self.last.dtype)
         pos = (lens + self.deltas[slots]).view(1, b, 1).expand(3, b, 1)
         out = t.model(inputs_embeds=inp, attention_mask=mask, position_ids=pos, past_key_values=tcache, use_cache=True)
         for li, layer in enumerate(tcache.layers):

@@ -13,6 +13,10 @@ vLLM runs its thinker; the modules here load the checkpoint's ``thinker.*``,
   session's next codec token comes out of one batched forward.
 * `Token2WavModule`: the flow-matching DiT over a window of codes with noise the caller
   supplies (so a chunked decode draws the same noise as a whole one), and BigVGAN.
+
+Dtypes (`omni_rt.dtypes`): the thinker and the talker are built in their sub-configs'
+dtypes (the hub's: bfloat16), token2wav in float32 as the reference runs it; every
+method casts what it is handed to the dtype of the sub-model that reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import torch
 
+from omni_rt.dtypes import config_dtype, dtype_of
 from omni_rt.errors import StageError
 
 
@@ -87,11 +92,26 @@ def omni_config(model_dir: str) -> Any:
 
 def load_speakers(model_dir: str) -> dict[str, dict[str, Any]]:
     """`spk_dict.pt`: per speaker the DiT's x-vector (`cond`), a reference mel
-    (`ref_mel`) and the id that starts the talker's text stream (`bos_token`)."""
+    (`ref_mel`) and the id that starts the talker's text stream (`bos_token`). The hub
+    repos store `cond` as (1, 192) and `ref_mel` as (1, frames, 80), with a batch row, as
+    transformers does; both are read with or without it: `cond` as (192,), `ref_mel`
+    as (frames, 80), float32."""
     path = Path(model_dir) / "spk_dict.pt"
     if not path.is_file():
         raise StageError(f"{model_dir}: no spk_dict.pt (the checkpoint's speakers)")
-    return dict(torch.load(str(path), weights_only=True))
+    out: dict[str, dict[str, Any]] = {}
+    for name, sp in dict(torch.load(str(path), weights_only=True)).items():
+        try:
+            cond = torch.as_tensor(sp["cond"]).float().reshape(-1)
+            mel = torch.as_tensor(sp["ref_mel"]).float()
+            mel = mel.reshape(-1, mel.shape[-1])
+            bos = int(sp["bos_token"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+            raise StageError(f"{model_dir}: spk_dict.pt speaker {name!r} is not cond / ref_mel / bos_token ({exc})") from None
+        out[str(name)] = {"cond": cond, "ref_mel": mel, "bos_token": bos}
+    if not out:
+        raise StageError(f"{model_dir}: spk_dict.pt names no speakers")
+    return out
 
 
 class OmniTalkerModule(torch.nn.Module):
@@ -110,14 +130,14 @@ class OmniTalkerModule(torch.nn.Module):
         )
 
         cfg = omni_config(model_dir)
-        self.thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(cfg.thinker_config)
-        self.talker = Qwen2_5OmniTalkerForConditionalGeneration._from_config(cfg.talker_config)
+        self.thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
+        self.talker = Qwen2_5OmniTalkerForConditionalGeneration._from_config(cfg.talker_config, dtype=config_dtype(cfg, "talker_config"))
         load_part(self.thinker, model_dir, "thinker.")
         load_part(self.talker, model_dir, "talker.")
         self.audio_token = int(cfg.thinker_config.audio_token_index)
         tc = cfg.talker_config
         self.max_len = max_len
-        kv = torch.zeros(slots, tc.num_hidden_layers, 2, tc.num_key_value_heads, max_len, tc.head_dim)
+        kv = torch.zeros(slots, tc.num_hidden_layers, 2, tc.num_key_value_heads, max_len, tc.head_dim, dtype=dtype_of(self.talker))
         self.register_buffer("kv", kv, persistent=False)
         self.register_buffer("lengths", torch.zeros(slots, dtype=torch.long), persistent=False)
         self.register_buffer("deltas", torch.zeros(slots, dtype=torch.long), persistent=False)
@@ -138,7 +158,7 @@ class OmniTalkerModule(torch.nn.Module):
             fm = feature_mask[i : i + 1] if feature_mask is not None else None
             pos, delta = self.thinker.get_rope_index(row, None, None, mask, False, fm.sum(-1) if fm is not None else None, None)
             cache = DynamicCache(config=self.thinker.config.text_config)
-            out = self.thinker(input_ids=row, input_features=features[i : i + 1] if features is not None else None,
+            out = self.thinker(input_ids=row, input_features=features[i : i + 1].to(dtype_of(self.thinker)) if features is not None else None,
                                feature_attention_mask=fm, attention_mask=mask, position_ids=pos, past_key_values=cache,
                                use_cache=True, output_hidden_states=True)
             emb = out.hidden_states[0].clone()
@@ -189,7 +209,7 @@ class OmniTalkerModule(torch.nn.Module):
             mask = torch.ones_like(row)
             al = audio_lengths[i : i + 1] if audio_lengths is not None else None
             pos, delta = t.get_rope_index(row, None, None, mask, False, al, None)
-            x = embeds[i : i + 1].clone()
+            x = embeds[i : i + 1].to(dtype_of(t), copy=True)
             codec = t.get_input_embeddings()
             x[:, -1] += codec(torch.tensor([t.codec_bos_token]))
             x[:, -2] += codec(torch.tensor([t.codec_pad_token]))
@@ -219,7 +239,7 @@ class OmniTalkerModule(torch.nn.Module):
         cache = DynamicCache(ddp_cache_data=[(kv[:, li, 0], kv[:, li, 1]) for li in range(kv.shape[1])], config=t.config)
         b = slots.shape[0]
         mask = torch.cat([(torch.arange(span)[None, :] < lens[:, None]).long(), torch.ones(b, 1, dtype=torch.long)], 1)
-        x = t.get_input_embeddings()(code.long().view(b, 1)) + reply.view(b, 1, -1)
+        x = t.get_input_embeddings()(code.long().view(b, 1)) + reply.view(b, 1, -1).to(dtype_of(t))
         pos = (lens + self.deltas[slots]).view(1, b, 1).expand(3, b, 1)
         out = t.model(inputs_embeds=t.thinker_to_talker_proj(x), attention_mask=mask, position_ids=pos,
                       past_key_values=cache, use_cache=True)
@@ -237,7 +257,8 @@ class OmniTalkerModule(torch.nn.Module):
 
 
 class Token2WavModule(torch.nn.Module):
-    """The checkpoint's token2wav (always float32, as the reference runs it)."""
+    """The checkpoint's token2wav (float32, as the reference runs it; an overlay's dtype
+    casts it)."""
 
     def __init__(self, model_dir: str) -> None:
         super().__init__()
@@ -256,12 +277,14 @@ class Token2WavModule(torch.nn.Module):
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
         dit = self.model.code2wav_dit_model
+        dt = dtype_of(dit)
         frames = codes.shape[1] * self.repeats
-        cvec = cond.float().unsqueeze(1).repeat(1, frames, 1)
+        cvec = cond.to(dt).reshape(cond.shape[0], 1, -1).repeat(1, frames, 1)
+        mel_ref = ref_mel.to(dt).reshape(ref_mel.shape[0], -1, ref_mel.shape[-1])
         g = float(guidance.reshape(-1)[0])
 
         def ode(time_step: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-            out = dit(hidden_states=h, quantized_code=codes.long(), speaker_embedding=cvec, condition_vector=ref_mel.float(),
+            out = dit(hidden_states=h, quantized_code=codes.long(), speaker_embedding=cvec, condition_vector=mel_ref,
                       time_step=time_step, apply_cfg=g >= 1e-5, drop_audio_conditioning=False, drop_code=False)
             if g < 1e-5:
                 return out
@@ -272,8 +295,9 @@ class Token2WavModule(torch.nn.Module):
         t = torch.linspace(0, 1, n, dtype=cvec.dtype)
         s = float(sway.reshape(-1)[0])
         t = t + s * (torch.cos(torch.pi / 2 * t) - 1 + t)
-        return RungeKutta4ODESolver(function=ode, initial_value=noise.float()).integrate(t)[-1].permute(0, 2, 1)
+        return RungeKutta4ODESolver(function=ode, initial_value=noise.to(dt)).integrate(t)[-1].permute(0, 2, 1)
 
     def vocode(self, mel: torch.Tensor) -> torch.Tensor:
         """BigVGAN: mel [B, mel, frames] -> 24 kHz waveform [B, frames x the upsampling rates' product]."""
-        return self.model.code2wav_bigvgan_model(mel).reshape(mel.shape[0], -1)
+        vocoder = self.model.code2wav_bigvgan_model
+        return vocoder(mel.to(dtype_of(vocoder))).reshape(mel.shape[0], -1)

@@ -11,7 +11,9 @@ on vLLM's own machinery, chosen per stage as vLLM's server chooses it:
   (vLLM's `--tool-strict-level`) defaults to `parameter`: every call's arguments
   are held to its tool's JSON schema, with `tool_choice: auto` too, so even a random
   model makes calls whose arguments parse and validate; `required` and a named
-  function force a call.
+  function force a call. Every string the grammar lets a call write is a JSON string
+  (`json_strings`): xgrammar compiles a string with `minLength` / `maxLength` to a rule
+  that admits raw control characters, which JSON forbids and strict parsers refuse.
 
 Requests carry `params["tools"]` (OpenAI chat shape: `{"type": "function", "function":
 {name, description, parameters}}`), `params["tool_choice"]` (`auto`, `none`,
@@ -77,6 +79,30 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
                 calls.append({**c, "function": fn})
             m["tool_calls"] = calls
         out.append(m)
+    return out
+
+
+def json_strings(schema: Any) -> Any:
+    r"""`schema` with every length-bounded string rewritten to a `pattern` of the same
+    bounds over characters JSON admits unescaped (no control characters).
+
+    Why: xgrammar (0.2.x, vLLM's default backend) compiles a string with `minLength` /
+    `maxLength` to `[^"\\\r\n]{m,n}`, which admits the control characters U+0000..U+001F
+    other than CR / LF (a tab, \x01, ...), so a call's arguments may not parse with a
+    strict JSON parser (Python's `json.loads`). A `pattern` is compiled as a JSON
+    string (controls excluded) and its `{m,n}` counts characters, so the bounds hold.
+    Like the rule it replaces, it writes no escapes (no quote or backslash inside)."""
+    if isinstance(schema, list):
+        return [json_strings(v) for v in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: json_strings(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and not any(k in out for k in ("pattern", "enum", "const", "format")):
+        lo = int(out.pop("minLength", 0) or 0)
+        hi = out.pop("maxLength", None)
+        bound = "" if hi is None else str(int(hi))
+        out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{bound}}}$"
     return out
 
 
@@ -175,8 +201,12 @@ class ToolCalling:
         structured: dict[str, Any] | None = None
         if so is not None:
             structured = {k: v for k, v in (("json", so.json), ("structural_tag", so.structural_tag)) if v is not None}
-            if structured.get("structural_tag") and self.max_whitespace is not None:
-                tag = json.loads(structured["structural_tag"])
-                _cap_whitespace(tag, self.max_whitespace)
+            if structured.get("structural_tag"):
+                tag = json_strings(json.loads(structured["structural_tag"]))
+                if self.max_whitespace is not None:
+                    _cap_whitespace(tag, self.max_whitespace)
                 structured["structural_tag"] = json.dumps(tag)
+            if structured.get("json") is not None:
+                schema = structured["json"]
+                structured["json"] = json.dumps(json_strings(json.loads(schema))) if isinstance(schema, str) else json_strings(schema)
         return ToolStream(parser, req, structured or None, forced=choice != "auto")

@@ -447,6 +447,7 @@ class Code2WavProcessor(StageProcessor):
     """Split profile, stage 2: codec frames -> PCM chunks."""
 
     SNAC_KEYS = ("sampling_rate", "codebook_size", "vq_strides", "decoder_rates")
+    REALTIME = True
 
     @staticmethod
     def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
@@ -480,6 +481,8 @@ class FusedTalkerProcessor(StageProcessor):
     Generation and decoding run as two tasks joined by a queue, so the talker keeps
     consuming tokens while a chunk is being decoded.
     """
+
+    REALTIME = True
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)

@@ -227,10 +227,13 @@ class ThinkerProcessor(StageProcessor):
     # of an answer that may call a tool, when the request sets none (a call's JSON takes
     # more tokens than a short spoken answer); talker_states: the talker conditions on
     # this thinker's own states (the omni profile, `pipelines.omni`): the prompt's token
-    # ids and audio go out first, and every text delta carries its token ids.
+    # ids and audio go out first, and every text delta carries its token ids;
+    # system_prompt: the system turn of a conversation that has none (None: the chat
+    # template's own default; the omni profile sets the one Qwen2.5-Omni's model card
+    # requires for speech output).
     DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64, "min_tokens": 1,
                                 "tool_parser": None, "tool_strict_level": "parameter", "tool_max_whitespace": DEFAULT_MAX_WHITESPACE,
-                                "tool_max_tokens": 256, "talker_states": False}
+                                "tool_max_tokens": 256, "talker_states": False, "system_prompt": None}
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -448,6 +451,9 @@ class ThinkerProcessor(StageProcessor):
         # An empty conversation is answered too (OpenAI greets): chat templates refuse an
         # empty list, so the prompt is one empty user turn.
         messages = list(ctx.params.get("messages") or []) or [{"role": "user", "content": ""}]
+        system = self.args["system_prompt"]
+        if system and not any(m.get("role") in ("system", "developer") for m in messages):
+            messages.insert(0, {"role": "system", "content": str(system)})
         heard = audio is not None or embeds is not None or transcript is not None
         if heard and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
@@ -487,7 +493,7 @@ class ThinkerProcessor(StageProcessor):
             n_out, last = n_out + len(toks), toks[-1] if toks else last
             text_ids = [t for t in toks if t not in self.stop_ids]
             delta = detok(text_ids)
-            await emit_answer(ctx, tools, delta, text_ids, states)
+            await emit_answer(ctx, tools, delta, text_ids, with_ids=states)
         await emit_answer(ctx, tools, "", [], finished=True)
         length = n_out >= sampling["max_tokens"] and last not in self.stop_ids
         await emit_finish(ctx, tools, length)
@@ -521,7 +527,7 @@ class ThinkerProcessor(StageProcessor):
         return whole
 
 
-async def emit_answer(ctx: StageContext, tools: ToolStream | None, delta: str, ids: list[int], finished: bool = False,
+async def emit_answer(ctx: StageContext, tools: ToolStream | None, delta: str, ids: list[int], *, finished: bool = False,
                       with_ids: bool = False) -> None:
     """A text delta of the answer: as it is (with its token ids, `with_ids`), or
     through the request's tool parser (content as TEXT, each piece of a call as a TEXT

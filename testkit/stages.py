@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -378,5 +378,5 @@ class FakeMoshi(MoshiProcessor):
         self.vocab = 1 << 20
         self.silent_ids = set()
 
-    def text_piece(self, token: int) -> str:
-        return f"w{token} " if token % 4 == 0 else ""
+    def text_stream(self) -> Callable[[int], str]:
+        return lambda token: f"w{token} " if token % 4 == 0 else ""

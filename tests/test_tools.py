@@ -203,3 +203,72 @@ def test_the_thinker_renders_tools_calls_and_results_with_the_checkpoints_templa
         assert "structural_tag" in sampling["structured_outputs"]
         assert '"max_whitespace_cnt": 2' in sampling["structured_outputs"]["structural_tag"]
         assert proc.sampling({}, None).get("structured_outputs") is None
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+FREE = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"], "additionalProperties": False}
+
+
+def _tool(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": schema}}
+
+
+def test_the_grammar_writes_only_strings_json_admits(models_dir):
+    """The grammar the thinker hands vLLM for a forced call (the hermes parser's
+    structural tag, compiled by xgrammar as vLLM compiles it): a length-bounded string
+    admits no control character (JSON forbids them unescaped; xgrammar's own rule for
+    `maxLength` let them through) and still holds its bounds and the enum."""
+    import xgrammar as xgr
+
+    from omni_rt.engines.fake import FakeArEngine
+    from omni_rt.specs import StageSpec
+    from pipelines.voice import ThinkerProcessor
+
+    spec = StageSpec.model_validate({"name": "thinker", "kind": "ar", "engine": "fake", "model": str(models_dir / "tiny-qwen2.5-omni"),
+                                     "processor": "pipelines.voice:ThinkerProcessor"})
+    proc = ThinkerProcessor(spec, FakeArEngine(), {})
+    proc._load()
+    stream = proc.tool_stream({"tools": [_tool(BOUNDED)], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert stream is not None and stream.structured_outputs is not None
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_structural_tag(stream.structured_outputs["structural_tag"])
+
+    def accepts(city: str, unit: str = "celsius") -> bool:
+        m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        call = json.dumps({"name": "get_weather", "arguments": {"city": "CITY", "unit": unit}}).replace("CITY", city)
+        text = f"<tool_call>\n{call}\n</tool_call>"
+        return m.accept_string(text) and m.is_terminated()
+
+    assert accepts("Paris") and accepts("A" * 24) and accepts("ü" * 24)
+    assert not accepts("A" * 25) and not accepts("ü" * 25)
+    for ch in ("\x00", "\x01", "\t", "\n", "\r", "\x1f"):
+        assert not accepts(f"Pa{ch}ris"), repr(ch)
+    assert not accepts("Paris", "kelvin")
+
+
+@pytest.mark.parametrize("schema", ["bounded", "free"])
+def test_forced_calls_parse_strictly_on_every_seed(server, schema):
+    """A named function forced through the SDK's chat completions on many seeds: the
+    arguments parse with Python's strict json.loads and hold the schema, or the call
+    was cut by the token budget and says so (finish_reason length), as OpenAI reports it."""
+    c = sync_client(server)
+    params = {"bounded": BOUNDED, "free": FREE}[schema]
+    cut = 0
+    for seed in range(12):
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Lima?"}], tools=[_tool(params)],
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}}, seed=seed, temperature=1.0,
+                                      max_tokens=256)
+        ch = r.choices[0]
+        (call,) = ch.message.tool_calls
+        if ch.finish_reason == "length":
+            cut += 1
+            continue
+        assert ch.finish_reason == "tool_calls", (seed, ch)
+        args = json.loads(call.function.arguments)  # strict: control characters in strings are an error
+        jsonschema.validate(args, params)
+    if schema == "bounded":
+        assert cut == 0  # a call with a string of at most 24 characters (4 bytes each at most) always fits 256 tokens

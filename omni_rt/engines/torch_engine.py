@@ -16,11 +16,16 @@ request its slice of the result. New requests join at the next step: continuous
 batching across concurrent streams.
 
 Arrays are numpy arrays or torch tensors, and what goes in comes out: an item of numpy
-arrays gets numpy back (host memory), an item holding a torch tensor gets tensors back,
-left on the engine's device. A multi-step request (a denoising loop, a KV cache it
+arrays gets numpy back (host memory; half-precision results as float32, which numpy
+and the connectors take), an item holding a torch tensor gets tensors back, left on
+the engine's device in the module's dtype. A multi-step request (a denoising loop, a KV cache it
 keeps) therefore pays one host -> device copy when it starts and one device -> host
 copy when it ends, not one per step; items that are consecutive rows of one earlier
 batch output are passed on as that batch without being copied again.
+
+Dtypes (`omni_rt.dtypes`): `dtype` (the overlay's engine_args) casts the whole module;
+without it the module keeps the dtypes it was built in (each sub-model its
+checkpoint's). A `realtime` stage on a CPU computes in float32 whatever it was asked.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 
 from omni_rt import metrics
+from omni_rt.dtypes import module_dtypes, parse_dtype, realtime_dtype, to_host
 from omni_rt.engines.base import Engine, EngineError, EngineRequestError
 
 log = logging.getLogger("omni_rt.engines.torch")
@@ -67,13 +73,6 @@ def _sig(v: Any) -> tuple[Any, ...]:
     if isinstance(v, torch.Tensor):
         return ("tensor", tuple(v.shape), str(v.dtype), str(v.device))
     return ("numpy", v.shape, v.dtype.str)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a torch floating-point dtype (float32, bfloat16, float16)")
-    return dt
 
 
 def _stack(vals: list[Any], device: torch.device) -> torch.Tensor:
@@ -106,6 +105,7 @@ class TorchEngine(Engine):
         device: str = "cpu",
         dtype: str | None = None,
         default_slack_ms: float = 250.0,
+        realtime: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -116,7 +116,8 @@ class TorchEngine(Engine):
         self.default_slack = default_slack_ms / 1000.0
         self.threads = threads
         self.device = torch.device(device)
-        self.dtype = None if dtype is None else _dtype(dtype)
+        self.dtype = parse_dtype(dtype)
+        self.realtime = realtime  # keeps pace with playback / a frame clock: float32 on a CPU
         self.module: torch.nn.Module | None = None
         self._queue: asyncio.PriorityQueue[_Item] | None = None
         self._seq = itertools.count()
@@ -136,8 +137,10 @@ class TorchEngine(Engine):
                 torch.set_num_threads(self.threads)
             m = self._factory()
             m.to(self.device).eval()
-            if self.dtype is not None:
-                m.to(self.dtype)
+            dtype = realtime_dtype(self.name, self.device, self.dtype, module_dtypes(m)) if self.realtime else self.dtype
+            if dtype is not None:
+                m.to(dtype)
+            self.dtype = dtype
             return m
 
         self.module = await loop.run_in_executor(self._executor, _load)
@@ -261,7 +264,7 @@ class TorchEngine(Engine):
             else:
                 y = fn(_stack(xs, self.device))
             if isinstance(y, dict):
-                outs = {k: v.detach() if on_device else v.detach().cpu().numpy() for k, v in y.items()}
+                outs = {k: v.detach() if on_device else to_host(v) for k, v in y.items()}
                 return [{k: v[i] for k, v in outs.items()} for i in range(len(xs))]
-            out = y.detach() if on_device else y.detach().cpu().numpy()
+            out = y.detach() if on_device else to_host(y)
         return [out[i] for i in range(len(xs))]
