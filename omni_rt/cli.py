@@ -8,6 +8,7 @@ import logging
 import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from omni_rt.specs import DeployOverlay, SpecError, load_overlay, parse_overlay
 
@@ -153,7 +154,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     # Builds (without starting) the whole runtime: model paths, processors, engine args.
     runtime = create_app(overlay, source)[RUNTIME]
     print(json.dumps({name: p.model_dump(mode="json") for name, p in runtime.profiles.items()}, indent=2))
+    for note in dtype_notes(runtime):
+        print(f"omni-rt check: note: {note}", file=sys.stderr)
     return 0
+
+
+def dtype_notes(runtime: Any) -> list[str]:
+    """The real-time torch stages that will not compute in the dtype they were given
+    (half precision on a CPU: omni_rt.dtypes), once a stage."""
+    from omni_rt.dtypes import planned_dtype_note
+
+    notes: dict[str, str] = {}
+    for pipeline, profile in runtime.profiles.items():
+        for s in profile.stages:
+            if s.engine != "torch" or s.model is None or s.name in notes or not runtime.processor_class(s).REALTIME:
+                continue
+            model = runtime.resolve_model(s.model, f"pipelines.{pipeline}.stages.{s.name}.model")
+            note = planned_dtype_note(s.name, str(s.engine_args.get("device", "cpu")), s.engine_args.get("dtype"), model)
+            if note:
+                notes[s.name] = note
+    return list(notes.values())
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

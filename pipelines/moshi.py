@@ -355,45 +355,10 @@ class MoshiProcessor(StageProcessor):
         self._reserved.discard(key)
 
     def load_text(self, model_dir: str) -> None:
-        """The text stream's tokenizer, and the ids that write nothing: the padding and
-        end-of-padding ids (`text_pad_id`, `text_epad_id`), the config's pad, the
-        tokenizer's special and control pieces, and ids past the text vocabulary (the
-        stream's start token)."""
-        self.tokenizer = _tokenizer(model_dir)
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.vocab = int(config.get("vocab_size", len(self.tokenizer)))
-        tok = self.tokenizer
-        silent = {int(self.args["text_pad_id"]), int(self.args["text_epad_id"])}
-        silent |= {i for i in (tok.pad_token_id, config.get("pad_token_id")) if i is not None}
-        silent |= set(tok.all_special_ids)
-        vocab = tok.get_vocab()
-        silent |= {vocab[p] for p in CONTROL_PIECES if p in vocab}
-        self._fast = getattr(tok, "backend_tokenizer", None)
-        if self._fast is not None:
-            silent |= {i for i, t in self._fast.get_added_tokens_decoder().items() if t.special}
-        self.silent_ids = silent
+        self.text = TextStreams.load(model_dir, int(self.args["text_pad_id"]), int(self.args["text_epad_id"]))
 
     def text_stream(self) -> Callable[[int], str]:
-        """One conversation's text as Kyutai's servers render it: the silent ids write
-        nothing, every other token the text it adds to the words so far, word spaces
-        included (its Rust server decodes [previous, token] and keeps the difference;
-        tokenizers' DecodeStream does the same, byte-fallback pieces included). A
-        tokenizer without a Rust backend renders pieces as its Python server does
-        (`id_to_piece`, "▁" as a space)."""
-        silent, vocab = self.silent_ids, self.vocab
-        if self._fast is None:
-            convert = self.tokenizer.convert_ids_to_tokens
-            return lambda token: "" if token >= vocab or token in silent else str(convert(token)).replace("\u2581", " ")
-        from tokenizers.decoders import DecodeStream
-
-        stream, fast = DecodeStream(skip_special_tokens=True), self._fast
-
-        def piece(token: int) -> str:
-            if token >= vocab or token in silent:
-                return ""
-            return stream.step(fast, token) or ""
-
-        return piece
+        return self.text.stream()
 
     # ---- a conversation --------------------------------------------------------------------
     async def run(self, ctx: StageContext) -> None:
@@ -445,6 +410,56 @@ class MoshiProcessor(StageProcessor):
             self._free.sort()
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+
+
+class TextStreams:
+    """The text stream's tokenizer and how a conversation's text tokens become text,
+    as Kyutai's servers render them."""
+
+    def __init__(self, tokenizer: Any, vocab: int, silent: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab = vocab
+        self.silent = silent
+        self._fast = getattr(tokenizer, "backend_tokenizer", None)
+
+    @classmethod
+    def load(cls, model_dir: str, pad_id: int, epad_id: int) -> TextStreams:
+        """The ids that write nothing: the padding and end-of-padding ids, the config's
+        pad, the tokenizer's special and control pieces (whether or not it names them),
+        and ids past the text vocabulary (the stream's start token)."""
+        tok = _tokenizer(model_dir)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        vocab = int(config.get("vocab_size", len(tok)))
+        silent = {pad_id, epad_id} | {i for i in (tok.pad_token_id, config.get("pad_token_id")) if i is not None}
+        silent |= set(tok.all_special_ids)
+        pieces = tok.get_vocab()
+        silent |= {pieces[p] for p in CONTROL_PIECES if p in pieces}
+        fast = getattr(tok, "backend_tokenizer", None)
+        if fast is not None:
+            silent |= {i for i, t in fast.get_added_tokens_decoder().items() if t.special}
+        return cls(tok, vocab, silent)
+
+    def stream(self) -> Callable[[int], str]:
+        """One conversation's text: the silent ids write nothing, every other token the
+        text it adds to the words so far, word spaces included (Kyutai's Rust server
+        decodes [previous, token] and keeps the difference; tokenizers' DecodeStream
+        does the same, byte-fallback pieces included). A tokenizer without a Rust
+        backend renders pieces as Kyutai's Python server does (`id_to_piece`, "\u2581"
+        as a space)."""
+        silent, vocab = self.silent, self.vocab
+        if self._fast is None:
+            convert = self.tokenizer.convert_ids_to_tokens
+            return lambda token: "" if token >= vocab or token in silent else str(convert(token)).replace("\u2581", " ")
+        from tokenizers.decoders import DecodeStream
+
+        stream, fast = DecodeStream(skip_special_tokens=True), self._fast
+
+        def piece(token: int) -> str:
+            if token >= vocab or token in silent:
+                return ""
+            return stream.step(fast, token) or ""
+
+        return piece
 
 
 class FrameBudgetExceeded(Exception):

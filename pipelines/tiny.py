@@ -36,7 +36,7 @@ TALKER_DIRNAME = "tiny-orpheus-talker"
 CODE2WAV_DIRNAME = "tiny-snac-24khz"
 MARKER = ".complete"
 # Bump when what the builders write changes, so stale caches get rebuilt.
-BUILD_VERSION = 13
+BUILD_VERSION = 14
 
 # --- talker sizes ---------------------------------------------------------------
 TEXT_VOCAB_SIZE = 1024  # byte alphabet (256) + up to 768 BPE merges
@@ -60,6 +60,8 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 # batch 1 and ~40 ms at batch 32, too slow for 8 real-time streams on 2 cores; with
 # 1024 (vocab 8k) and 2 layers, ~6 ms and ~16 ms (measured with vLLM 0.32 CPU).
 CODEBOOK_SIZE = 1024
+# What canopylabs/orpheus-3b-0.1-ft's config.json holds besides its widths (Llama 3.2
+# 3B's): 131,072 positions by Llama 3's rope scaling, tied embeddings, bfloat16.
 TALKER_CONFIG = {
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -67,9 +69,10 @@ TALKER_CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 131072,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
     "tie_word_embeddings": True,
 }
 
@@ -214,6 +217,36 @@ def train_byte_bpe(vocab_size: int) -> Any:
     return tok
 
 
+def save_bf16(model: Any, out: Path, architecture: str | None = None, sub_dtypes: dict[str, str] | None = None) -> None:
+    """The model as the hub repos hold it: weights in bfloat16 (`save_pretrained`), the
+    dtype bfloat16 at config.json's top level and, below it, only where the repo names
+    one (`sub_dtypes`: sub-config key -> dtype; transformers writes the dtype it built
+    each sub-model in into every sub-config), and `architecture` where the repo names
+    another class than the one transformers saves (Qwen2.5-Omni's `Qwen2_5OmniModel`)."""
+    import torch
+
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+
+    def clear(node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("dtype", "torch_dtype"):
+                    node[k] = None
+                else:
+                    clear(v)
+
+    for v in config.values():
+        clear(v)
+    config["dtype"] = "bfloat16"
+    for key, dtype in (sub_dtypes or {}).items():
+        config[key]["dtype"] = dtype
+    if architecture is not None:
+        config["architectures"] = [architecture]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_sampling(out: Path, eos: list[int], pad: int | None, temperature: float, bos: int | None = None) -> None:
     """generation_config.json of a tiny LM: sampling at `temperature`, with top-p, top-k
     and the repetition penalty off (see the talker's note on their cost on CPU)."""
@@ -294,13 +327,13 @@ def _fill_talker(out: Path) -> None:
         hidden_act="silu",
         attention_bias=False,
         mlp_bias=False,
-        torch_dtype="float32",
+        torch_dtype="bfloat16",
         **TALKER_CONFIG,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.float32)
     model.eval()
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_bf16(model, out)  # the hub's weights are bfloat16
     # The talker stops on end_of_speech (the pipeline also passes it as a stop id).
     # Sampling defaults travel with the checkpoint (the talker reads them): Orpheus's
     # temperature, but no top-p/top-k and no repetition penalty. On vLLM's CPU
@@ -342,13 +375,14 @@ THINKER_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|i
 # The Qwen2 family's chat template (with its function calling); `<|audio|>` marks
 # where the audio encoder's embeddings go.
 THINKER_CHAT_TEMPLATE = qwen_chat_template(None, multimodal=False)
+# Qwen2.5-3B-Instruct's (and Qwen2.5-Omni's thinker's) positions: 32,768.
 THINKER_CONFIG = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0,
     "tie_word_embeddings": True,
@@ -383,12 +417,12 @@ def _fill_thinker(out: Path) -> None:
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|pad|>"],
-        torch_dtype="float32",
+        torch_dtype="bfloat16",
         **THINKER_CONFIG,
     )
     torch.manual_seed(SEED + 1)
-    model = Qwen2ForCausalLM(config).eval()
-    model.save_pretrained(str(out), safe_serialization=True)
+    model = Qwen2ForCausalLM._from_config(config, dtype=torch.float32).eval()
+    save_bf16(model, out)  # as Qwen2.5-3B-Instruct: bfloat16
     save_sampling(out, [ids["<|im_end|>"], ids["<|endoftext|>"]], config.pad_token_id, 0.7, bos=config.bos_token_id)
 
 

@@ -7,21 +7,23 @@ unchanged by vLLM (``AsyncLLM`` with ``model=<dir>``: architecture
 audio it is given) and by transformers (``Qwen2_5OmniForConditionalGeneration`` /
 ``Qwen2_5OmniProcessor.from_pretrained``):
 
-* ``config.json`` + ``model.safetensors``: ``Qwen2_5OmniForConditionalGeneration``
-  with ``enable_audio_output: false`` (the thinker only: a real checkpoint's
-  ``talker.*``/``token2wav.*`` weights are what vLLM skips), the real architecture
-  with tiny sizes: text 2 layers x 256 (M-RoPE), audio tower 1 layer x 128, vision
-  tower 1 layer x 64;
+* ``config.json`` + ``model.safetensors``: the architecture the hub repos name
+  (``Qwen2_5OmniModel``) with the thinker, the talker and token2wav, the real
+  architecture with tiny sizes: text 2 layers x 256 (M-RoPE), audio tower 1 layer x
+  128, vision tower 1 layer x 64; the repos' dtypes (bfloat16 at the top level and in
+  the thinker's and talker's configs; the weights in bfloat16);
 * the processor files of the real checkpoints: ``preprocessor_config.json``
   (``WhisperFeatureExtractor`` with 128 mels + ``Qwen2VLImageProcessor`` fields,
-  ``processor_class: Qwen2_5OmniProcessor``), ``video_preprocessor_config.json``,
-  ``chat_template.json`` (the family's template: ``<|audio_bos|><|AUDIO|><|audio_eos|>``
-  per audio part) and a byte-level BPE tokenizer trained here on
-  `pipelines.tiny.CORPUS` with the family's special tokens in its order
-  (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|AUDIO|>``, ...), each
-  multimodal token also named in ``extra_special_tokens`` as the processor reads it;
-* ``spk_dict.pt``: the speakers file the hub repos ship (transformers loads it),
-  zeros for the two real voice names.
+  ``processor_class: Qwen2_5OmniProcessor``), ``chat_template.json`` (the family's template: ``<|audio_bos|><|AUDIO|><|audio_eos|>``
+  per audio part, and function calling, which the real template lacks) and the Qwen2
+  tokenizer files the repos ship (``Qwen2Tokenizer``: ``vocab.json``, ``merges.txt``,
+  ``tokenizer.json``, ``added_tokens.json``, ``special_tokens_map.json``): a byte-level
+  BPE trained here on `pipelines.tiny.CORPUS` with the family's special tokens in its
+  order (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``, ``<|AUDIO|>``, ...), each
+  multimodal token named in ``tokenizer_config.json`` as the processor reads it; no
+  video processor file (the repos have none);
+* ``spk_dict.pt``: the speakers file the hub repos ship (transformers loads it), with
+  their shapes: ``cond`` (1, 192), ``ref_mel`` (1, 400, 80).
 
 The processor JSON is written as dicts, not with ``save_pretrained``: the video
 processor transformers builds needs torchvision, which this environment lacks (see
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.chat_templates import TOOL_TOKENS, qwen_chat_template
-from pipelines.tiny import TEXT_VOCAB_SIZE, THINKER_CONFIG, save_sampling, train_byte_bpe
+from pipelines.tiny import TEXT_VOCAB_SIZE, THINKER_CONFIG, save_bf16, save_sampling, train_byte_bpe
 
 SEED = 11
 SAMPLE_RATE = 16000
@@ -178,13 +180,6 @@ IMAGE_PROCESSOR: dict[str, Any] = {
     "temporal_patch_size": VISION_CONFIG["temporal_patch_size"],
     "merge_size": VISION_CONFIG["spatial_merge_size"],
 }
-VIDEO_PROCESSOR: dict[str, Any] = {
-    **{k: v for k, v in IMAGE_PROCESSOR.items() if k != "image_processor_type"},
-    "video_processor_type": "Qwen2VLVideoProcessor",
-    "min_pixels": 3136,
-    "max_pixels": 602112,
-    "processor_class": "Qwen2_5OmniProcessor",
-}
 
 
 def write_tokenizer(out: Path, specials: tuple[str, ...] = SPECIAL_TOKENS, named: dict[str, str] = NAMED_TOKENS,
@@ -196,21 +191,31 @@ def write_tokenizer(out: Path, specials: tuple[str, ...] = SPECIAL_TOKENS, named
     tok = train_byte_bpe(TEXT_VOCAB_SIZE)
     tok.decoder = decoders.ByteLevel()
     text_vocab = tok.get_vocab_size()
+    model = json.loads(tok.to_str())["model"]
     tok.add_special_tokens(list(specials))
     # then the function-call markers, added tokens that are not special (as at 151657.. there)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in (*TOOL_TOKENS, *words)])
     tok.save(str(out / "tokenizer.json"))
     ids = {t: text_vocab + i for i, t in enumerate(specials)}
+    ids.update({t: text_vocab + len(specials) + i for i, t in enumerate(TOOL_TOKENS)})
     ids.update({t: text_vocab + len(specials) + len(TOOL_TOKENS) + i for i, t in enumerate(words)})
-    special_map = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    # the slow tokenizer's files the repos carry beside tokenizer.json
+    (out / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False) + "\n")
+    merges = ["#version: 0.2", *(m if isinstance(m, str) else " ".join(m) for m in model["merges"])]
+    (out / "merges.txt").write_text("\n".join(merges) + "\n")
+    (out / "added_tokens.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
+    additional = [t for t in specials if t != "<|endoftext|>"]
+    special_map = {"additional_special_tokens": additional, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", **named}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
+        "tokenizer_class": "Qwen2Tokenizer",
         "model_max_length": 32768,
         "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
         "bos_token": None,
+        "unk_token": None,
         **special_map,
-        "extra_special_tokens": named,
         "chat_template": chat_template,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -264,13 +269,13 @@ def fill(out: Path) -> None:
     }
     hf_logging.set_verbosity_error()
     try:
-        config = Qwen2_5OmniConfig(thinker_config=thinker, talker_config=talker, token2wav_config=TOKEN2WAV_CONFIG,
-                                   enable_audio_output=True, torch_dtype="float32")
+        config = Qwen2_5OmniConfig(thinker_config={**thinker, "torch_dtype": "bfloat16"}, talker_config={**talker, "torch_dtype": "bfloat16"},
+                                   token2wav_config=TOKEN2WAV_CONFIG, enable_audio_output=True, torch_dtype="bfloat16")
     finally:
         hf_logging.set_verbosity_warning()
-    config.architectures = ["Qwen2_5OmniForConditionalGeneration"]
+    config.architectures = ["Qwen2_5OmniModel"]  # what the hub repos name (transformers saves Qwen2_5OmniForConditionalGeneration)
     torch.manual_seed(SEED)
-    model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
     # BigVGAN's random init passes almost nothing through its ten conv stages (~1e-8 at
     # the output): its last conv is scaled so the tiny speaks at an audible level (RMS
     # ~0.1 for a DiT-like mel), or every answer would be silence at 16 bits
@@ -285,18 +290,17 @@ def fill(out: Path) -> None:
     with torch.no_grad():
         rms = vocoder(torch.randn(1, 80, 200, generator=torch.Generator().manual_seed(SEED))).float().pow(2).mean().sqrt()
         vocoder.conv_post.weight.mul_(0.1 / float(rms))
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_bf16(model, out, "Qwen2_5OmniModel", {"thinker_config": "bfloat16", "talker_config": "bfloat16"})
     save_sampling(out, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"], 0.7)
     pre = {**FEATURE_EXTRACTOR, **IMAGE_PROCESSOR, "processor_class": "Qwen2_5OmniProcessor"}
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
-    (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2) + "\n")
     (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     # the speakers file every Qwen2.5-Omni repo ships (transformers' from_pretrained
     # requires it): per voice an x-vector `cond` (the DiT's speaker embedding), a
     # reference mel (`ref_mel`, what the DiT's ECAPA encoder reads) and the thinker-
     # vocabulary id that starts the talker's text stream
     gen = torch.Generator().manual_seed(SEED + 1)
-    speakers = {name: {"cond": torch.randn(192, generator=gen), "ref_mel": torch.randn(1, 300, 80, generator=gen) * 0.5 - 4.0,
+    speakers = {name: {"cond": torch.randn(1, 192, generator=gen), "ref_mel": torch.randn(1, 400, 80, generator=gen) * 0.5 - 4.0,
                        "bos_token": reserved + 3 + i}
                 for i, name in enumerate(SPEAKERS)}
     torch.save(speakers, str(out / "spk_dict.pt"))

@@ -10,7 +10,9 @@ by vLLM's ``Qwen3OmniMoeThinkerForConditionalGeneration``) and by transformers
   encoder (1 layer x 128) and vision encoder (1 layer x 64); the talker (an MoE decoder
   over the first codebook, 2 layers x 128) with its code predictor (1 layer x 64, the
   other codebooks of each frame); code2wav (the causal-conv decoder: 8 codebooks at
-  12.5 Hz -> 24 kHz, 1920 samples a frame, as the real one);
+  12.5 Hz -> 24 kHz, 1920 samples a frame, as the real one); the repo's dtypes
+  (``dtype`` bfloat16 at the top level and in the thinker's config, none in the
+  talker's or code2wav's; the weights in bfloat16);
 * the processor files (``preprocessor_config.json``: ``WhisperFeatureExtractor`` with
   128 mels + ``Qwen2VLImageProcessor`` fields, ``processor_class: Qwen3OmniMoeProcessor``),
   the family's chat template (``<|audio_start|><|audio_pad|><|audio_end|>`` per audio
@@ -28,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.chat_templates import OMNI3_SPANS, qwen_chat_template
-from pipelines.tiny import save_sampling
-from pipelines.tiny_omni import DEFAULT_SYSTEM, FEATURE_EXTRACTOR, IMAGE_PROCESSOR, TEXT_CONFIG, VIDEO_PROCESSOR, write_tokenizer
+from pipelines.tiny import save_bf16, save_sampling
+from pipelines.tiny_omni import DEFAULT_SYSTEM, FEATURE_EXTRACTOR, IMAGE_PROCESSOR, TEXT_CONFIG, write_tokenizer
 
 SEED = 13
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -137,13 +139,14 @@ def fill(out: Path) -> None:
             thinker_config=thinker, talker_config=talker, code2wav_config=CODE2WAV, enable_audio_output=True,
             im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"], tts_pad_token_id=ids["<tts_pad>"],
             tts_bos_token_id=ids["<tts_text_bos>"], tts_eos_token_id=ids["<tts_text_eod>"], system_token_id=ids["system"],
-            user_token_id=ids["user"], assistant_token_id=ids["assistant"], torch_dtype="float32",
+            user_token_id=ids["user"], assistant_token_id=ids["assistant"], torch_dtype="bfloat16",
         )
+        config.thinker_config.dtype = torch.bfloat16  # the hub's: bfloat16 here and at the top level, none in the talker's
     finally:
         hf_logging.set_verbosity_warning()
     config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
     torch.manual_seed(SEED)
-    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    model = Qwen3OmniMoeForConditionalGeneration._from_config(config, dtype=torch.float32).eval()
     # transformers' _init_weights covers the thinker's MoE blocks but not the talker's:
     # its experts are left as torch.empty (whatever memory held: zeros in a fresh
     # process, inf/NaN after other builders ran) and its router at zeros; both are drawn
@@ -167,10 +170,8 @@ def fill(out: Path) -> None:
         last.bias.zero_()
         rms = model.code2wav(codes).float().pow(2).mean().sqrt()
         last.weight.mul_(0.1 / float(rms))
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_bf16(model, out, sub_dtypes={"thinker_config": "bfloat16"})
     save_sampling(out, [ids["<|im_end|>"], ids["<|endoftext|>"]], ids["<|endoftext|>"], 0.7)
     pre = {**FEATURE_EXTRACTOR, **IMAGE_PROCESSOR, "patch_size": VISION_CONFIG["patch_size"], "processor_class": "Qwen3OmniMoeProcessor"}
     (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2) + "\n")
-    video = {**VIDEO_PROCESSOR, "patch_size": VISION_CONFIG["patch_size"], "processor_class": "Qwen3OmniMoeProcessor"}
-    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
     (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")

@@ -282,3 +282,13 @@ def test_the_check_names_what_a_directory_lacks(name, ckpt, broken, says, tmp_pa
     rc, _, err = _check(overlay, capsys)
     assert rc == 2
     assert says in err and ".model:" in err, err
+
+
+def test_the_check_says_a_realtime_stage_computes_in_float32_on_a_cpu(tmp_path, models_dir, monkeypatch, capsys):
+    """moshiko.yaml's bfloat16 on a CPU: the check names the stage and what it will do."""
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = _materialise("moshiko.yaml", tmp_path, tmp_path / "models")
+    overlay.write_text(overlay.read_text().replace("device: cuda", "device: cpu"))
+    rc, _, err = _check(overlay, capsys)
+    assert rc == 0, err
+    assert "note: stage moshi: bfloat16 from engine_args.dtype on a CPU" in err and "it will compute in float32" in err, err

@@ -28,7 +28,7 @@ def rows_of(n: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.integration
 def test_streaming_encode_equals_transformers_streaming_mimi(moshi_dir: str) -> None:
-    steps = MoshiSteps.load(moshi_dir)
+    steps = MoshiSteps.load(moshi_dir).float()  # what the stage computes in on a CPU (the checkpoint: bfloat16)
     mimi = steps.moshi.audio_encoder
     torch.manual_seed(1)
     audio = torch.randn(2, 10 * FRAME) * 0.1
@@ -62,7 +62,7 @@ def test_streaming_encode_equals_transformers_streaming_mimi(moshi_dir: str) -> 
 
 @pytest.mark.integration
 def test_streaming_decode_matches_a_whole_decode_after_the_first_frame(moshi_dir: str) -> None:
-    steps = MoshiSteps.load(moshi_dir)
+    steps = MoshiSteps.load(moshi_dir).float()  # what the stage computes in on a CPU (the checkpoint: bfloat16)
     mimi = steps.moshi.audio_encoder
     torch.manual_seed(2)
     codes = torch.randint(0, 64, (1, 8, 20))
@@ -87,7 +87,7 @@ def test_batched_steps_equal_each_conversation_alone(moshi_dir: str) -> None:
     seeds = (11, 12, 13)
 
     def alone(i: int) -> list[dict[str, torch.Tensor]]:
-        s = MoshiSteps.load(moshi_dir)
+        s = MoshiSteps.load(moshi_dir).float()  # what the stage computes in on a CPU (the checkpoint: bfloat16)
         out = []
         with torch.inference_mode():
             for f in range(frames):
@@ -96,7 +96,7 @@ def test_batched_steps_equal_each_conversation_alone(moshi_dir: str) -> None:
         return out
 
     ref = [alone(i) for i in range(3)]
-    s = MoshiSteps.load(moshi_dir)
+    s = MoshiSteps.load(moshi_dir).float()  # what the stage computes in on a CPU (the checkpoint: bfloat16)
     got: list[list[dict[str, torch.Tensor]]] = [[], [], []]
     sizes = set()
     with torch.inference_mode():
@@ -195,3 +195,25 @@ def test_a_directory_of_another_architecture_is_refused(tmp_path: Path, moshi_di
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MoshiForConditionalGeneration"], "audio_encoder_config": {"sampling_rate": 16000}}))
     with pytest.raises(StageError, match="24 kHz"):
         MoshiProcessor.check_model(str(tmp_path))
+
+
+def test_the_text_stream_reads_as_kyutais_servers_render_it(tmp_path: Path) -> None:
+    """The hub's tokenizer (kmhf/hf-moshiko: Kyutai's SentencePiece converted, only <unk>
+    named special): Moshi writes padding (3) between words and an end of padding (0)
+    before one; the stream renders the words with their spaces, as Kyutai's servers do
+    (decoding one token at a time with the tokenizer dropped them: "hellothere…"), and
+    never prints <s>, </s>, <pad> or <unk>."""
+    from pipelines.moshi import TextStreams
+    from tests.hub.files import sentencepiece_tokenizer
+
+    tok = sentencepiece_tokenizer(tmp_path, 32000)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MoshiForConditionalGeneration"], "vocab_size": 32000}))
+    text = TextStreams.load(str(tmp_path), pad_id=3, epad_id=0)
+    words = tok.encode("hello there, how are you today?", add_special_tokens=False)
+    frames = [32000, 3, 3, 0, *[t for w in words for t in (w, 3)], 1, 2, 3, 0, 3]
+    piece = text.stream()
+    assert "".join(piece(t) for t in frames) == "hello there, how are you today?"
+    assert "".join(tok.decode([w]) for w in words) != "hello there, how are you today?"  # what the per-token decode gave
+    # byte-fallback pieces (an emoji the vocabulary lacks) come out whole, once complete
+    emoji = tok.encode(" 🙂", add_special_tokens=False)
+    assert len(emoji) > 1 and "".join(piece(t) for t in emoji) == " 🙂"

@@ -203,3 +203,46 @@ async def test_streamed_code2wav_equals_its_chunks_decoded_at_once(omni3_dir, re
     rel = float(np.linalg.norm(streamed - ref["wav"]) / np.linalg.norm(ref["wav"]))
     print(f"streamed vs one window: relative L2 {rel:.2e}")
     assert rel < CHUNKED_REL_L2, rel
+
+
+@pytest.mark.parametrize("layout", ["tiny", "hub", "mixed"])
+async def test_the_stages_run_in_the_checkpoints_own_dtypes(omni3_dir, layout, tmp_path, monkeypatch):
+    """Off the CPU's real-time cast (as on a GPU), the talker and code2wav run in the
+    dtypes the checkpoint's config gives each sub-model: the tiny one's and the
+    hub-shaped one's (bfloat16 at the top level and in the thinker's config, none in
+    the talker's: transformers builds the talker in bfloat16 too; built from its own
+    sub-config alone it was float32 and the talker's first matmul with the thinker's
+    bfloat16 rows failed), and a config whose thinker alone is bfloat16 (float32 at
+    the top: the rows crossing from the thinker are cast to the talker's dtype)."""
+    import json
+    import shutil
+
+    from pipelines.omni3 import Omni3Code2WavProcessor, Omni3TalkerProcessor
+    from tests import hub
+
+    monkeypatch.setattr(Omni3TalkerProcessor, "REALTIME", False)
+    monkeypatch.setattr(Omni3Code2WavProcessor, "REALTIME", False)
+    d = omni3_dir
+    if layout != "tiny":
+        d = hub.build("Qwen3-Omni-30B-A3B-Instruct", tmp_path / "hub")
+    if layout == "mixed":
+        mixed = tmp_path / "mixed"
+        shutil.copytree(omni3_dir, mixed)
+        cfg = json.loads((mixed / "config.json").read_text())
+        cfg["dtype"] = "float32"
+        (mixed / "config.json").write_text(json.dumps(cfg))
+        d = mixed
+    from pipelines.omni3_models import Omni3TalkerModule
+
+    module = Omni3TalkerModule(str(d))
+    thinker, talker = next(module.thinker.parameters()).dtype, next(module.talker.parameters()).dtype
+    assert (thinker, talker) == ((torch.bfloat16, torch.float32) if layout == "mixed" else (torch.bfloat16, torch.bfloat16))
+    del module
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(d))
+    prompt = tok(PROMPT.format(AUDIO_PART))["input_ids"]
+    reply = tok("It is sunny today", add_special_tokens=False)["input_ids"]
+    payloads = _thinker_payloads({"prompt_ids": prompt, "reply": reply}, _speech())
+    frames, pcm, _ = await _run(d, _stages("chunk"), payloads)
+    assert frames and np.isfinite(pcm).all() and pcm.dtype == np.float32 and len(pcm) > 0

@@ -218,3 +218,30 @@ async def test_streamed_token2wav_equals_its_chunks_decoded_at_once(omni_dir, re
     rel = float(np.linalg.norm(streamed - ref["wav"]) / np.linalg.norm(ref["wav"]))
     print(f"chunked vs one window: relative L2 {rel:.2e}")
     assert rel < CHUNKED_REL_L2, rel
+
+
+@pytest.mark.parametrize("layout", ["tiny", "Qwen2.5-Omni-7B", "Qwen2.5-Omni-3B"])
+async def test_the_stages_run_in_the_checkpoints_own_dtypes(omni_dir, layout, tmp_path, monkeypatch):
+    """Off the CPU's real-time cast (as on a GPU), the talker runs in the checkpoint's
+    bfloat16 (its thinker's and talker's configs say so) and token2wav in float32 as
+    the reference runs it: the talker's results leave the engine as float32 arrays
+    (numpy has no bfloat16: the engine died at start-up on `.numpy()`), and the
+    speakers of the hub's spk_dict.pt ((1, 192) / (1, 400, 80)) condition the DiT."""
+    from pipelines.omni import OmniTalkerProcessor, Token2WavProcessor
+    from pipelines.omni_models import OmniTalkerModule, load_speakers
+    from tests import hub
+
+    monkeypatch.setattr(OmniTalkerProcessor, "REALTIME", False)
+    monkeypatch.setattr(Token2WavProcessor, "REALTIME", False)
+    d = omni_dir if layout == "tiny" else hub.build(layout, tmp_path / "hub")
+    assert {sp["cond"].shape[-1] for sp in torch.load(str(d / "spk_dict.pt")).values()} == {192}
+    assert all(sp["cond"].shape == (192,) and sp["ref_mel"].shape == (400, 80) for sp in load_speakers(str(d)).values())
+    module = OmniTalkerModule(str(d))
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    del module
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(d))
+    ref = {"prompt_ids": tok(PROMPT.format(AUDIO_PART))["input_ids"], "reply": tok("It is sunny today", add_special_tokens=False)["input_ids"]}
+    codes, pcm, _ = await _run(d, _stages("chunk", "omni_talker"), _thinker_payloads(ref, _speech()))
+    assert codes and np.isfinite(pcm).all() and pcm.dtype == np.float32 and len(pcm) == 480 * len(codes)

@@ -127,10 +127,22 @@ def _cpu_has_fast_bf16() -> bool:
     return False
 
 
-def _platform_defaults() -> dict[str, Any]:
+def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
+    return bool(current_platform.is_cpu())
+
+
+# GPU memory settings an overlay written for a GPU carries: on vLLM's CPU backend
+# `gpu_memory_utilization` is the fraction of the host's memory to reserve (0.9 of it
+# for one engine fails beside anything else), and a null `kv_cache_memory_bytes` asks
+# for the memory profiling that misreads a CPU host. On a CPU both give way to the CPU
+# default KV budget (`CPU_DEFAULT_ENGINE_ARGS`); set kv_cache_memory_bytes to size it.
+GPU_MEMORY_ARGS = ("gpu_memory_utilization",)
+
+
+def _platform_defaults() -> dict[str, Any]:
+    if not _on_cpu():
         return {}
     # vLLM downcasts fp32 checkpoints to bf16 on CPU; without native bf16 (AVX2-only
     # hosts) that is emulated and ~2.7x slower per step than fp32 (measured on the
@@ -228,7 +240,16 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ lifecycle
 
     def resolved_engine_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {**DEFAULT_ENGINE_ARGS, **_platform_defaults(), **self.engine_args}
+        platform = _platform_defaults()
+        args: dict[str, Any] = {**DEFAULT_ENGINE_ARGS, **platform, **self.engine_args}
+        if platform:  # a CPU: the GPU memory settings of a GPU overlay give way (GPU_MEMORY_ARGS)
+            dropped = {k: args.pop(k) for k in GPU_MEMORY_ARGS if k in args}
+            if args.get("kv_cache_memory_bytes") is None:
+                args["kv_cache_memory_bytes"] = CPU_DEFAULT_ENGINE_ARGS["kv_cache_memory_bytes"]
+                dropped["kv_cache_memory_bytes"] = None
+            if dropped:
+                log.warning("engine %s on a CPU: %s are GPU memory settings; its KV cache gets %d MiB (engine_args.kv_cache_memory_bytes)",
+                            self.name, ", ".join(f"{k}={v}" for k, v in dropped.items()), args["kv_cache_memory_bytes"] // 2**20)
         args["model"] = self.model
         procs = list(args.get("logits_processors") or [])
         if TOKEN_RANGE_PROCESSOR not in procs:
