@@ -11,9 +11,11 @@ on vLLM's own machinery, chosen per stage as vLLM's server chooses it:
   (vLLM's `--tool-strict-level`) defaults to `parameter`: every call's arguments
   are held to its tool's JSON schema, with `tool_choice: auto` too, so even a random
   model makes calls whose arguments parse and validate; `required` and a named
-  function force a call. Every string the grammar lets a call write is a JSON string
-  (`json_strings`): xgrammar compiles a string with `minLength` / `maxLength` to a rule
-  that admits raw control characters, which JSON forbids and strict parsers refuse.
+  function force a call. Every call the grammar lets a model write parses back as
+  itself (`json_grammar`): its strings are JSON strings (xgrammar compiles a string with
+  `minLength` / `maxLength` to a rule that admits raw control characters, which JSON
+  forbids and strict parsers refuse) and hold no call marker (the parser ends a call at
+  `</tool_call>` even inside a string).
 
 Requests carry `params["tools"]` (OpenAI chat shape: `{"type": "function", "function":
 {name, description, parameters}}`), `params["tool_choice"]` (`auto`, `none`,
@@ -27,6 +29,7 @@ OpenAI streams `delta.tool_calls`; talkers see no text in them and say nothing.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,28 +85,54 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
     return out
 
 
-def json_strings(schema: Any) -> Any:
+def json_strings(schema: Any, forbid: str = "") -> Any:
     r"""`schema` with every length-bounded string rewritten to a `pattern` of the same
-    bounds over characters JSON admits unescaped (no control characters).
+    bounds over characters JSON admits unescaped (no control characters) and not in
+    `forbid` (the first character of the parser's end marker: see `ToolCalling.stream`).
 
     Why: xgrammar (0.2.x, vLLM's default backend) compiles a string with `minLength` /
-    `maxLength` to `[^"\\\r\n]{m,n}`, which admits the control characters U+0000..U+001F
-    other than CR / LF (a tab, \x01, ...), so a call's arguments may not parse with a
+    `maxLength` to `[^"\
+]{m,n}`, which admits the control characters U+0000..U+001F
+    other than CR / LF (a tab, , ...), so a call's arguments may not parse with a
     strict JSON parser (Python's `json.loads`). A `pattern` is compiled as a JSON
     string (controls excluded) and its `{m,n}` counts characters, so the bounds hold.
     Like the rule it replaces, it writes no escapes (no quote or backslash inside)."""
     if isinstance(schema, list):
-        return [json_strings(v) for v in schema]
+        return [json_strings(v, forbid) for v in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {k: json_strings(v) for k, v in schema.items()}
+    out = {k: json_strings(v, forbid) for k, v in schema.items()}
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and not any(k in out for k in ("pattern", "enum", "const", "format")):
         lo = int(out.pop("minLength", 0) or 0)
         hi = out.pop("maxLength", None)
         bound = "" if hi is None else str(int(hi))
-        out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{bound}}}$"
+        out["pattern"] = f"^[^\\x00-\\x1f{re.escape(forbid)}]{{{lo},{bound}}}$"
     return out
+
+
+def json_grammar(tag: Any, markers: Sequence[str]) -> Any:
+    """A structural tag whose JSON can always be read back as the call it is: every
+    length-bounded string as `json_strings` writes it, and no string holding one of the
+    parser's call markers (`markers`, e.g. hermes' `</tool_call>`): the parser ends a
+    call at its end marker's text wherever it stands, so a marker inside a string cut
+    the arguments short. xgrammar keeps `excludes` out of a format's free strings;
+    a `pattern` string ignores them, so it may not start a marker at all."""
+    forbid = "".join(sorted({m[0] for m in markers if m}))
+    tag = json_strings(tag, forbid)
+
+    def exclude(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node and markers:
+                node["excludes"] = sorted({*(node.get("excludes") or []), *markers})
+            for v in node.values():
+                exclude(v)
+        elif isinstance(node, list):
+            for v in node:
+                exclude(v)
+
+    exclude(tag)
+    return tag
 
 
 def _cap_whitespace(node: Any, limit: int) -> None:
@@ -181,6 +210,9 @@ class ToolCalling:
             tok = getattr(probe, attr, None)
             if isinstance(tok, str) and tok in tokenizer.get_vocab():
                 self.marker_ids = sorted({*self.marker_ids, int(tokenizer.convert_tokens_to_ids(tok))})
+        # the text that ends a call for the parser: never inside a call's strings (json_grammar)
+        end = getattr(probe, "tool_call_end_token", None)
+        self.markers: list[str] = [end] if isinstance(end, str) and end else []
 
     def stream(self, params: Mapping[str, Any]) -> ToolStream:
         """The parser and grammar of one request with tools."""
@@ -202,11 +234,12 @@ class ToolCalling:
         if so is not None:
             structured = {k: v for k, v in (("json", so.json), ("structural_tag", so.structural_tag)) if v is not None}
             if structured.get("structural_tag"):
-                tag = json_strings(json.loads(structured["structural_tag"]))
+                tag = json_grammar(json.loads(structured["structural_tag"]), self.markers)
                 if self.max_whitespace is not None:
                     _cap_whitespace(tag, self.max_whitespace)
                 structured["structural_tag"] = json.dumps(tag)
             if structured.get("json") is not None:
                 schema = structured["json"]
-                structured["json"] = json.dumps(json_strings(json.loads(schema))) if isinstance(schema, str) else json_strings(schema)
+                forbid = "".join(sorted({m[0] for m in self.markers if m}))
+                structured["json"] = json.dumps(json_strings(json.loads(schema), forbid)) if isinstance(schema, str) else json_strings(schema, forbid)
         return ToolStream(parser, req, structured or None, forced=choice != "auto")

@@ -448,12 +448,7 @@ class ThinkerProcessor(StageProcessor):
 
     async def run(self, ctx: StageContext) -> None:
         audio, embeds, transcript = await self._speech(ctx)
-        # An empty conversation is answered too (OpenAI greets): chat templates refuse an
-        # empty list, so the prompt is one empty user turn.
-        messages = list(ctx.params.get("messages") or []) or [{"role": "user", "content": ""}]
-        system = self.args["system_prompt"]
-        if system and not any(m.get("role") in ("system", "developer") for m in messages):
-            messages.insert(0, {"role": "system", "content": str(system)})
+        messages = self.conversation(ctx.params)
         heard = audio is not None or embeds is not None or transcript is not None
         if heard and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
@@ -497,6 +492,16 @@ class ThinkerProcessor(StageProcessor):
         await emit_answer(ctx, tools, "", [], finished=True)
         length = n_out >= sampling["max_tokens"] and last not in self.stop_ids
         await emit_finish(ctx, tools, length)
+
+    def conversation(self, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        """The request's messages, with the stage's `system_prompt` where they have no
+        system turn (an empty conversation is one empty user turn: OpenAI greets, and
+        chat templates refuse an empty list)."""
+        messages: list[Mapping[str, Any]] = list(params.get("messages") or []) or [{"role": "user", "content": ""}]
+        system = self.args["system_prompt"]
+        if system and not any(m.get("role") in ("system", "developer") for m in messages):
+            messages.insert(0, {"role": "system", "content": str(system)})
+        return messages
 
     def detokenizer(self) -> Callable[[list[int]], str]:
         """Text deltas of a growing token sequence, decoded incrementally: each token is

@@ -49,11 +49,15 @@ def _speech() -> np.ndarray:
     return pcm.astype(np.float32) / 32768.0
 
 
-@pytest.fixture(scope="module")
-def omni3_dir(models_dir):
+@pytest.fixture(scope="module", params=["tiny", "Qwen3-Omni-30B-A3B-Instruct"])
+def omni3_dir(request, models_dir, tmp_path_factory):
+    """The tiny checkpoint, and one laid out as the hub's Qwen3-Omni (tests.hub)."""
     from pipelines.tiny import build_tiny
+    from tests import hub
 
-    return build_tiny(models_dir)["omni3"]
+    if request.param == "tiny":
+        return build_tiny(models_dir)["omni3"]
+    return hub.build(request.param, tmp_path_factory.mktemp("hub"))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +67,7 @@ def reference(omni3_dir):
     from omni_rt.vllm_plugin import register
 
     register()
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(omni3_dir), dtype=torch.float32).eval()
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(omni3_dir)).float().eval()  # float32, as the stages on a CPU
     return model, AutoProcessor.from_pretrained(str(omni3_dir))
 
 
@@ -206,7 +210,7 @@ async def test_streamed_code2wav_equals_its_chunks_decoded_at_once(omni3_dir, re
 
 
 @pytest.mark.parametrize("layout", ["tiny", "hub", "mixed"])
-async def test_the_stages_run_in_the_checkpoints_own_dtypes(omni3_dir, layout, tmp_path, monkeypatch):
+async def test_the_stages_run_in_the_checkpoints_own_dtypes(models_dir, layout, tmp_path, monkeypatch):
     """Off the CPU's real-time cast (as on a GPU), the talker and code2wav run in the
     dtypes the checkpoint's config gives each sub-model: the tiny one's and the
     hub-shaped one's (bfloat16 at the top level and in the thinker's config, none in
@@ -222,12 +226,13 @@ async def test_the_stages_run_in_the_checkpoints_own_dtypes(omni3_dir, layout, t
 
     monkeypatch.setattr(Omni3TalkerProcessor, "REALTIME", False)
     monkeypatch.setattr(Omni3Code2WavProcessor, "REALTIME", False)
-    d = omni3_dir
+    tiny = models_dir / "tiny-qwen3-omni"
+    d = tiny
     if layout != "tiny":
         d = hub.build("Qwen3-Omni-30B-A3B-Instruct", tmp_path / "hub")
     if layout == "mixed":
         mixed = tmp_path / "mixed"
-        shutil.copytree(omni3_dir, mixed)
+        shutil.copytree(tiny, mixed)
         cfg = json.loads((mixed / "config.json").read_text())
         cfg["dtype"] = "float32"
         (mixed / "config.json").write_text(json.dumps(cfg))

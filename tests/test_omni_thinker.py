@@ -119,3 +119,24 @@ async def test_the_processor_renders_the_prompt(engine_and_thinker):
         [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "Listen:"}, {"type": "audio"}]}],
         add_generation_prompt=True, tokenize=False)
     assert FAMILIES[family][3] in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_omni_profile_speaks_with_qwens_system_prompt(models_dir):
+    """Qwen2.5-Omni's model card: speech output needs its own system prompt. A
+    conversation without a system turn gets it (the template's default, "You are a
+    helpful assistant.", no more); one with its own instructions keeps them."""
+    from omni_rt.engines.fake import FakeArEngine
+    from omni_rt.specs import StageSpec
+
+    voice = load_pipeline(PIPELINE_DIR / "voice.yaml")
+    thinker = next(s for s in voice.profiles["omni"].stages if s.name == "thinker")
+    card = "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of perceiving auditory and visual inputs, as well as generating text and speech."
+    assert thinker.processor_args["system_prompt"] == card
+    spec = StageSpec.model_validate({**thinker.model_dump(), "engine": "fake", "engine_args": {}, "model": str(models_dir / "tiny-qwen2.5-omni")})
+    proc = ThinkerProcessor(spec, FakeArEngine(), {})
+    proc._load()
+    prompt = proc.render(proc.conversation({"messages": [{"role": "user", "content": "Hi"}]}))
+    assert prompt.startswith(f"<|im_start|>system\n{card}<|im_end|>") and "helpful assistant" not in prompt
+    assert card in proc.render(proc.conversation({}))  # an empty conversation (a greeting)
+    own = proc.render(proc.conversation({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}))
+    assert "Be brief." in own and card not in own

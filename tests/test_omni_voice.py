@@ -3,7 +3,7 @@
 The stages run in-process on the real torch engine (`Runtime`), entered with what the
 thinker would send them (its prompt's ids and audio, then its reply's token ids), and
 are compared with `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)`
-on the same tiny checkpoint:
+on the same checkpoint (the tiny one, and one laid out as the hub's 7B: `tests.hub`):
 
 * the talker's codes equal the reference's (greedy), with the user's audio and without;
 * token2wav decoding all codes at once equals the reference's waveform for the same seed;
@@ -52,11 +52,15 @@ def _speech() -> np.ndarray:
     return pcm.astype(np.float32) / 32768.0
 
 
-@pytest.fixture(scope="module")
-def omni_dir(models_dir):
+@pytest.fixture(scope="module", params=["tiny", "Qwen2.5-Omni-7B"])
+def omni_dir(request, models_dir, tmp_path_factory):
+    """The tiny checkpoint, and one laid out as the hub's Qwen2.5-Omni-7B (tests.hub)."""
     from pipelines.tiny import build_tiny
+    from tests import hub
 
-    return build_tiny(models_dir)["omni"]
+    if request.param == "tiny":
+        return build_tiny(models_dir)["omni"]
+    return hub.build(request.param, tmp_path_factory.mktemp("hub"))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +71,9 @@ def reference(omni_dir):
     from omni_rt.vllm_plugin import register
 
     register()
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(omni_dir), dtype=torch.float32).eval()
+    # float32 throughout (what the stages compute in on a CPU): from_pretrained(dtype=float32) leaves
+    # a sub-model whose own config names bfloat16 (the hub's talker) in bfloat16
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(str(omni_dir)).float().eval()
 
     def with_mask(_module, args, kwargs):
         if kwargs.get("attention_mask") is None:
@@ -221,7 +227,7 @@ async def test_streamed_token2wav_equals_its_chunks_decoded_at_once(omni_dir, re
 
 
 @pytest.mark.parametrize("layout", ["tiny", "Qwen2.5-Omni-7B", "Qwen2.5-Omni-3B"])
-async def test_the_stages_run_in_the_checkpoints_own_dtypes(omni_dir, layout, tmp_path, monkeypatch):
+async def test_the_stages_run_in_the_checkpoints_own_dtypes(models_dir, layout, tmp_path, monkeypatch):
     """Off the CPU's real-time cast (as on a GPU), the talker runs in the checkpoint's
     bfloat16 (its thinker's and talker's configs say so) and token2wav in float32 as
     the reference runs it: the talker's results leave the engine as float32 arrays
@@ -233,7 +239,7 @@ async def test_the_stages_run_in_the_checkpoints_own_dtypes(omni_dir, layout, tm
 
     monkeypatch.setattr(OmniTalkerProcessor, "REALTIME", False)
     monkeypatch.setattr(Token2WavProcessor, "REALTIME", False)
-    d = omni_dir if layout == "tiny" else hub.build(layout, tmp_path / "hub")
+    d = models_dir / "tiny-qwen2.5-omni" if layout == "tiny" else hub.build(layout, tmp_path / "hub")
     assert {sp["cond"].shape[-1] for sp in torch.load(str(d / "spk_dict.pt")).values()} == {192}
     assert all(sp["cond"].shape == (192,) and sp["ref_mel"].shape == (400, 80) for sp in load_speakers(str(d)).values())
     module = OmniTalkerModule(str(d))

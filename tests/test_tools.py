@@ -218,11 +218,13 @@ def _tool(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": schema}}
 
 
-def test_the_grammar_writes_only_strings_json_admits(models_dir):
+@pytest.mark.parametrize("schema", ["bounded", "free"])
+def test_the_grammar_writes_only_calls_that_parse_back(models_dir, schema):
     """The grammar the thinker hands vLLM for a forced call (the hermes parser's
-    structural tag, compiled by xgrammar as vLLM compiles it): a length-bounded string
-    admits no control character (JSON forbids them unescaped; xgrammar's own rule for
-    `maxLength` let them through) and still holds its bounds and the enum."""
+    structural tag, compiled by xgrammar as vLLM compiles it): a string admits no control
+    character (JSON forbids them unescaped; xgrammar's own rule for `maxLength` let them
+    through) and no `</tool_call>` (the parser ends the call there, even inside a string:
+    the arguments came out cut), and still holds its bounds and the enum."""
     import xgrammar as xgr
 
     from omni_rt.engines.fake import FakeArEngine
@@ -233,21 +235,27 @@ def test_the_grammar_writes_only_strings_json_admits(models_dir):
                                      "processor": "pipelines.voice:ThinkerProcessor"})
     proc = ThinkerProcessor(spec, FakeArEngine(), {})
     proc._load()
-    stream = proc.tool_stream({"tools": [_tool(BOUNDED)], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    params = {"bounded": BOUNDED, "free": FREE}[schema]
+    stream = proc.tool_stream({"tools": [_tool(params)], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert stream is not None and stream.structured_outputs is not None
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_structural_tag(stream.structured_outputs["structural_tag"])
+    key = "city" if schema == "bounded" else "note"
 
-    def accepts(city: str, unit: str = "celsius") -> bool:
+    def accepts(value: str, unit: str = "celsius") -> bool:
         m = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
-        call = json.dumps({"name": "get_weather", "arguments": {"city": "CITY", "unit": unit}}).replace("CITY", city)
-        text = f"<tool_call>\n{call}\n</tool_call>"
+        args = {key: "VALUE", "unit": unit} if schema == "bounded" else {key: "VALUE"}
+        text = "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": args}).replace("VALUE", value) + "\n</tool_call>"
         return m.accept_string(text) and m.is_terminated()
 
     assert accepts("Paris") and accepts("A" * 24) and accepts("ü" * 24)
-    assert not accepts("A" * 25) and not accepts("ü" * 25)
     for ch in ("\x00", "\x01", "\t", "\n", "\r", "\x1f"):
         assert not accepts(f"Pa{ch}ris"), repr(ch)
-    assert not accepts("Paris", "kelvin")
+    assert not accepts("Pa</tool_call>ris")
+    if schema == "bounded":
+        assert not accepts("A" * 25) and not accepts("ü" * 25)
+        assert not accepts("Paris", "kelvin")
+    else:
+        assert accepts("A" * 200) and accepts('say \\"hi\\"')  # a free string keeps its escapes
 
 
 @pytest.mark.parametrize("schema", ["bounded", "free"])

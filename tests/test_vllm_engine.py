@@ -255,3 +255,22 @@ async def test_a_later_engine_binds_its_worker_where_the_first_did_not_on_the_fr
         assert set(os.sched_getaffinity(0)) == frontend  # the spawning thread got its own cores back
     finally:
         await second.stop()
+
+
+def test_a_gpu_overlays_memory_settings_give_way_on_a_cpu(caplog):
+    """An overlay written for a GPU (`gpu_memory_utilization: 0.9`, `kv_cache_memory_bytes:
+    null`) served on vLLM's CPU backend: there the first reserves 0.9 of the host's
+    memory (the engine failed to start beside any other) and the second asks for the
+    profiling that misreads a CPU host; both give way to the CPU KV budget, said once."""
+    import logging
+
+    from omni_rt.engines.vllm import CPU_DEFAULT_ENGINE_ARGS
+
+    gpu = VllmEngine("/models/x", {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.9, "max_model_len": 8192}, name="thinker")
+    with caplog.at_level(logging.WARNING, "omni_rt.engines.vllm"):
+        args = gpu.resolved_engine_args()
+    assert "gpu_memory_utilization" not in args and args["max_model_len"] == 8192
+    assert args["kv_cache_memory_bytes"] == CPU_DEFAULT_ENGINE_ARGS["kv_cache_memory_bytes"]
+    assert "engine thinker on a CPU: gpu_memory_utilization=0.9, kv_cache_memory_bytes=None are GPU memory settings" in caplog.text
+    sized = VllmEngine("/models/x", {"kv_cache_memory_bytes": 1 << 28}, name="talker").resolved_engine_args()
+    assert sized["kv_cache_memory_bytes"] == 1 << 28

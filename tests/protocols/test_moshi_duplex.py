@@ -253,3 +253,24 @@ async def test_a_user_who_stops_sending_is_heard_as_silence_until_the_idle_ttl()
         await talk(other, 0.3, 0.4, got, [])
         assert got
         await other.close()
+
+
+async def test_a_model_whose_one_step_overruns_the_frame_refuses_the_first_conversation() -> None:
+    """A step of one conversation alone longer than the 80 ms frame (the hub's bfloat16
+    Moshi computed as such on a CPU: 1.6 s) cannot be served in real time: the first
+    caller is refused with capacity, naming the step, not admitted to hear nothing."""
+    async with serve(["moshi"]) as h:
+        proc = h.processor("moshi")
+        proc.clock.times.by_size = {1: 1.6}
+        proc.clock.times.dev = {1: 0.0}
+        a = await h.client.ws_connect("/v1/duplex?model=moshi")
+        ev = json.loads((await a.receive(timeout=5)).data)
+        assert ev["type"] == "error" and ev["error"]["code"] == "capacity", ev
+        assert "1600.0 ms, longer than the 80 ms frame" in ev["error"]["message"], ev
+        closing = await a.receive(timeout=5)
+        assert closing.type == WSMsgType.CLOSE and a.close_code == 1013
+        # a step inside the frame (but over the headroom's 60 ms) still admits one
+        proc.clock.times.by_size = {1: 0.07}
+        b = await h.client.ws_connect("/v1/duplex?model=moshi")
+        await created(b)
+        await b.close()
