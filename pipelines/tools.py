@@ -50,6 +50,10 @@ FAMILY_PARSERS = {
     "voxtral": "mistral",
 }
 STRICT_LEVELS = ("auto", "function", "parameter")
+# Families whose chat template takes one call per assistant turn (Llama 3.x raises on
+# more, so a history with two would fail the next turn): parallel calls are off unless
+# the request asks for them.
+SINGLE_CALL_PARSERS = frozenset({"llama3_json"})
 # Consecutive whitespace allowed inside a call's JSON (the grammar's max_whitespace_cnt):
 # models write compact JSON; unbounded, a weak model can fill its token budget with it.
 DEFAULT_MAX_WHITESPACE = 2
@@ -223,7 +227,7 @@ class ToolCalling:
             # the parser reads only tools and tool_choice; the prompt is rendered by the stage
             req = ChatCompletionRequest(
                 model="-", messages=[{"role": "user", "content": ""}], tools=list(params["tools"]), tool_choice=choice,
-                parallel_tool_calls=params.get("parallel_tool_calls", True),
+                parallel_tool_calls=params.get("parallel_tool_calls", self.parser_name not in SINGLE_CALL_PARSERS),
             )
             parser = self.parser_cls(self.tokenizer, req.tools)
             req = parser.adjust_request(req)

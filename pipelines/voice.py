@@ -287,7 +287,8 @@ class ThinkerProcessor(StageProcessor):
             self._load_embeddings()
         self.audio_id = self.tokenizer.convert_tokens_to_ids(AUDIO_PLACEHOLDER)
         self.stop_ids = [i for i in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")} if i is not None]
-        self.text_vocab = min(self.tokenizer.convert_tokens_to_ids(t) for t in self.tokenizer.all_special_tokens)
+        self.text_ranges = text_ranges(self.tokenizer)
+        self.text_vocab = self.text_ranges[-1][1]  # past the last text id
         self._fast = rust_tokenizer(self.tokenizer)
         self._segments = SegmentEncoder.for_tokenizer(self._fast) if self._fast is not None else None
         parser = self.args["tool_parser"] or default_parser(checkpoint.config(self.spec.model).get("model_type"))
@@ -401,12 +402,12 @@ class ThinkerProcessor(StageProcessor):
             "min_tokens": min(int(a["min_tokens"]), max_tokens),
             "stop_token_ids": self.stop_ids,
             # text tokens and the stop tokens only: never a chat control token
-            "allowed_token_ranges": [[0, self.text_vocab], *([s, s + 1] for s in self.stop_ids)],
+            "allowed_token_ranges": [*self.text_ranges, *([s, s + 1] for s in self.stop_ids)],
         }
         if tools is not None:
             assert self.tool_calling is not None
             # the parser's call markers are control tokens in some vocabularies
-            sampling["allowed_token_ranges"] += [[t, t + 1] for t in self.tool_calling.marker_ids if t >= self.text_vocab]
+            sampling["allowed_token_ranges"] += [[t, t + 1] for t in self.tool_calling.marker_ids if not any(lo <= t < hi for lo, hi in self.text_ranges)]
             if tools.structured_outputs is not None:
                 sampling["structured_outputs"] = tools.structured_outputs
             if tools.forced:  # the grammar ends the answer after the call(s): the stop must not be masked
@@ -553,6 +554,25 @@ async def emit_finish(ctx: StageContext, tools: ToolStream | None, length: bool)
     """Why the answer ended (OpenAI's finish_reason), as the stage's last payload."""
     reason = "length" if length else "tool_calls" if tools is not None and tools.calls else "stop"
     await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, meta={FINISH_REASON: reason}))
+
+
+def text_ranges(tokenizer: Any) -> list[list[int]]:
+    """The ids a thinker may sample as text, as [lo, hi) ranges: the tokenizer's ids but
+    its added tokens (chat control tokens, markers) and its special tokens, wherever
+    they are (the Qwen and Llama 3 vocabularies put them after the text; SentencePiece
+    ones put <unk>, <s>, </s> at 0..2, where "everything below the first special id" was
+    nothing at all)."""
+    n = len(tokenizer)
+    excluded = {int(i) for i in tokenizer.all_special_ids} | {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {})}
+    ranges: list[list[int]] = []
+    lo = 0
+    for i in [*sorted(x for x in excluded if 0 <= x < n), n]:
+        if i > lo:
+            ranges.append([lo, i])
+        lo = i + 1
+    if not ranges:
+        raise StageError("the tokenizer has no text tokens (every id is special or added)")
+    return ranges
 
 
 def put_transcript(messages: list[Mapping[str, Any]], transcript: str) -> list[Mapping[str, Any]]:

@@ -298,3 +298,20 @@ def test_segment_encoder_is_not_used_where_added_tokens_strip_whitespace() -> No
             return {5: Added("<s>", True)}
 
     assert SegmentEncoder.for_tokenizer(Fake()) is None
+
+
+@pytest.mark.integration  # builds every tiny checkpoint
+def test_the_text_a_thinker_samples_leaves_out_special_and_added_tokens_wherever_they_are(tiny: dict[str, Path]) -> None:
+    """Qwen's and Llama 3's control tokens follow the text; SentencePiece vocabularies
+    (Mistral, Gemma, Llama 2, Moshi's) start with <unk>, <s>, </s>: "every id below the
+    smallest special one" left those models nothing to sample."""
+    from transformers import AutoTokenizer
+
+    from pipelines.voice import text_ranges
+
+    qwen = AutoTokenizer.from_pretrained(str(tiny["omni"]))
+    first = min(qwen.all_special_ids)
+    assert text_ranges(qwen) == [[0, first]]
+    spm = AutoTokenizer.from_pretrained(str(tiny["moshi"]))
+    assert spm.convert_ids_to_tokens([0, 1, 2, 3]) == ["<unk>", "<s>", "</s>", "<pad>"]
+    assert text_ranges(spm) == [[4, len(spm)]]

@@ -180,7 +180,7 @@ class DiffusersEngine(Engine):
             raise EngineError(f"pipeline class {cls_name} is not supported by the step engine; supported: {', '.join(SUPPORTED)}")
         # the transformer and text encoders in the engine's dtype (each model's own
         # float32 modules kept, as from_pretrained keeps them); the rest float32
-        dtypes = {name: self.dtype for name in ("transformer", "text_encoder", "text_encoder_2")}
+        dtypes = {name: self.dtype for name in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")}  # SD3: T5-XXL is the third
         pipe = getattr(diffusers, cls_name).from_pretrained(self.model_dir, local_files_only=True, dtype={**dtypes, "default": torch.float32})
         pipe.set_progress_bar_config(disable=True)
         pipe.to(self.device)
