@@ -452,12 +452,24 @@ class TextStreams:
             return lambda token: "" if token >= vocab or token in silent else str(convert(token)).replace("\u2581", " ")
         from tokenizers.decoders import DecodeStream
 
-        stream, fast = DecodeStream(skip_special_tokens=True), self._fast
+        fast = self._fast
+        stream = DecodeStream(skip_special_tokens=True)
 
         def piece(token: int) -> str:
+            nonlocal stream
             if token >= vocab or token in silent:
                 return ""
-            return stream.step(fast, token) or ""
+            try:
+                return stream.step(fast, token) or ""
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception ("Invalid prefix") once the bytes so far stop being UTF-8
+                # a model may write byte-fallback pieces that never make a character:
+                # the words so far are forgotten and this token starts the stream again
+                stream = DecodeStream(skip_special_tokens=True)
+                try:
+                    return stream.step(fast, token) or ""
+                except Exception:  # noqa: BLE001 - as above
+                    stream = DecodeStream(skip_special_tokens=True)
+                    return ""
 
         return piece
 

@@ -132,7 +132,11 @@ class OmniTalkerModule(torch.nn.Module):
         cfg = omni_config(model_dir)
         self.thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
         self.talker = Qwen2_5OmniTalkerForConditionalGeneration._from_config(cfg.talker_config, dtype=config_dtype(cfg, "talker_config"))
-        load_part(self.thinker, model_dir, "thinker.")
+        # audio in, states out: no vision tower, and no logits (the LM head, stored or
+        # tied to the embeddings, would only spend a vocabulary-wide matmul a token)
+        del self.thinker.visual
+        self.thinker.lm_head = torch.nn.Identity()
+        load_part(self.thinker, model_dir, "thinker.", keep=lambda k: not k.startswith(("visual.", "lm_head.")))
         load_part(self.talker, model_dir, "talker.")
         self.audio_token = int(cfg.thinker_config.audio_token_index)
         tc = cfg.talker_config

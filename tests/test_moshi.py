@@ -217,3 +217,10 @@ def test_the_text_stream_reads_as_kyutais_servers_render_it(tmp_path: Path) -> N
     # byte-fallback pieces (an emoji the vocabulary lacks) come out whole, once complete
     emoji = tok.encode(" 🙂", add_special_tokens=False)
     assert len(emoji) > 1 and "".join(piece(t) for t in emoji) == " 🙂"
+    # byte pieces that never make a character (a model writes any token): the stream
+    # goes on (tokenizers' stream decoder raised, and the conversation failed)
+    bad = [4 + 0xF0, 4 + 0x9F, *words, 4 + 0xC3, 4 + 0xC3, *words]
+    out = "".join(piece(t) for t in bad)
+    assert out.endswith("how are you today?"), out
+    fresh = text.stream()
+    assert "".join(fresh(t) for t in words) == "hello there, how are you today?"

@@ -251,3 +251,31 @@ async def test_the_stages_run_in_the_checkpoints_own_dtypes(models_dir, layout, 
     ref = {"prompt_ids": tok(PROMPT.format(AUDIO_PART))["input_ids"], "reply": tok("It is sunny today", add_special_tokens=False)["input_ids"]}
     codes, pcm, _ = await _run(d, _stages("chunk", "omni_talker"), _thinker_payloads(ref, _speech()))
     assert codes and np.isfinite(pcm).all() and pcm.dtype == np.float32 and len(pcm) == 480 * len(codes)
+
+
+def test_the_talker_loads_a_thinker_whose_head_is_tied(tmp_path):
+    """The talker reads the thinker's states, never its logits: a checkpoint whose thinker
+    ties its head to the embeddings (no `thinker.lm_head.weight` stored) loads as one
+    that stores it (Qwen2.5-Omni-3B and -7B store theirs; a tied fine-tune need not)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from pipelines.omni_models import OmniTalkerModule
+    from tests import hub
+
+    d = hub.build("Qwen2.5-Omni-3B", tmp_path / "hub")
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    shard = index["weight_map"].pop("thinker.lm_head.weight")
+    tensors = load_file(str(d / shard))
+    del tensors["thinker.lm_head.weight"]
+    save_file(tensors, str(d / shard), metadata={"format": "pt"})
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["thinker_config"]["text_config"]["tie_word_embeddings"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    module = OmniTalkerModule(str(d))
+    assert not hasattr(module.thinker, "visual")
+    ids = torch.tensor([[151644, 872, 198, 9707, 151645]])
+    out = module.think_prompt(torch.tensor([0]), ids)
+    assert out["hidden"].shape == (1, 5, 128) and bool(torch.isfinite(out["hidden"].float()).all())
