@@ -17,8 +17,10 @@ no video processor file), `chat_template.json` (the family's template: a default
 system turn, audio / image / video parts as their placeholder spans, no tools),
 `generation_config.json`.
 
-Guessed: the exact key order; the 3B's config beyond its sizes; the talker's own
-`architectures`. Shrunk: widths and depths (head dims and M-RoPE sections as the real
+Guessed: the exact key order; the 3B's config beyond its sizes and its shard count;
+whether token2wav's config names a dtype; the talker's own `architectures`; that the
+tokenizer config names the processor's tokens (`audio_token`, ...) as keys of its own
+(transformers 5.19's processor reads them off the tokenizer, with no fallback). Shrunk: widths and depths (head dims and M-RoPE sections as the real
 ones, so positions are laid out as there).
 """
 
