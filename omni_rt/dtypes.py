@@ -85,13 +85,19 @@ def module_dtypes(module: torch.nn.Module) -> set[torch.dtype]:
     return {p.dtype for p in module.parameters() if p.is_floating_point()} | {b.dtype for b in module.buffers() if b.is_floating_point()}
 
 
+def cast_on_cpu(device: str, requested: torch.dtype | None, held: Iterable[torch.dtype]) -> list[torch.dtype]:
+    """The half types a real-time stage on `device` would compute in and will not: the
+    `requested` one (the overlay's), else those the module holds (`held`), on a CPU."""
+    if not device.startswith("cpu"):
+        return []
+    return sorted({d for d in ([requested] if requested is not None else held) if d in HALF}, key=str)
+
+
 def realtime_dtype(stage: str, device: torch.device, requested: torch.dtype | None, held: Iterable[torch.dtype]) -> torch.dtype | None:
     """The dtype a real-time stage on `device` computes in: `requested` (the overlay's),
     or the module's own (`held`, None: as loaded), except half types on a CPU, which
     are computed in float32 (logged, naming the stage)."""
-    if device.type != "cpu":
-        return requested
-    half = [d for d in ([requested] if requested is not None else list(held)) if d in HALF]
+    half = cast_on_cpu(device.type, requested, held)
     if not half:
         return requested
     log.warning("stage %s: %s on a CPU cannot keep a real-time stage's pace; it computes in float32 (give it a GPU "
@@ -129,12 +135,10 @@ def checkpoint_dtypes(model_dir: str | None) -> set[str]:
 def planned_dtype_note(stage: str, device: str, requested: str | None, model_dir: str | None) -> str | None:
     """What `omni-rt check` says of a real-time torch stage whose dtype will not be the
     one asked for (None: nothing to say)."""
-    if not str(device).startswith("cpu"):
-        return None
-    wanted = {requested} if requested else checkpoint_dtypes(model_dir)
-    half = sorted(d for d in wanted if parse_dtype(d) in HALF)
+    held = {_NAMES[n] for n in checkpoint_dtypes(model_dir) if n in _NAMES}  # a name it does not know is no half type
+    half = cast_on_cpu(str(device), parse_dtype(requested), held)
     if not half:
         return None
     source = "engine_args.dtype" if requested else f"the checkpoint's config.json ({model_dir})"
-    return (f"stage {stage}: {', '.join(half)} from {source} on a CPU cannot keep a real-time stage's pace; "
+    return (f"stage {stage}: {', '.join(map(_name, half))} from {source} on a CPU cannot keep a real-time stage's pace; "
             "it will compute in float32")

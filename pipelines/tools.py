@@ -92,12 +92,11 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
 def json_strings(schema: Any, forbid: str = "") -> Any:
     r"""`schema` with every length-bounded string rewritten to a `pattern` of the same
     bounds over characters JSON admits unescaped (no control characters) and not in
-    `forbid` (the first character of the parser's end marker: see `ToolCalling.stream`).
+    `forbid` (the first characters of the parser's call markers: `marker_starts`).
 
     Why: xgrammar (0.2.x, vLLM's default backend) compiles a string with `minLength` /
-    `maxLength` to `[^"\
-]{m,n}`, which admits the control characters U+0000..U+001F
-    other than CR / LF (a tab, , ...), so a call's arguments may not parse with a
+    `maxLength` to `[^"\\\r\n]{m,n}`, which admits the control characters U+0000..U+001F
+    other than CR / LF (a tab, \x01, ...), so a call's arguments may not parse with a
     strict JSON parser (Python's `json.loads`). A `pattern` is compiled as a JSON
     string (controls excluded) and its `{m,n}` counts characters, so the bounds hold.
     Like the rule it replaces, it writes no escapes (no quote or backslash inside)."""
@@ -115,6 +114,11 @@ def json_strings(schema: Any, forbid: str = "") -> Any:
     return out
 
 
+def marker_starts(markers: Sequence[str]) -> str:
+    """The characters a call marker starts with (what a `pattern` string may not hold)."""
+    return "".join(sorted({m[0] for m in markers if m}))
+
+
 def json_grammar(tag: Any, markers: Sequence[str]) -> Any:
     """A structural tag whose JSON can always be read back as the call it is: every
     length-bounded string as `json_strings` writes it, and no string holding one of the
@@ -122,8 +126,7 @@ def json_grammar(tag: Any, markers: Sequence[str]) -> Any:
     call at its end marker's text wherever it stands, so a marker inside a string cut
     the arguments short. xgrammar keeps `excludes` out of a format's free strings;
     a `pattern` string ignores them, so it may not start a marker at all."""
-    forbid = "".join(sorted({m[0] for m in markers if m}))
-    tag = json_strings(tag, forbid)
+    tag = json_strings(tag, marker_starts(markers))
 
     def exclude(node: Any) -> None:
         if isinstance(node, dict):
@@ -244,6 +247,6 @@ class ToolCalling:
                 structured["structural_tag"] = json.dumps(tag)
             if structured.get("json") is not None:
                 schema = structured["json"]
-                forbid = "".join(sorted({m[0] for m in self.markers if m}))
+                forbid = marker_starts(self.markers)
                 structured["json"] = json.dumps(json_strings(json.loads(schema), forbid)) if isinstance(schema, str) else json_strings(schema, forbid)
         return ToolStream(parser, req, structured or None, forced=choice != "auto")

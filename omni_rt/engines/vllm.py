@@ -240,9 +240,8 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ lifecycle
 
     def resolved_engine_args(self) -> dict[str, Any]:
-        platform = _platform_defaults()
-        args: dict[str, Any] = {**DEFAULT_ENGINE_ARGS, **platform, **self.engine_args}
-        if platform:  # a CPU: the GPU memory settings of a GPU overlay give way (GPU_MEMORY_ARGS)
+        args: dict[str, Any] = {**DEFAULT_ENGINE_ARGS, **_platform_defaults(), **self.engine_args}
+        if _on_cpu():  # the GPU memory settings of a GPU overlay give way (GPU_MEMORY_ARGS)
             dropped = {k: args.pop(k) for k in GPU_MEMORY_ARGS if k in args}
             if args.get("kv_cache_memory_bytes") is None:
                 args["kv_cache_memory_bytes"] = CPU_DEFAULT_ENGINE_ARGS["kv_cache_memory_bytes"]
