@@ -1,8 +1,14 @@
 """How loaded the serving path is: how fast it generates audio, as the streams
 themselves see it, and how busy the machine's CPUs are with this server.
 
+Every meter belongs to one server: `LoadMeters` holds them, the orchestrator owns one
+(`Orchestrator.meters`), its stages write to it through their context (`ctx.meter`; a
+stage placed in another process or a Ray actor sends its reports back with its
+outputs, `omni_rt.placement`), the wires through the session manager, and admission
+reads it. Two servers in one process keep apart.
+
 Each streaming audio decoder (`pipelines.tts.StreamingDecoder`) reports every chunk it
-emits to `GENERATION`, a process-wide `RtfMeter`. A stream's generation real-time
+emits to the generation meter, an `RtfMeter`. A stream's generation real-time
 factor is the wall time between its first and its latest chunk over the audio emitted
 after the first chunk (the first chunk waits for its lookahead frames and would count
 that wait twice): 0.5 means the stream is generated twice as fast as it plays, above
@@ -21,10 +27,17 @@ the cores are saturated and then falls off a cliff (every stage waits for a core
 admission also keeps this under a bound rather than trusting a straight-line fit of
 the RTF up to the cliff.
 
-`PLAYOUT`, a `HoleMeter`, is what the sessions hear: every paced writer reports each
-hole in an answer (its client, playing the audio as it came, ran dry). Whatever the
-cause, a hole means the server is not keeping real time, and admission refuses while
-one over its bound was heard within the window.
+The playout meter, a `HoleMeter`, is what the sessions hear: every paced writer reports
+each hole in an answer the server caused (its client, playing the audio as it came, ran
+dry because the audio was generated late or the writer itself ran late). A hole its own
+client caused by not reading is that session's problem, not the server's: it is not
+reported here (`protocols.duplex.writer`), and admission refuses while a hole over its
+bound was heard within the window.
+
+`LoopLag` measures how late the server's event loop wakes up (the loop paces every
+answer's frames): a task that sleeps 20 ms at a time and records how much longer it
+took. CPU and cgroup readings scan `/proc` and `/sys`: `LoadMeters.run` samples them
+in a thread every `SAMPLE_S`, and decisions read the latest sample.
 
 `MachineMeter` sees what the server's own figure cannot: CPU taken by anything else on
 the CPUs it may run on (the whole machine's busy time on those cores, from psutil's
@@ -43,12 +56,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Protocol
 
 __all__ = [
-    "GENERATION", "PLAYOUT", "CgroupCpu", "HoleMeter", "CpuMeter", "MachineLoad", "MachineMeter", "RtfMeter", "StreamRtf", "machine_cpu_seconds",
+    "SAMPLE_S", "CgroupCpu", "LoadMeters", "LoopLag", "StreamMeter", "HoleMeter", "CpuMeter", "MachineLoad", "MachineMeter", "RtfMeter", "StreamRtf", "machine_cpu_seconds",
     "read_cgroup_cpu", "tree_cpu_seconds",
 ]
+
+
+class StreamMeter(Protocol):
+    """Where a stream reports its generation speed: a server's `RtfMeter`, or a placed
+    stage's recorder that sends the reports back (`omni_rt.placement`)."""
+
+    def new_stream(self) -> int: ...
+
+    def chunk(self, key: int, audio_s: float, now: float | None = None) -> None: ...
+
+    def sample(self, key: int, rtf: float, now: float | None = None) -> None: ...
 
 
 @dataclass
@@ -123,8 +147,6 @@ class RtfMeter:
             self._samples.clear()
 
 
-GENERATION = RtfMeter()
-
 
 class HoleMeter:
     """Holes heard in paced answers over the last `window_s`: how long a client playing
@@ -154,8 +176,6 @@ class HoleMeter:
         with self._lock:
             self._holes.clear()
 
-
-PLAYOUT = HoleMeter()
 
 
 def tree_cpu_seconds(root: Any = None) -> float:
@@ -195,28 +215,6 @@ def usable_cpus() -> int:
     return len(SERVER_CORES) if SERVER_CORES else (os.cpu_count() or 1)
 
 
-# A meter asked again within this long answers what it read last: each reading scans
-# /proc (every process of the tree, every CPU), and a burst of opens would repeat it for
-# a figure that is the mean of `window_s` anyway.
-REREAD_S = 0.25
-
-T = TypeVar("T")
-
-
-class _Reread(Generic[T]):
-    """A meter's last answer, given again when it is asked within `REREAD_S` of it."""
-
-    def __init__(self) -> None:
-        self._last: tuple[float, T] | None = None  # (when, what)
-
-    def get(self, t: float, measure: Callable[[float], T]) -> T:
-        if self._last is not None and t - self._last[0] < REREAD_S:
-            return self._last[1]
-        value = measure(t)
-        self._last = (t, value)
-        return value
-
-
 class CpuMeter:
     """Busy fraction of this server's CPUs over the last `window_s` (None until two
     readings at least a second apart). A process that exits takes its CPU time with it:
@@ -234,12 +232,11 @@ class CpuMeter:
         self.read = read
         self.cpus = cpus or usable_cpus()
         self._readings: deque[tuple[float, float]] = deque()
-        self._reread: _Reread[float | None] = _Reread()
 
     def utilisation(self) -> float | None:
-        return self._reread.get(self.clock(), self._utilisation)
-
-    def _utilisation(self, t: float) -> float | None:
+        """Read the CPU time now (blocking: it scans /proc) and give the busy fraction
+        since the oldest reading of the window."""
+        t = self.clock()
         cpu = self.read()
         if self._readings and cpu < self._readings[-1][1]:
             self._readings.clear()
@@ -362,12 +359,11 @@ class MachineMeter:
         self.read_cgroup = read_cgroup
         self.cpus = cpus or usable_cpus()
         self._readings: deque[tuple[float, tuple[float, float], CgroupCpu | None]] = deque()
-        self._reread: _Reread[MachineLoad | None] = _Reread()
 
     def load(self) -> MachineLoad | None:
-        return self._reread.get(self.clock(), self._load)
-
-    def _load(self, t: float) -> MachineLoad | None:
+        """Read the machine's and the cgroup's CPU counters now (blocking) and give the
+        load since the oldest reading of the window."""
+        t = self.clock()
         try:  # an unreadable or odd /proc or cgroup file must not break admission
             m, cg = self.read_machine(), self.read_cgroup()
         except (OSError, ValueError, IndexError):
@@ -391,3 +387,137 @@ class MachineMeter:
             if cg.periods > cg0.periods:
                 throttled = (cg.throttled - cg0.throttled) / (cg.periods - cg0.periods)
         return MachineLoad(busy, capacity, cgroup_busy, throttled)
+
+
+# CPU and machine readings are taken this often (in a thread), decisions read the latest.
+SAMPLE_S = 0.5
+# The outside-load figure is the mean over this span: long enough to smooth a burst of
+# another process, short enough to forget it soon after it ends.
+CPU_WINDOW_S = 5.0
+LOOP_TICK_S = 0.02
+
+
+class LoopLag:
+    """How late the event loop wakes a task that sleeps `LOOP_TICK_S` at a time: the
+    worst of the last `window_s`, the worst since start, and the histogram
+    `omni_rt_event_loop_lag_seconds`. A loop that paces audio frames and is late by
+    more than a frame is heard."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self._lags: deque[tuple[float, float]] = deque()  # (when, lag) of the lags over 5 ms
+        self.worst_ever = 0.0
+        self.ticks = 0
+
+    def record(self, lag: float, now: float | None = None) -> None:
+        t = self.clock() if now is None else now
+        self.ticks += 1
+        self.worst_ever = max(self.worst_ever, lag)
+        if lag > 0.005:
+            self._lags.append((t, lag))
+        while self._lags and t - self._lags[0][0] > self.window_s:
+            self._lags.popleft()
+
+    def worst(self, now: float | None = None) -> float:
+        t = self.clock() if now is None else now
+        return max((lag for when, lag in self._lags if t - when <= self.window_s), default=0.0)
+
+    def reset(self) -> None:
+        self._lags.clear()
+        self.worst_ever = 0.0
+
+    async def run(self) -> None:
+        import asyncio
+
+        from omni_rt import metrics
+
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(LOOP_TICK_S)
+            lag = max(0.0, time.perf_counter() - t0 - LOOP_TICK_S)
+            self.record(lag)
+            metrics.EVENT_LOOP_LAG_SECONDS.observe(lag)
+
+
+class LoadMeters:
+    """One server's load meters (see the module docstring): the generation RTF of its
+    streams, the holes its paced answers had, its event loop's lag, and its and the
+    machine's CPU, sampled off the event loop (`start`)."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic, cpu_window_s: float = CPU_WINDOW_S,
+                 cpu: CpuMeter | None = None, machine: MachineMeter | None = None) -> None:
+        self.generation = RtfMeter(window_s, clock)
+        self.playout = HoleMeter(window_s, clock)
+        self.loop = LoopLag()
+        self.cpu = cpu if cpu is not None else CpuMeter(cpu_window_s, read=self.server_cpu_seconds)
+        self.machine = machine if machine is not None else MachineMeter(cpu_window_s)
+        self.cpu_now: float | None = None  # the latest sample: the server's busy fraction
+        self.machine_now: MachineLoad | None = None  # the latest sample: the machine's load
+        self.sampled = 0
+        self._placed: dict[int, float] = {}  # pid -> CPU seconds a placed stage's process on this host reported
+        self._lock = threading.Lock()
+        self._tasks: list[Any] = []
+
+    def set_window(self, window_s: float) -> None:
+        self.generation.window_s = self.playout.window_s = window_s
+
+    # ---- what placed stages report ----------------------------------------------------
+    def placed_cpu(self, pid: int, seconds: float) -> None:
+        """A placed stage's process on this host reports its CPU seconds so far (it is
+        no child of this server's, so the process tree does not show it)."""
+        with self._lock:
+            self._placed[pid] = max(seconds, self._placed.get(pid, 0.0))
+
+    def server_cpu_seconds(self) -> float:
+        """This process, its descendants, and the placed stages' processes on this host."""
+        import psutil
+
+        me = psutil.Process()
+        try:
+            tree = {p.pid for p in me.children(recursive=True)} | {me.pid}
+        except psutil.Error:
+            tree = {me.pid}
+        with self._lock:
+            placed = sum(s for pid, s in self._placed.items() if pid not in tree)
+        return tree_cpu_seconds(me) + placed
+
+    # ---- sampling -----------------------------------------------------------------------
+    def sample(self, machine: bool = True) -> None:
+        """One reading of the CPU meters (blocking: run it in a thread)."""
+        self.cpu_now = self.cpu.utilisation()
+        if machine:
+            self.machine_now = self.machine.load() or self.machine_now
+        self.sampled += 1
+
+    async def start(self, machine: bool = True) -> None:
+        import asyncio
+
+        if self._tasks:
+            return
+
+        async def sampler() -> None:
+            while True:
+                try:
+                    await asyncio.to_thread(self.sample, machine)
+                except Exception:  # noqa: BLE001 - an odd /proc must not end the sampling
+                    import logging
+
+                    logging.getLogger("omni_rt.load").exception("load sampling failed")
+                await asyncio.sleep(SAMPLE_S)
+
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(sampler(), name="load-sampler"), loop.create_task(self.loop.run(), name="loop-lag")]
+
+    async def stop(self) -> None:
+        import asyncio
+
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def clear(self) -> None:
+        self.generation.clear()
+        self.playout.clear()
+        self.loop.reset()

@@ -44,9 +44,15 @@ DUPLEX_FRAMES_LATE = Counter(
 PLAYOUT_UNDERRUN_SECONDS = Histogram(
     "omni_rt_playout_underrun_seconds",
     "Holes in a paced answer: how long a client playing it as it arrives waited for its next audio, by cause (generation: the "
-    "audio was not made in time; send: it was there but went out late, the server process did not run)",
+    "audio was not made in time; send: it was there but went out late, the server process did not run; client: the client "
+    "did not read, its socket's send waited; only generation and send holes weigh in admission)",
     ["api", "cause"],
     buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
+EVENT_LOOP_LAG_SECONDS = Histogram(
+    "omni_rt_event_loop_lag_seconds",
+    "How late the server's event loop (which paces every answer's audio frames) woke a task that slept 20 ms",
+    buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
 )
 ENGINE_LOAD = Gauge("omni_rt_engine_load", "Requests queued or running per stage", ["stage"])
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from omni_rt import metrics
 from omni_rt.connectors.base import Connector
 from omni_rt.errors import InternalError, OmniError, OrchestratorError
+from omni_rt.load import LoadMeters
 from omni_rt.payloads import Fence, Handle, Payload
 from omni_rt.specs import ChunkingSpec, EdgeSpec, ProfileSpec
 from omni_rt.stage import StageContext, StageInput
@@ -109,8 +110,11 @@ class Orchestrator:
         pools: Mapping[str, StagePool],
         connectors: Mapping[str, Connector],
         tombstone_limit: int = 10_000,
+        meters: LoadMeters | None = None,
     ) -> None:
         self.pipelines = dict(pipelines)
+        # this server's load meters: its stages report to them, admission reads them
+        self.meters = meters if meters is not None else LoadMeters()
         self.pools = dict(pools)
         self.connectors = dict(connectors)
         self._requests: dict[str, _RequestState] = {}
@@ -225,7 +229,7 @@ class Orchestrator:
         for e in state.profile.in_edges(name):
             if e.src in state.active:
                 inputs.setdefault(e.name, StageInput(e.name, e.mode, e.chunking, self.connectors, state.current_fence))
-        ctx = StageContext(state, spec, inputs, self.connectors, state.groups[name], self._on_published(state, name))
+        ctx = StageContext(state, spec, inputs, self.connectors, state.groups[name], self._on_published(state, name), meters=self.meters)
         state.stage_started[name] = time.monotonic()
         task = asyncio.get_running_loop().create_task(replica.processor.run(ctx), name=f"{state.request_id}:{name}")
         state.tasks[name] = task

@@ -46,8 +46,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import itertools
 import logging
 import os
+import socket
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -146,6 +149,44 @@ class _RemoteState:
         return self.latest
 
 
+HOST = socket.gethostname()
+
+
+class _MeterRecorder:
+    """A placed stage's generation meter: its reports go back to the server with the
+    stage's outputs (`StageActor.outputs`), replayed there into the server's meter."""
+
+    def __init__(self, out: asyncio.Queue[Any]) -> None:
+        self.out = out
+        self._keys = itertools.count()
+
+    def new_stream(self) -> int:
+        return next(self._keys)
+
+    def chunk(self, key: int, audio_s: float, now: float | None = None) -> None:
+        self.out.put_nowait(("chunk", key, audio_s, time.monotonic() if now is None else now))
+
+    def sample(self, key: int, rtf: float, now: float | None = None) -> None:
+        self.out.put_nowait(("sample", key, rtf, time.monotonic() if now is None else now))
+
+
+def _with_ages(batch: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """A batch of the actor's outputs as sent: a meter report's time becomes its age (the
+    server's clock is not this process's on another node), and the process's CPU
+    seconds so far go with it (`LoadMeters.placed_cpu`: a process on the server's host
+    is weighed as the server's own load)."""
+    import psutil
+
+    now = time.monotonic()
+    out = [(k, a, b, now - c) if k in ("chunk", "sample") else (k, a, b, c) for k, a, b, c in batch]
+    try:
+        t = psutil.Process().cpu_times()
+        out.append(("cpu", HOST, os.getpid(), t.user + t.system))
+    except psutil.Error:
+        pass
+    return out
+
+
 class _Group:
     """An output group as the actor sees it: where to put, for how many readers."""
 
@@ -200,7 +241,7 @@ class StageActor:
         def route(group: Any, handle: Handle, last: bool) -> None:
             out.put_nowait(("out", gs.index(group), handle, last))
 
-        ctx = StageContext(state, self.spec, ins, self.connectors, gs, route)  # type: ignore[arg-type]
+        ctx = StageContext(state, self.spec, ins, self.connectors, gs, route, _MeterRecorder(out))  # type: ignore[arg-type]
         task = asyncio.get_running_loop().create_task(self.replica.processor.run(ctx), name=f"{request_id}:{self.spec.name}")
         task.add_done_callback(lambda _t: out.put_nowait(("end",)))
         self.requests[request_id] = (state, ins, out, task)
@@ -224,7 +265,7 @@ class StageActor:
                     batch.pop()
                     ended = True
                 if batch:
-                    yield ("outs", batch)
+                    yield ("outs", _with_ages(batch))
             yield ("usage", dict(state.usage))
             if not task.cancelled() and task.exception() is not None:
                 exc = task.exception()
@@ -389,6 +430,18 @@ class RemoteStage(StageProcessor):
         rid = ctx.request_id
         inputs = [(n, i.mode, i.chunking.model_dump_json()) for n, i in ctx.inputs.items()]
         finished = False
+        keys: dict[int, int] = {}  # the actor's stream keys -> this server's meter's
+
+        def replay(what: str, a: Any, b: Any, c: Any) -> None:
+            """A report of the placed stage's into this server's meters."""
+            if what == "cpu":
+                if a == HOST and ctx.meters is not None:
+                    ctx.meters.placed_cpu(int(b), float(c))
+                return
+            key = keys.get(a)
+            if key is None:
+                key = keys[a] = ctx.meter.new_stream()
+            (ctx.meter.chunk if what == "chunk" else ctx.meter.sample)(key, float(b), time.monotonic() - float(c))
         feeders: list[asyncio.Task[None]] = []
         actor = self.actor
         for conn, _readers in ctx.groups:  # its outputs are freed there with the request, here
@@ -407,8 +460,11 @@ class RemoteStage(StageProcessor):
                 async for ref in outputs:
                     item = await ref
                     if item[0] == "outs":
-                        for _out, group, handle, last in item[1]:
-                            ctx.route(group, handle, last)
+                        for what, a, b, c in item[1]:
+                            if what == "out":
+                                ctx.route(a, b, c)
+                            else:
+                                replay(what, a, b, c)
                     elif item[0] == "usage":
                         ctx.add_usage(**item[1])
                     elif item[0] == "error":

@@ -27,6 +27,7 @@ from protocols.auth import CLIENT_SECRETS, ClientSecrets, KeyRing, auth_middlewa
 from protocols.http import LIMITS, Limits, error_middleware, json_response
 from protocols.registry import Mount, Routes, mount
 from sessions import SessionManager
+from sessions.calibration import calibrate
 
 log = logging.getLogger("omni_rt.server")
 
@@ -261,6 +262,8 @@ def create_app(
         try:
             await runtime.start()
             metrics.STAGES.runtimes.add(runtime)
+            # what a real-time session costs, measured before the first caller (sessions.calibration)
+            await calibrate(sessions, specs)
             log.info(
                 "omni-rt ready: pipelines %s; sessions: store %s, max_total %d",
                 ", ".join(profiles) or "(none)",

@@ -308,6 +308,14 @@ RealtimeKind = Literal["realtime", "duplex", "webrtc", "robot"]
 REALTIME_KINDS: tuple[RealtimeKind, ...] = ("realtime", "duplex", "webrtc", "robot")
 
 
+class PipelineCostSpec(_Strict):
+    """What real-time sessions of one pipeline cost in generation real-time factor, stated
+    instead of calibrated (deploy key `sessions.realtime_admission.pipeline_costs.<pipeline>`)."""
+
+    base_rtf: float = Field(gt=0, le=10.0, description="the RTF of one answer generated alone")
+    per_session_rtf: float = Field(gt=0, le=10.0, description="what each more answer generating at the same time adds to it")
+
+
 class RealtimeAdmissionSpec(_Strict):
     """Load-aware admission of real-time sessions (deploy key
     `sessions.realtime_admission`): besides the static caps, refuse a new voice session,
@@ -324,20 +332,29 @@ class RealtimeAdmissionSpec(_Strict):
     hysteresis: float = Field(default=
         0.1, ge=0, lt=1.0, description="once refusing, admit again only when the prediction is this far under target_rtf"
     )
+    calibrate: bool = Field(default=
+        True, description="measure each real-time voice pipeline's cost when the server starts (one answer alone, then "
+        "calibrate_sessions at once), so a burst at a cold server admits what fits"
+    )
+    calibrate_sessions: int = Field(default=4, ge=2, le=64, description="answers generated at once by the calibration's second level")
+    calibrate_tokens: int = Field(default=24, ge=4, le=512, description="max_output_tokens of each calibration answer")
+    pipeline_costs: dict[str, PipelineCostSpec] = Field(default=
+        {}, description="per pipeline: its cost stated instead of calibrated, e.g. {voice: {base_rtf: 0.2, per_session_rtf: 0.07}}"
+    )
     session_cost_rtf: float = Field(default=
-        0.05, gt=0, le=1.0, description="what one more session adds to the RTF until the server has measured it (the prior)"
+        0.05, gt=0, le=1.0, description="what one session costs in RTF when its pipeline was neither calibrated nor stated (the prior)"
     )
     min_session_cost_rtf: float = Field(default=
         0.01, gt=0, le=1.0, description="the measured per-session cost is never taken as lower than this"
     )
-    window_s: float = Field(default=10.0, gt=0, le=600, description="streams that emitted audio this recently are measured")
+    window_s: float = Field(default=4.0, gt=0, le=600, description="streams that emitted audio this recently are the load now")
     new_session_s: float = Field(default=
         10.0, ge=0, le=600, description="a session open less than this long has not shown its load yet: it is charged the per-session cost "
         "on top of what is measured (and left out of the fit)"
     )
     max_cpu_utilisation: float | None = Field(default=
-        0.7, gt=0, le=1.0, description="the busy fraction of this server's CPUs (its engine processes included) one more session may "
-        "bring it to; null: not weighed (a GPU box whose CPUs are not the bottleneck)"
+        None, gt=0, le=1.0, description="the busy fraction of this server's CPUs (its engine processes included) one more session may "
+        "bring it to; null (default): not weighed, generation fills idle cores by design and busy cores say nothing of real-time slack"
     )
     weigh_outside_load: bool = Field(default=
         True, description="count CPU taken by other processes on this server's cores (and a container's CPU quota) against "
@@ -348,11 +365,12 @@ class RealtimeAdmissionSpec(_Strict):
         "periods over the window; null: not weighed"
     )
     session_cost_cpu: float = Field(default=
-        0.05, gt=0, le=1.0, description="what one more session adds to the CPU busy fraction until the server has measured it"
+        0.05, gt=0, le=1.0, description="what one more session adds to the CPU busy fraction (with max_cpu_utilisation)"
     )
     max_hole_ms: int | None = Field(default=
         100, ge=1, le=60000, description="a hole this long in a paced answer (its client, playing the audio as it came, ran dry), heard "
-        "within window_s, refuses new sessions (why late_audio): what the sessions hear, whatever its cause; none: not weighed"
+        "within window_s, refuses new sessions (why late_audio) when the server caused it (late generation, a late writer); a client "
+        "that does not read causes its own; none: not weighed"
     )
     min_sessions: int = Field(default=1, ge=0, description="this many sessions are always admitted, whatever is measured")
     retry_after_s: int = Field(default=5, ge=1, le=3600, description="retry-after sent with a capacity refusal")

@@ -17,6 +17,7 @@ from omni_rt import metrics
 from omni_rt.connectors.base import Connector
 from omni_rt.engines.base import Engine
 from omni_rt.errors import StageError
+from omni_rt.load import LoadMeters, RtfMeter, StreamMeter
 from omni_rt.payloads import Fence, Handle, Payload
 from omni_rt.specs import ChunkingSpec, SpecError, StageSpec
 from omni_rt.status import RequestStatus
@@ -115,8 +116,15 @@ class StageContext:
         connectors: Mapping[str, Connector],
         groups: list[_Group],
         route: Callable[[_Group, Handle, bool], None],
+        meter: StreamMeter | None = None,
+        meters: LoadMeters | None = None,
     ) -> None:
         self._state = state
+        # the server's load meters (None in a placed stage's actor), and where the
+        # stage's streams report their generation speed: the server's meter, or a placed
+        # stage's recorder that sends the reports back with its outputs
+        self.meters = meters
+        self.meter: StreamMeter = meter if meter is not None else meters.generation if meters is not None else RtfMeter()
         self.stage = stage
         self.inputs = inputs
         self._connectors = connectors

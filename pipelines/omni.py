@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from omni_rt.engines.base import Engine, StepEngine
-from omni_rt.load import GENERATION
 from omni_rt.payloads import TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
@@ -365,7 +364,7 @@ class Token2WavProcessor(StageProcessor):
 
     async def run(self, ctx: StageContext) -> None:
         inp = ctx.input()
-        decoder = StreamingDecoder(self.decoder(ctx.params), inp.chunking if inp.mode == "chunk" else None, meter=GENERATION,
+        decoder = StreamingDecoder(self.decoder(ctx.params), inp.chunking if inp.mode == "chunk" else None, meter=ctx.meter,
                                    samples_per_frame=self.samples_per_code, width=2)
         emit = _Emitter(ctx)
         n = 0

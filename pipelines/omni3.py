@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from omni_rt.engines.base import Engine, StepEngine
-from omni_rt.load import GENERATION
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
@@ -201,7 +200,7 @@ class Omni3Code2WavProcessor(StageProcessor):
 
     async def run(self, ctx: StageContext) -> None:
         inp = ctx.input()
-        decoder = StreamingDecoder(self.decode, inp.chunking if inp.mode == "chunk" else None, meter=GENERATION,
+        decoder = StreamingDecoder(self.decode, inp.chunking if inp.mode == "chunk" else None, meter=ctx.meter,
                                    samples_per_frame=self.samples_per_frame, width=self.groups)
         emit = _Emitter(ctx)
         async for payload in inp:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
-from omni_rt.load import GENERATION, RtfMeter
+from omni_rt.load import StreamMeter
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import ChunkingSpec, StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
@@ -313,7 +313,7 @@ class StreamingDecoder:
         decode: Callable[..., Awaitable[np.ndarray]],
         chunking: ChunkingSpec | None,
         clock: Callable[[], float] = time.monotonic,
-        meter: RtfMeter | None = None,
+        meter: StreamMeter | None = None,
         samples_per_frame: int = SAMPLES_PER_FRAME,
         width: int = 7,
         decode_times: DecodeTimes | None = None,
@@ -468,7 +468,7 @@ class Code2WavProcessor(StageProcessor):
 
     async def run(self, ctx: StageContext) -> None:
         inp = ctx.input()
-        dec = StreamingDecoder(self.decoder.run, inp.chunking if inp.mode == "chunk" else None, meter=GENERATION, decode_times=self.decode_times)
+        dec = StreamingDecoder(self.decoder.run, inp.chunking if inp.mode == "chunk" else None, meter=ctx.meter, decode_times=self.decode_times)
         emit = _Emitter(ctx)
         async for payload in inp:
             await emit(await dec.push(payload.arrays["frames"]))
@@ -514,7 +514,7 @@ class FusedTalkerProcessor(StageProcessor):
 
         producer = asyncio.get_running_loop().create_task(produce())
         try:
-            dec = StreamingDecoder(self.decoder.run, self.chunking, meter=GENERATION, decode_times=self.decode_times)
+            dec = StreamingDecoder(self.decoder.run, self.chunking, meter=ctx.meter, decode_times=self.decode_times)
             emit = _Emitter(ctx)
             while (frames := await queue.get()) is not None:
                 await emit(await dec.push(frames))

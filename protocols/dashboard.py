@@ -30,7 +30,6 @@ from aiohttp import web
 
 from omni_rt import metrics
 from omni_rt.errors import ClientError
-from omni_rt.load import GENERATION, CpuMeter
 from protocols.auth import principal_of
 from protocols.http import json_response
 from protocols.pages import page
@@ -112,7 +111,6 @@ class Dashboard:
         self.manager = manager
         self.runtime = runtime
         self.started = time.time()
-        self.cpu = CpuMeter(5.0)
 
     def _reading(self) -> dict[str, Any]:
         step_b, step_t = histogram_buckets(metrics.ENGINE_STEP_SECONDS)
@@ -198,15 +196,15 @@ class Dashboard:
         return out
 
     def _load(self) -> dict[str, Any]:
-        import psutil
-
-        rtfs = GENERATION.rtfs()
-        busy = self.cpu.utilisation()
+        meters = self.manager.meters
+        rtfs = meters.generation.rtfs()
+        busy = meters.cpu_now  # the latest sample (taken off the loop)
         return {
             "server_cpu_busy": None if busy is None else round(busy, 4),
-            "machine_cpu_percent": psutil.cpu_percent(None),
+            "machine_cpu_percent": None if meters.machine_now is None else round(100 * meters.machine_now.busy, 1),
             "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()],
-            "cpus": self.cpu.cpus,
+            "cpus": meters.cpu.cpus,
+            "loop_lag_ms": round(meters.loop.worst() * 1000, 1),
             "generating_streams": len(rtfs),
             "worst_rtf": None if not rtfs else round(max(rtfs), 3),
         }

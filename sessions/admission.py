@@ -6,93 +6,102 @@ over how long its last chunk of actions lasts at that rate).
 
 The static caps (`max_total`, `max_per_kind`) say how many sessions a box may hold;
 they cannot say whether the next voice session will still hear an unbroken answer.
-`RealtimeAdmission` decides that from what the streams measure (`omni_rt.load`):
+`RealtimeAdmission` decides that on real-time slack, the generation real-time factor
+(RTF: generation time over the audio's duration; above 1 a listener hears holes):
 
-- `now`: the worst generation real-time factor among the streams that emitted audio
-  in the last `window_s` (None when nothing spoke lately);
-- the per-session cost: the slope of that RTF against the number of real-time
-  sessions admitted, fitted by least squares over the samples of the last
-  `window_s × 6` (one a reaper pass, and one at each decision), once they span at
-  least two session counts and the fit is positive; until then the prior
-  `session_cost_rtf`. The slope folds in how much of the time sessions speak (a
-  duty cycle the server observes rather than assumes), and never counts for less than
-  `min_session_cost_rtf`.
+- **what a session costs**, known before the first one arrives: each real-time voice
+  pipeline is calibrated when the server starts (`sessions.calibrate`: one answer
+  alone, then `calibrate_sessions` answers at once, as a burst of callers would
+  generate them), giving the RTF of one answer alone (`base`) and what each more answer
+  generating at the same time adds (`per_session`). A deploy file may state them
+  instead (`pipeline_costs`); a kind nothing was measured for uses the prior
+  `session_cost_rtf` for both. `omni-rt check` shows what the deploy states.
+- **the cold prediction**: with N sessions after admitting this one, all generating at
+  once, `base + per_session × (N − 1)`. Voice sessions speak in turns, so this is the
+  worst case of a burst whose callers all speak at the same moment.
+- **the live prediction**: the worst RTF among the streams that emitted audio in the last
+  `window_s` (the load as it is now, a finished level forgotten within the window),
+  plus `per_session` for this and every session younger than `new_session_s` (it has
+  not shown its load yet).
+- **load from outside**: the calibration ran on the machine as it was at start-up. The
+  share of the server's CPUs other processes take now (the whole machine's busy
+  fraction on its cores, a container's quota fill, less the server's own and its placed
+  stages' share; sampled off the event loop) stretches the cold prediction by
+  `1 / (1 − share)`; the live one already hears it. While the container's cgroup is
+  throttled in more than `max_throttled_fraction` of its CPU periods, nothing is
+  admitted.
+- **what the sessions hear**: a hole of `max_hole_ms` or more in a paced answer within
+  the window refuses (`late_audio`), when the server caused it (late generation, or a
+  writer that ran late); a client that does not read makes its own holes, which are
+  its session's problem, not a reason to refuse anyone else.
 
-A session open less than `new_session_s` has not shown its load yet (its user is
-still speaking the first turn): it is left out of the fit and charged the cost on top
-of what is measured. One more session is admitted when `now + cost × (new + 1)` (or
-`(n + new + 1) × cost` when nothing was measured lately) stays under `target_rtf`.
-
-The same prediction is made for the CPU busy fraction of the server's process tree
-(`CpuMeter`, the mean of the last `CPU_WINDOW_S`; its own fitted cost, prior
-`session_cost_cpu`) against `max_cpu_utilisation`: generation speed holds until the
-cores saturate and then falls off a cliff a straight-line RTF fit does not foresee.
-The CPU figure is the larger of the server's own share and the whole machine's busy
-fraction on the server's cores (`MachineMeter`; a container's quota fill counts too), so
-CPU taken by other processes is in the prediction (`weigh_outside_load`); the fitted
-per-session cost stays the server's own. While the container's cgroup is throttled in
-more than `max_throttled_fraction` of its CPU periods, nothing is admitted. Each refusal
-says why (`rtf`, `cpu`, `outside_load`, `throttled`) in its message, in `/health`
-(`realtime_admission.why`) and in the `omni_rt_admission_refusing{why}` gauge.
-Once it refuses, it admits again only under each bound less `hysteresis`, so a server
-at the edge does not flap between admitting and refusing. Only attached sessions are
-weighed. The first `min_sessions` sessions are always admitted. A
-refusal is `CapacityLimit`: the `session_limit` family's 429 / close 1013 with code
-`capacity`, its own `retry-after` and the `omni_rt_sessions_rejected_total{reason=
-"capacity"}` metric.
+One more session is admitted when the larger prediction stays under `target_rtf`. The
+server's own CPU busy fraction is no refusal reason by default: generation runs as fast
+as the cores allow, so busy cores say nothing of real-time slack
+(`max_cpu_utilisation` brings the bound back). Each refusal says why (`rtf`,
+`outside_load`, `cpu`, `throttled`, `late_audio`) in its message, in `/health`
+(`realtime_admission.why`) and in the `omni_rt_admission_refusing{why}` gauge. Once it
+refuses, it admits again only under each bound less `hysteresis`. Only attached
+sessions are weighed. The first `min_sessions` sessions are always admitted. A refusal
+is `CapacityLimit`: the `session_limit` family's 429 / close 1013 with code `capacity`,
+its own `retry-after` and the `omni_rt_sessions_rejected_total{reason="capacity"}`
+metric.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from omni_rt import metrics
-from omni_rt.load import GENERATION, PLAYOUT, CpuMeter, HoleMeter, MachineLoad, MachineMeter, RtfMeter
+from omni_rt.load import LoadMeters, MachineLoad
 from omni_rt.specs import RealtimeAdmissionSpec
 from sessions.errors import CapacityLimit
 
-__all__ = ["CPU_WINDOW_S", "RealtimeAdmission"]
+__all__ = ["OUTSIDE_DEADBAND", "Cost", "RealtimeAdmission"]
 
-# The CPU busy fraction is the mean over this span: voice load comes in turns, so a
-# shorter one reads a lull between turns as room (and a single turn's prefill burst as
-# saturation); its busiest reading instead refused at three sessions.
-CPU_WINDOW_S = 10.0
+# Other processes' share of the CPUs below this is read as noise (the kernel, a shell).
+OUTSIDE_DEADBAND = 0.05
+# Past this share the prediction is refused outright (1 / (1 - share) grows without bound).
+OUTSIDE_MAX = 0.9
 
 
-def _slope(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope of y against x, None until x takes two values."""
-    xs = [x for x, _ in points]
-    if len(set(xs)) < 2:
-        return None
-    ys = [y for _, y in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+@dataclass(frozen=True)
+class Cost:
+    """What real-time sessions of one pipeline cost in generation RTF: one alone, and
+    what each more one generating at the same time adds."""
+
+    base: float
+    per_session: float
+    source: str  # calibrated | deploy | prior
+
+    def at(self, sessions: int) -> float:
+        """The RTF with `sessions` generating at once."""
+        return self.base + self.per_session * max(0, sessions - 1)
+
+    def sessions_under(self, target: float) -> int:
+        """How many sessions generating at once stay under `target`."""
+        if self.base > target:
+            return 0
+        return 1 + int((target - self.base) / self.per_session + 1e-9)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"base_rtf": round(self.base, 4), "per_session_rtf": round(self.per_session, 4), "from": self.source}
 
 
 class RealtimeAdmission:
-    def __init__(
-        self,
-        spec: RealtimeAdmissionSpec,
-        meter: RtfMeter | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        cpu: CpuMeter | None = None,
-        machine: MachineMeter | None = None,
-        holes: HoleMeter | None = None,
-    ) -> None:
+    def __init__(self, spec: RealtimeAdmissionSpec, meters: LoadMeters | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
-        self.meter = meter if meter is not None else GENERATION
-        self.holes = holes if holes is not None else PLAYOUT
-        self.cpu = cpu if cpu is not None else CpuMeter(CPU_WINDOW_S)
-        self.machine = machine if machine is not None else MachineMeter(CPU_WINDOW_S)
-        self.machine_load: MachineLoad | None = None
+        self.meters = meters if meters is not None else LoadMeters(spec.window_s)
+        self.meters.set_window(spec.window_s)
         self.clock = clock
         self.kinds = frozenset(spec.kinds)
-        # (time, established sessions, worst rtf or None, cpu busy fraction or None)
-        self._samples: deque[tuple[float, int, float | None, float | None]] = deque()
+        self.costs: dict[str, Cost] = {  # per pipeline: stated in the deploy, or calibrated at start-up
+            name: Cost(c.base_rtf, max(c.per_session_rtf, spec.min_session_cost_rtf), "deploy") for name, c in spec.pipeline_costs.items()
+        }
+        self.calibration: dict[str, Any] = {}  # per pipeline: what the start-up calibration measured
         self.refusing = False
         self.last: dict[str, Any] = {}
 
@@ -102,122 +111,126 @@ class RealtimeAdmission:
         keep)."""
         return self.spec.enabled and kind in self.kinds and (kind != "robot" or control_hz is not None)
 
-    def observe(self, sessions: int) -> tuple[float | None, float | None]:
-        """Take one sample (established sessions, worst RTF now, CPU busy fraction)."""
-        now = self.clock()
-        rtf = self.meter.worst()  # on the meter's own clock, like the streams it measured
-        cpu = self.cpu.utilisation() if self.spec.max_cpu_utilisation is not None else None
-        if self.spec.weigh_outside_load or self.spec.max_throttled_fraction is not None:
-            self.machine_load = self.machine.load()
-        self._samples.append((now, sessions, rtf, cpu))
-        horizon = now - 6 * self.spec.window_s
-        while self._samples and self._samples[0][0] < horizon:
-            self._samples.popleft()
-        return rtf, cpu
+    def cost(self, pipeline: str | None = None) -> Cost:
+        """What a session of `pipeline` costs; the prior when it was neither stated nor measured."""
+        c = self.costs.get(pipeline or "")
+        if c is not None:
+            return c
+        p = self.spec.session_cost_rtf
+        return Cost(p, p, "prior")
 
-    def _fitted(self, part: int, prior: float) -> tuple[float, str]:
-        """The slope of sample part `part` (2: RTF, 3: CPU) against the established
-        sessions, and where the figure comes from; `prior` until it can be fitted."""
-        slope = _slope([(x[1], y) for x in self._samples if (y := x[part]) is not None])
-        if slope is not None and slope > 0:
-            return max(slope, self.spec.min_session_cost_rtf), "measured"
-        return prior, "prior"
+    def calibrated(self, pipeline: str, base: float, at_k: float, k: int, details: dict[str, Any]) -> Cost:
+        """Record a start-up calibration: RTF `base` for one answer alone, `at_k` for `k`
+        at once. A cost the deploy states wins."""
+        per = max((at_k - base) / (k - 1) if k > 1 else base, self.spec.min_session_cost_rtf)
+        self.calibration[pipeline] = {**details, "base_rtf": round(base, 4), f"rtf_at_{k}": round(at_k, 4), "per_session_rtf": round(per, 4)}
+        if pipeline not in self.costs or self.costs[pipeline].source != "deploy":
+            self.costs[pipeline] = Cost(base, per, "calibrated")
+        return self.costs[pipeline]
 
-    def cost(self) -> tuple[float, str]:
-        """What one more session adds to the RTF, and where the figure comes from."""
-        return self._fitted(2, self.spec.session_cost_rtf)
-
-    def cpu_cost(self) -> tuple[float, str]:
-        """What one more session adds to the CPU busy fraction."""
-        return self._fitted(3, self.spec.session_cost_cpu)
-
-    def _busy(self, own: float | None) -> tuple[float | None, float]:
-        """(CPU busy fraction now, the part of it taken by others): the server's own
-        share, raised to the whole machine's on its cores when outside load is weighed."""
-        load = self.machine_load
+    def outside_share(self) -> tuple[float, float | None]:
+        """(share of the server's CPUs other processes take, the server's own busy
+        fraction) from the latest sample; 0 until there is one or when not weighed."""
+        own = self.meters.cpu_now
+        load = self.meters.machine_now
         if not self.spec.weigh_outside_load or load is None:
-            return own, 0.0
-        whole = load.effective()
-        if own is None:
-            return whole, 0.0
-        own = own * self._quota_scale()
-        return max(own, whole), max(0.0, whole - own)
+            return 0.0, own
+        own_scaled = (own or 0.0) * self._quota_scale(load)
+        share = max(0.0, load.effective() - own_scaled)
+        return (share if share >= OUTSIDE_DEADBAND else 0.0), own_scaled
 
-    def _quota_scale(self) -> float:
+    def _quota_scale(self, load: MachineLoad) -> float:
         """The server's own share is measured on the cores it may run on; under a
         smaller container quota the same CPU seconds fill more of what it may use."""
-        load = self.machine_load
-        if not self.spec.weigh_outside_load or load is None or load.capacity_cpus <= 0:
+        if load.capacity_cpus <= 0:
             return 1.0
-        return max(1.0, self.cpu.cpus / load.capacity_cpus)
+        return max(1.0, self.meters.cpu.cpus / load.capacity_cpus)
 
-    def check(self, kind: str, sessions: int, new: int = 0) -> None:
-        """Admit one more `kind` session next to `sessions` established real-time ones
-        and `new` ones that have not shown their load yet, or raise CapacityLimit."""
-        rtf, own = self.observe(sessions)
-        cost, source = self.cost()
-        predicted = rtf + cost * (new + 1) if rtf is not None else (sessions + new + 1) * cost
-        margin = self.spec.hysteresis if self.refusing else 0.0
+    def check(self, kind: str, sessions: int, new: int = 0, pipeline: str | None = None) -> None:
+        """Admit one more `kind` session of `pipeline` next to `sessions` established
+        real-time ones and `new` ones that have not shown their load yet, or raise
+        CapacityLimit. Reads the latest samples only: nothing here touches /proc."""
+        spec = self.spec
+        cost = self.cost(pipeline)
+        rtf = self.meters.generation.worst()
+        n = sessions + new + 1
+        outside, own = self.outside_share()
+        stretch = 1.0 / (1.0 - min(outside, OUTSIDE_MAX))
+        cold = cost.at(n)
+        live = rtf + cost.per_session * (new + 1) if rtf is not None else None
+        predicted = max(cold * stretch, live if live is not None else 0.0)
+        margin = spec.hysteresis if self.refusing else 0.0
+        bound = spec.target_rtf - margin + 1e-9
         why: list[str] = []
-        if predicted > self.spec.target_rtf - margin + 1e-9:
-            why.append("rtf")
-        cpu, outside = self._busy(own)
+        if outside >= OUTSIDE_MAX:
+            why.append("outside_load")
+        elif predicted > bound:
+            why.append("outside_load" if cold <= bound and (live is None or live <= bound) else "rtf")
         predicted_cpu = None
-        if self.spec.max_cpu_utilisation is not None and cpu is not None:
-            ccost = self.cpu_cost()[0] * self._quota_scale()
-            bound = self.spec.max_cpu_utilisation - margin + 1e-9
-            predicted_cpu = cpu + ccost * (new + 1)
-            if predicted_cpu > bound:
-                why.append("outside_load" if outside > 0 and predicted_cpu - outside <= bound else "cpu")
-        load = self.machine_load
+        if spec.max_cpu_utilisation is not None and own is not None:
+            predicted_cpu = own + outside + spec.session_cost_cpu * (new + 1)
+            if predicted_cpu > spec.max_cpu_utilisation - margin + 1e-9:
+                why.append("cpu")
+        load = self.meters.machine_now
         throttled = None if load is None else load.throttled
-        if self.spec.max_throttled_fraction is not None and throttled is not None and throttled > self.spec.max_throttled_fraction:
+        if spec.max_throttled_fraction is not None and throttled is not None and throttled > spec.max_throttled_fraction:
             why.append("throttled")
-        hole = self.holes.worst() if self.spec.max_hole_ms is not None else None
-        if hole is not None and self.spec.max_hole_ms is not None and hole * 1000 >= self.spec.max_hole_ms:
+        hole = self.meters.playout.worst() if spec.max_hole_ms is not None else None
+        if hole is not None and spec.max_hole_ms is not None and hole * 1000 >= spec.max_hole_ms:
             why.append("late_audio")
-        admit = sessions + new < self.spec.min_sessions or not why
+        admit = sessions + new < spec.min_sessions or not why
         self.refusing = not admit
         self.last = {
             "sessions": sessions,
             "new_sessions": new,
-            "rtf_now": rtf,
-            "session_cost_rtf": round(cost, 4),
-            "cost_from": source,
+            "pipeline": pipeline,
+            "rtf_now": None if rtf is None else round(rtf, 4),
+            "cost": cost.as_dict(),
+            # kept under their earlier names for dashboards and the benches
+            "session_cost_rtf": round(cost.per_session, 4),
+            "cost_from": cost.source,
+            "predicted_rtf_cold": round(cold * stretch, 4),
+            "predicted_rtf_live": None if live is None else round(live, 4),
             "predicted_rtf": round(predicted, 4),
-            "cpu_now": None if cpu is None else round(cpu, 4),
-            "cpu_own": None if own is None else round(own * self._quota_scale(), 4),
+            "cpu_own": None if own is None else round(own, 4),
             "cpu_outside": round(outside, 4),
             "predicted_cpu": None if predicted_cpu is None else round(predicted_cpu, 4),
             **(load.as_dict() if load is not None else {}),
             "worst_hole_ms": None if hole is None else round(hole * 1000, 1),
+            "loop_lag_ms": round(self.meters.loop.worst() * 1000, 1),
             "admitting": admit,
             "why": [] if admit else why,
         }
-        self._export(own, outside, cpu, throttled, [] if admit else why)
+        self._export(own, outside, load, throttled, [] if admit else why)
         if not admit:
             raise CapacityLimit(
-                kind, sessions + new, predicted, self.spec.target_rtf, self.spec.retry_after_s,
-                cpu=predicted_cpu, max_cpu=self.spec.max_cpu_utilisation, outside=outside, throttled=throttled, hole=hole, why=why,
+                kind, sessions + new, predicted, spec.target_rtf, spec.retry_after_s,
+                cpu=predicted_cpu,
+                max_cpu=spec.max_cpu_utilisation, outside=outside, throttled=throttled, hole=hole, why=why,
             )
 
     @staticmethod
-    def _export(own: float | None, outside: float, cpu: float | None, throttled: float | None, why: list[str]) -> None:
+    def _export(own: float | None, outside: float, load: MachineLoad | None, throttled: float | None, why: list[str]) -> None:
         if own is not None:
             metrics.ADMISSION_CPU.labels("own").set(own)
         metrics.ADMISSION_CPU.labels("outside").set(outside)
-        if cpu is not None:
-            metrics.ADMISSION_CPU.labels("machine").set(cpu)
+        if load is not None:
+            metrics.ADMISSION_CPU.labels("machine").set(load.effective())
         if throttled is not None:
             metrics.ADMISSION_THROTTLED.set(throttled)
         for w in ("rtf", "cpu", "outside_load", "throttled", "late_audio"):
             metrics.ADMISSION_REFUSING.labels(w).set(1 if w in why else 0)
 
     def health(self) -> dict[str, Any]:
-        """The last decision's figures, and the machine's load now (read afresh: the
-        last decision may be long past)."""
-        if self.spec.weigh_outside_load or self.spec.max_throttled_fraction is not None:
-            self.machine_load = self.machine.load() or self.machine_load
-        live = self.machine_load.as_dict() if self.machine_load is not None else {}
+        """The last decision's figures, and the load now (the latest samples)."""
+        load = self.meters.machine_now
+        live = load.as_dict() if load is not None else {}
+        outside, own = self.outside_share()
+        rtf = self.meters.generation.worst()
         return {"enabled": self.spec.enabled, "target_rtf": self.spec.target_rtf, "max_cpu_utilisation": self.spec.max_cpu_utilisation,
-                "weigh_outside_load": self.spec.weigh_outside_load, "refusing": self.refusing, **self.last, "machine_now": live}
+                "weigh_outside_load": self.spec.weigh_outside_load, "refusing": self.refusing,
+                "costs": {k: v.as_dict() for k, v in self.costs.items()}, "calibration": self.calibration, **self.last,
+                "rtf_now": None if rtf is None else round(rtf, 4), "rtf_at_last_decision": self.last.get("rtf_now"),
+                "machine_now": {**live, "cpu_own": None if own is None else round(own, 4), "cpu_outside": round(outside, 4)},
+                "loop_lag_ms_now": round(self.meters.loop.worst() * 1000, 1),
+                "loop_lag_ms_max": round(self.meters.loop.worst_ever * 1000, 1)}

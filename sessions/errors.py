@@ -62,8 +62,8 @@ class CapacityLimit(SessionLimit):
         why: list[str] | None = None,
     ) -> None:
         cpus = f", its CPUs {cpu:.0%} busy (at most {max_cpu:.0%})" if cpu is not None and max_cpu is not None else ""
-        if outside > 0 and cpus:
-            cpus += f", {outside:.0%} of them taken by other processes"
+        if outside > 0:
+            cpus += f", {outside:.0%} of its CPUs taken by other processes"
         if throttled is not None and "throttled" in (why or []):
             cpus += f", its container CPU-throttled in {throttled:.0%} of periods"
         if hole is not None and "late_audio" in (why or []):

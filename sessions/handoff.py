@@ -66,7 +66,8 @@ async def _hand_off(m: SessionManager, s: Session, deadline: float) -> tuple[str
             return s.id, "ended", "nothing to move"
         # after its clean point: what the client has not read goes with it (a
         # detached session's events, replayed where it resumes)
-        blob = migration.encode(_core_state(m, s), state, m.spec.migration_max_bytes)
+        # up to migration_max_bytes of msgpack: packed in a thread, off the loop that paces audio
+        blob = await asyncio.to_thread(migration.encode, _core_state(m, s), state, m.spec.migration_max_bytes)
         await m.store.put_state(s.id, blob, m.spec.migration_ttl_s, {**m._record(s), "state": "migrated", "node": None,
                                                                      "from_node": m.node_id, "url": m.spec.resume_url})
         await m.end(s, "migrated")
@@ -115,8 +116,10 @@ def _core_state(m: SessionManager, s: Session) -> dict[str, Any]:
 async def adopt(m: SessionManager, session_id: str, blob: bytes, token: str | None, principal: str | None) -> Session:
     """Take over a session another node moved: its token is checked, a slot taken,
     the wire's state restored; on any failure nothing is kept (the state stays in
-    the store for another try until it lapses)."""
-    doc = migration.decode(session_id, blob, m.spec.migration_max_bytes)
+    the store for another try until it lapses). A moved real-time session is weighed
+    like a new one: a node that cannot serve it in real time refuses it (capacity,
+    retry-after), and its client resumes it on another node or later."""
+    doc = await asyncio.to_thread(migration.decode, session_id, blob, m.spec.migration_max_bytes)
     core, state = doc["session"], doc["state"]
     if not token or not core.get("token_hash") or not token_hash_matches(str(core["token_hash"]), token):
         raise InvalidResumeToken(session_id, missing=not token)
@@ -137,10 +140,16 @@ async def adopt(m: SessionManager, session_id: str, blob: bytes, token: str | No
     s.created_at = float(core.get("created_at") or s.created_at)
     s.dropped_events = int(core.get("dropped_events") or 0)
     slot = Slot(session_id, kind, s.principal)
+    s.weighed = m.admission.applies(kind, None)
+    if s.weighed:
+        m.weigh(kind, s.principal, pipeline, what="moved")
+    m._admitting += int(s.weighed)
     try:
         await m.store.acquire(slot, m.limits, {**m._record(s), "state": SessionState.ACTIVE.value})
     except ValueError:
         raise IllegalTransition(session_id, "being resumed on another node", "resume") from None
+    finally:
+        m._admitting -= int(s.weighed)
     try:
         s._events.extend(migration.events_of(session_id, list(core.get("events") or [])))
         restore(s, state)
@@ -150,7 +159,6 @@ async def adopt(m: SessionManager, session_id: str, blob: bytes, token: str | No
         raise migration.MigrationFailed(f"Session '{session_id}' was moved, but restoring it failed ({type(exc).__name__}: {exc}).") from None
     m._sessions[session_id] = s
     s._transition(SessionState.ACTIVE, "resume")
-    s.weighed = m.admission.applies(kind, None)
     try:
         await m.store.drop_state(session_id)
     except StoreUnavailable as exc:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
+from omni_rt.load import LoadMeters
 from omni_rt.specs import SESSION_KINDS, SessionsSpec
 from sessions import handoff, migration
 from sessions.admission import RealtimeAdmission
@@ -88,6 +89,7 @@ class SessionManager:
         node_id: str | None = None,
         gone_limit: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        meters: LoadMeters | None = None,
     ) -> None:
         self.clock = clock  # leases are measured on this clock (tests drive it by hand)
         self.spec = spec or SessionsSpec()
@@ -101,7 +103,12 @@ class SessionManager:
             self.spec.retry_after_s,
             dict(self.spec.principal_caps),
         )
-        self.admission = RealtimeAdmission(self.spec.realtime_admission, clock=clock)
+        # this server's load meters (the orchestrator's: its stages write them), read by admission
+        self.meters: LoadMeters = meters if meters is not None else orchestrator.meters if orchestrator is not None else LoadMeters()
+        self.admission = RealtimeAdmission(self.spec.realtime_admission, self.meters, clock=clock)
+        # weighed sessions admitted and not yet registered (their slot is being acquired):
+        # counted as new by the next decision, so concurrent opens cannot over-admit
+        self._admitting = 0
         self._sessions: dict[str, Session] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
         self._gone_limit = gone_limit
@@ -123,6 +130,8 @@ class SessionManager:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
+        a = self.admission.spec
+        await self.meters.start(machine=a.enabled and (a.weigh_outside_load or a.max_throttled_fraction is not None))
         await self.store.connect()
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="session-reaper")
@@ -135,6 +144,7 @@ class SessionManager:
         await asyncio.gather(*(self.end(s, "shutdown") for s in list(self._sessions.values())), return_exceptions=True)
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.store.close()
+        await self.meters.stop()
 
     # ---- admission -------------------------------------------------------------------
     async def open(
@@ -168,16 +178,27 @@ class SessionManager:
         record = {**self._record(session), "state": SessionState.ACTIVE.value}
         session.weighed = admit is None and self.admission.applies(kind, control_hz)
         if session.weighed or admit is not None:
-            try:
-                if admit is not None:
-                    admit()
-                else:
-                    self.admission.check(kind, *self._realtime_split())
-            except CapacityLimit as exc:
-                self.stats["rejected"] += 1
-                metrics.SESSIONS_REJECTED.labels(kind=kind, reason="capacity").inc()
-                self._decided(kind, principal, None, "capacity", exc.message, weighed=session.weighed)
-                raise
+            self.weigh(kind, principal, pipeline, admit)
+        # From the decision until the session is registered it counts as new: the store
+        # (Redis) is awaited in between, and concurrent opens must see this one.
+        self._admitting += int(session.weighed)
+        try:
+            await self._acquire(session, slot, record)
+        finally:
+            self._admitting -= int(session.weighed)
+        self._sessions[sid] = session
+        session._transition(SessionState.ACTIVE, "open")
+        self.stats["admitted"] += 1
+        self._decided(kind, principal, sid, None, None, weighed=session.weighed)
+        metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
+        metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
+        metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
+        return session
+
+    async def _acquire(self, session: Session, slot: Slot, record: dict[str, Any]) -> None:
+        """The session's slot in the store, evicting a detached session to make room
+        where that is allowed; SessionLimit / StoreUnavailable when there is none."""
+        kind, principal = slot.kind, slot.principal
         evicted: set[str] = set()
         while True:
             try:
@@ -198,14 +219,20 @@ class SessionManager:
                 metrics.SESSIONS_REJECTED.labels(kind=kind, reason="store_unavailable").inc()
                 self._decided(kind, principal, None, "store_unavailable", exc.message)
                 raise
-        self._sessions[sid] = session
-        session._transition(SessionState.ACTIVE, "open")
-        self.stats["admitted"] += 1
-        self._decided(kind, principal, sid, None, None, weighed=session.weighed)
-        metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
-        metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
-        metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
-        return session
+
+    def weigh(self, kind: str, principal: str, pipeline: str | None, admit: Callable[[], None] | None = None, what: str = "new") -> None:
+        """Load-aware admission of one more real-time session (`admit`: a pipeline's own
+        check instead); a refusal is counted and recorded, and raised (CapacityLimit)."""
+        try:
+            if admit is not None:
+                admit()
+            else:
+                self.admission.check(kind, *self._realtime_split(), pipeline=pipeline)
+        except CapacityLimit as exc:
+            self.stats["rejected"] += 1
+            metrics.SESSIONS_REJECTED.labels(kind=kind, reason="capacity").inc()
+            self._decided(kind, principal, None, "capacity", exc.message if what == "new" else f"{what}: {exc.message}", weighed=admit is None)
+            raise
 
     def realtime_sessions(self) -> int:
         """Attached sessions on this node of the kinds load-aware admission weighs. A
@@ -218,7 +245,7 @@ class SessionManager:
         `realtime_admission.new_session_s` ago and have not shown their load yet."""
         now = self.clock()
         young = self.admission.spec.new_session_s
-        est = new = 0
+        est, new = 0, self._admitting
         for s in self._sessions.values():
             if s.weighed and s.state == SessionState.ACTIVE:
                 if now - s.opened_at < young:
@@ -392,8 +419,6 @@ class SessionManager:
         for s, why in ended:
             log.info("session %s (%s) expired: %s", s.id, s.kind, why)
             await self.end(s, why)
-        if self.admission.spec.enabled:
-            self.admission.observe(self._realtime_split()[0])
         live = [s for s in self._sessions.values() if s.is_open]
         try:
             lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])

@@ -173,7 +173,10 @@ async def serve(
     wanted = set(pipelines)
     data: dict[str, Any] = {
         "pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()},
-        "sessions": {"reaper_interval_s": 60, "realtime_admission": {"max_cpu_utilisation": None, "max_throttled_fraction": None}},
+        # Load-aware admission weighs no machine load here (the test process is the server, and
+        # the machine runs other tests) and calibrates nothing (fake stages; tests that want
+        # either set them).
+        "sessions": {"reaper_interval_s": 60, "realtime_admission": {"calibrate": False, "weigh_outside_load": False, "max_throttled_fraction": None}},
     }
     for key, value in (overlay or {}).items():
         if isinstance(value, Mapping) and isinstance(data.get(key), dict):
@@ -184,14 +187,6 @@ async def serve(
         else:
             data[key] = value
     clock = FakeClock()
-    # The CPU guard of load-aware admission is off: it would weigh the test process's own
-    # CPU and the machine's (tests that want it set sessions.realtime_admission.max_cpu_utilisation).
-    # The generation and playout meters are process-wide (one server per process in
-    # production): streams an earlier in-process server measured must not decide this one's admissions.
-    from omni_rt.load import GENERATION, PLAYOUT
-
-    GENERATION.clear()
-    PLAYOUT.clear()
     parsed = parse_overlay(data, "test harness")
     app = create_app(
         parsed,
@@ -213,5 +208,3 @@ async def serve(
         yield Harness(app, client, clock)
     finally:
         await client.close()
-        GENERATION.clear()  # nor this server's the next one's (or another test's manager)
-        PLAYOUT.clear()

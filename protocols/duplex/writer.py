@@ -4,8 +4,11 @@ events in order between them.
 
 Paced, it knows when a client playing the frames as they arrive runs dry within an
 answer: `omni_rt_playout_underrun_seconds{cause}` counts each hole, "generation" when
-the writer had no audio to send (the pipeline was late), "send" when it had some but
-ran late itself; load-aware admission reads them (`omni_rt.load.PLAYOUT`).
+the writer had no audio to send (the pipeline was late), "client" when the socket's send
+waited for the most of it (its client is not reading: its own problem, ended as a
+`slow_consumer` after `send_timeout_s`), "send" when it had audio and a free socket but
+ran late itself (the server's loop did not run). Load-aware admission reads the
+server's holes, generation and send (`SessionManager.meters.playout`), never a client's.
 
 Unsent events go back to the session when the attachment ends and are replayed on
 resume, including the unsent rest of an answer the writer was in the middle of (kept
@@ -22,7 +25,6 @@ from collections import deque
 from dataclasses import replace
 
 from omni_rt import metrics
-from omni_rt.load import PLAYOUT
 from protocols.duplex.transport import AUDIO_DELTA, RENDERED_RATE, DuplexTransport
 from protocols.ws import Socket
 from sessions import END_EVENTS, Session, SessionEvent, SessionManager
@@ -51,12 +53,17 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
         over = True
         wake.set()
 
+    blocked = 0.0  # seconds the socket's sends waited since the last hole check
+
     async def send(out: str | bytes) -> None:
+        nonlocal blocked
         if not t.paced:
             await sock.send(out)
             return
+        t0 = time.monotonic()
         try:
             await asyncio.wait_for(sock.send(out), timing.send_timeout_s)
+            blocked += time.monotonic() - t0
         except asyncio.TimeoutError:
             log.warning("duplex session %s: the client has not read for %.0f s; ending it", session.id, timing.send_timeout_s)
             sessions.end_soon(session, "slow_consumer")
@@ -106,9 +113,13 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                     now = time.monotonic()
                     if now > clock + ahead:  # idle or behind: the stream clock starts again
                         if ahead > 0:  # within an answer: the client's playback ran dry
-                            metrics.PLAYOUT_UNDERRUN_SECONDS.labels("duplex", "generation" if starved else "send").observe(now - clock - ahead)
-                            PLAYOUT.hole(now - clock - ahead)
+                            hole = now - clock - ahead
+                            cause = "generation" if starved else "client" if blocked >= hole / 2 else "send"
+                            metrics.PLAYOUT_UNDERRUN_SECONDS.labels("duplex", cause).observe(hole)
+                            if cause != "client":  # a client that does not read harms no one else
+                                sessions.meters.playout.hole(hole)
                         clock, ahead = now, 0.0
+                    blocked = 0.0
                     starved = False
                     due = clock + ahead - timing.pacing_lead_s
                     if due > now:

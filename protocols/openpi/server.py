@@ -42,7 +42,7 @@ from aiohttp import web
 
 from omni_rt import metrics
 from omni_rt.errors import WS_GOING_AWAY, WS_INTERNAL_ERROR, WS_NORMAL, WS_SERVICE_RESTART, WS_TRY_AGAIN_LATER, ClientError, RequestAborted, StageError
-from omni_rt.load import GENERATION
+from omni_rt.load import RtfMeter
 from omni_rt.payloads import Payload, PayloadError, PayloadKind
 from omni_rt.request import RequestStream
 from protocols.auth import principal_of
@@ -115,7 +115,8 @@ def _pace(query: Any, horizon: int) -> dict[str, Any] | None:
 
 
 class PolicyConnection:
-    def __init__(self, sock: Socket, session: Session, policy: Policy, layout: str, pace: dict[str, Any] | None = None) -> None:
+    def __init__(self, sock: Socket, session: Session, policy: Policy, layout: str, pace: dict[str, Any] | None = None,
+                 meter: RtfMeter | None = None) -> None:
         self.sock = sock
         self.session = session
         self.policy = policy
@@ -123,7 +124,8 @@ class PolicyConnection:
         # a robot with a declared rate reports each call's share of its budget to the
         # meter load-aware admission reads (as the audio streams report theirs)
         self.budget_s = None if pace is None else pace["budget_ms"] / 1000.0
-        self.meter_key = GENERATION.new_stream() if pace is not None else 0
+        self.meter = meter if meter is not None else RtfMeter()  # the server's (SessionManager.meters.generation)
+        self.meter_key = self.meter.new_stream() if pace is not None else 0
         self.episodes = 0
         self.prev_total_ms: float | None = None
         self.waiting = False  # between calls, waiting for the next observation
@@ -180,7 +182,7 @@ class PolicyConnection:
         infer_ms = (time.perf_counter() - t0) * 1000.0
         metrics.POLICY_INFER_SECONDS.observe(infer_ms / 1000.0)
         if self.budget_s is not None:
-            GENERATION.sample(self.meter_key, infer_ms / 1000.0 / self.budget_s)
+            self.meter.sample(self.meter_key, infer_ms / 1000.0 / self.budget_s)
         server_timing = {"infer_ms": infer_ms}
         if self.prev_total_ms is not None:
             server_timing["prev_total_ms"] = self.prev_total_ms
@@ -275,7 +277,7 @@ async def serve(request: web.Request, sessions: SessionManager, pipeline: str, p
     try:
         session.data["episode"] = pol.new_episode(seed)
         sock = await accept(request)
-        conn = PolicyConnection(sock, session, pol, meta["layout"], pace)
+        conn = PolicyConnection(sock, session, pol, meta["layout"], pace, sessions.meters.generation)
         await sock.send(packb({**meta, "session_id": session.id, "seed": session.data["episode"]["seed"], "extensions": ["reset"],
                                **({"realtime": pace} if pace is not None else {})}))
         await conn.serve()

@@ -11,7 +11,6 @@ import asyncio
 import aiohttp
 
 from clients.openpi import droid_observation, packb, unpackb
-from omni_rt.load import GENERATION
 from testkit import serve
 
 OVERLAY = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.4, "window_s": 0.5}}}
@@ -31,7 +30,6 @@ async def _refusal(ws: aiohttp.ClientWebSocketResponse, first: aiohttp.WSMessage
 
 async def test_robots_with_a_declared_rate_are_weighed_and_refused_over_capacity():
     async with serve(["robot"], OVERLAY) as h:
-        GENERATION.clear()
         # with a prior cost of 0.4 a session, two robots fit under 0.8
         robots = []
         for _ in range(2):
@@ -51,7 +49,7 @@ async def test_robots_with_a_declared_rate_are_weighed_and_refused_over_capacity
         await robots[0].send_bytes(packb(droid_observation(0, size=32)))
         reply = unpackb((await asyncio.wait_for(robots[0].receive(), 5)).data)
         assert reply["actions"].ndim == 2
-        worst = GENERATION.worst()
+        worst = h.sessions.meters.generation.worst()
         assert worst is not None and 0 < worst <= reply["server_timing"]["infer_ms"] / (1000.0 * 8 / 15) + 1e-9
         for ws in (*robots, plain):
             await ws.close()

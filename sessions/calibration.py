@@ -1,0 +1,125 @@
+"""Start-up calibration of load-aware admission (`sessions.admission`).
+
+A server that has served nobody yet knows nothing of what a session costs, and a burst
+of callers at a cold server would be refused (or over-admitted) on a guess. Before the
+server takes its first caller, each real-time voice pipeline it serves (one with a
+thinker and a speech stage, served on a voice wire) answers a short synthetic prompt:
+once to warm the stages up (not counted), once alone, then `calibrate_sessions` times at
+once, as a burst of callers who all finished speaking at the same moment would make it
+generate. The generation real-time factor of those answers, as the stages' own streams
+measure it (the server's generation meter, the same figure admission reads live), gives
+the pipeline's `Cost`: the RTF of one answer alone and what each more answer at the same
+time adds. A cost the deploy states (`pipeline_costs`) is not measured.
+
+On a GPU or a bigger CPU box the same measurement sizes admission to that machine; on
+a loaded one it measures the load as it is then (outside load later stretches it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from omni_rt.errors import OmniError
+from omni_rt.payloads import SPEECH_STAGES, Fence
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from omni_rt.specs import PipelineSpec
+    from sessions.manager import SessionManager
+
+__all__ = ["VOICE_WIRES", "calibrate", "calibrated_pipelines"]
+
+log = logging.getLogger("sessions.calibration")
+
+VOICE_WIRES = frozenset({"realtime", "duplex", "webrtc"})
+PROMPT = "Tell me about the weather today in a few sentences."
+TIMEOUT_S = 120.0
+
+
+def calibrated_pipelines(manager: SessionManager, specs: Mapping[str, PipelineSpec]) -> list[str]:
+    """The served pipelines calibration measures: voice wires, a thinker and a speech
+    stage, no cost stated in the deploy."""
+    orch = manager.orchestrator
+    if orch is None:
+        return []
+    out = []
+    for name, spec in specs.items():
+        profile = orch.pipelines.get(name)
+        if profile is None or not set(spec.wires) & VOICE_WIRES:
+            continue
+        if "thinker" not in {s.name for s in profile.stages} or not set(profile.final_outputs) & SPEECH_STAGES:
+            continue
+        if name in manager.admission.spec.pipeline_costs:
+            continue
+        out.append(name)
+    return out
+
+
+async def _answer(manager: SessionManager, pipeline: str, speech: set[str], voice: str | None, tokens: int, tag: str) -> None:
+    assert manager.orchestrator is not None
+    params: dict[str, Any] = {"messages": [{"role": "user", "content": PROMPT}], "max_output_tokens": tokens, "temperature": 0.0}
+    if voice is not None:
+        params["voice"] = voice
+    stream = manager.orchestrator.submit(pipeline, fence=Fence(f"calibration-{tag}"), params=params, outputs={"thinker", *speech},
+                                         entry="thinker", request_id=f"calibration-{pipeline}-{tag}-{time.monotonic_ns():x}")
+    stream.end_input()
+    try:
+        async for _ in stream.payloads():
+            pass
+    finally:
+        await stream.close()
+
+
+async def _level(manager: SessionManager, pipeline: str, speech: set[str], voice: str | None, tokens: int, n: int) -> tuple[float | None, float]:
+    """The worst generation RTF of `n` answers generated at once, and the level's wall time."""
+    meter = manager.meters.generation
+    meter.clear()
+    t0 = time.monotonic()
+    await asyncio.wait_for(asyncio.gather(*(_answer(manager, pipeline, speech, voice, tokens, f"{n}-{i}") for i in range(n))), TIMEOUT_S)
+    wall = time.monotonic() - t0
+    worst = meter.worst()
+    meter.clear()
+    return worst, wall
+
+
+async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) -> dict[str, Any]:
+    """Measure every real-time voice pipeline's cost (see the module docstring) into
+    `manager.admission`; what was measured, per pipeline. A pipeline whose answers fail
+    or measure nothing keeps the prior, with a warning: the server still starts."""
+    adm = manager.admission
+    spec = adm.spec
+    out: dict[str, Any] = {}
+    if not spec.enabled or not spec.calibrate:
+        return out
+    assert manager.orchestrator is not None
+    for name in calibrated_pipelines(manager, specs):
+        profile = manager.orchestrator.pipelines[name]
+        speech = set(profile.final_outputs) & SPEECH_STAGES
+        voices = specs[name].voices
+        voice = next(iter(voices.values()), None) if voices else None
+        k, tokens = spec.calibrate_sessions, spec.calibrate_tokens
+        t0 = time.monotonic()
+        try:
+            await _level(manager, name, speech, voice, tokens, 1)  # warm-up: first requests pay for lazy set-up
+            base, wall1 = await _level(manager, name, speech, voice, tokens, 1)
+            at_k, wallk = await _level(manager, name, speech, voice, tokens, k)
+        except (OmniError, asyncio.TimeoutError) as exc:
+            log.warning("admission calibration of pipeline %s failed (%s: %s); its sessions are weighed with the prior "
+                        "session_cost_rtf %.3f", name, type(exc).__name__, exc, spec.session_cost_rtf)
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        if base is None or at_k is None:
+            log.warning("admission calibration of pipeline %s measured no audio stream; its sessions are weighed with the prior", name)
+            out[name] = {"error": "no audio measured"}
+            continue
+        cost = adm.calibrated(name, base, at_k, k, {"answers_at_once": k, "max_output_tokens": tokens, "wall_s_alone": round(wall1, 3),
+                                                     f"wall_s_at_{k}": round(wallk, 3), "took_s": round(time.monotonic() - t0, 3)})
+        out[name] = adm.calibration[name]
+        log.info("admission calibrated pipeline %s: one answer alone generates at %.3fx real time, each more at once adds %.3f "
+                 "(%d at once: %.3f); a burst of up to %d sessions is admitted at target %.2f", name, cost.base, cost.per_session, k,
+                 at_k, cost.sessions_under(spec.target_rtf), spec.target_rtf)
+    return out
