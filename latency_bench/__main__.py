@@ -146,6 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ramp-every", type=float, default=3.0, metavar="S", help="seconds between offered sessions with --ramp (default 3)")
     _server_target(d, "http://host:port", 8400)
 
+    cap = sub.add_parser(
+        "capacity",
+        help="admission against the oracle: the most paced voice sessions that run clean with admission off, then a burst, "
+             "a ramp and a slow reader at a fresh server with admission on",
+    )
+    cap.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
+    cap.add_argument("--start", type=int, default=2, help="the oracle's first level (default 2)")
+    cap.add_argument("--step", type=int, default=2, help="the oracle's step between levels (default 2)")
+    cap.add_argument("--max-sessions", type=int, default=24, help="the oracle's last level (default 24)")
+    cap.add_argument("--ramp-every", type=float, default=3.0, help="seconds between offered sessions in the ramp (default 3)")
+    cap.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech")
+    cap.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
+    _server_target(cap, "(unused: the bench starts its own servers)", 8450)
+
     o = sub.add_parser(
         "text-overhead",
         help="text-only TTFT through omni-rt vs the same thinker on bare vLLM, same run",
@@ -244,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # subcommand -> module latency_bench.<module>, whose main_<module>(args) runs it
-COMMANDS = {"tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
+COMMANDS = {"capacity": "capacity", "tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
             "fuzz": "fuzz", "transcriptions": "transcriptions", "migrate": "migrate",
             "step-cache": "step_cache", "diffusion-steps": "diffusion_steps"}

@@ -33,7 +33,7 @@ import numpy as np
 from clients.duplex import DuplexClient
 from clients.webrtc import CallClient, CallRefused, use_host_addresses
 from latency_bench import finish, machine_info, utc_now
-from latency_bench.machine import Burner, HealthPoller, LoopStalls, metrics_text, steal_seconds, underruns_between
+from latency_bench.machine import Burner, HealthPoller, LoopStalls, loop_lag_between, metrics_text, steal_seconds, underruns_between
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
 from omni_rt.load import tree_cpu_seconds
@@ -191,13 +191,19 @@ async def run_level(transport: str, base: str, key: str | None, sessions: int, t
         "playout_stall_ms": summarize(stall_ms) if stall_ms else {},
         "admitted_sessions_with_stalls_over_100ms": sum(1 for x in per_session if x["stalls_over_100ms"]),
         "per_session": per_session,
-        "server_underruns": underruns_between(t_before, await metrics_text(base, key)),
+        **_server_view(t_before, await metrics_text(base, key)),
         "outside_load": poller.outside_load(),
         "bench_loop_stalls": {"count": len(stalls.intervals), "max_ms": round(max((b - a for a, b in stalls.intervals), default=0.0) * 1000, 1)},
         "steal_s": round(steal1 - steal0, 2) if steal0 is not None and steal1 is not None else None,
         "cpu_cores_per_session": round(cpu / wall / sessions, 3) if cpu is not None and wall > 0 else None,
         "samples": [{k: v for k, v in t.items() if k not in ("gaps_ms", "stalls_ms", "holes")} for t in turns_],
     }
+
+
+def _server_view(before: str | None, after: str | None) -> dict[str, Any]:
+    """What the server measured of itself over a level: the holes of its paced answers
+    by cause, and its event loop's lag."""
+    return {"server_underruns": underruns_between(before, after), "server_loop_lag": loop_lag_between(before, after)}
 
 
 def _session_summary(turns: list[dict[str, Any]], transport: str, stalls: LoopStalls) -> dict[str, Any]:

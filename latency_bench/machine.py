@@ -85,8 +85,8 @@ def steal_seconds() -> float | None:
     return getattr(psutil.cpu_times(), "steal", None)
 
 
-HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "session_cost_rtf", "cost_from", "cpu_now", "predicted_cpu", "cpu_own",
-               "cpu_outside", "machine_busy", "throttled", "why", "refusing")
+HEALTH_KEYS = ("open", "sessions", "new_sessions", "rtf_now", "predicted_rtf", "predicted_rtf_cold", "predicted_rtf_live", "session_cost_rtf",
+               "cost_from", "predicted_cpu", "cpu_own", "cpu_outside", "machine_busy", "throttled", "why", "refusing", "loop_lag_ms_now")
 
 
 class HealthPoller:
@@ -165,6 +165,33 @@ def underruns(text: str | None, over_s: float = 0.1) -> dict[str, dict[str, floa
             elif sample.name == name + "_bucket" and float(sample.labels["le"]) == over_s:
                 row["le"] = sample.value
     return {c: {"holes": r["count"], "over_100ms": r["count"] - r["le"]} for c, r in out.items()}
+
+
+def loop_lag(text: str | None) -> dict[float, float]:
+    """From a /metrics text: the server's event-loop lag histogram, {le: cumulative count}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text or ""):
+        for sample in family.samples:
+            if sample.name == "omni_rt_event_loop_lag_seconds_bucket":
+                out[float(sample.labels["le"])] = sample.value
+    return out
+
+
+def loop_lag_between(before: str | None, after: str | None) -> dict[str, Any]:
+    """The server's own event-loop lag between two /metrics texts (its 20 ms probe,
+    `omni_rt.load.LoopLag`): ticks, those late by more than 20 / 50 / 100 ms, and the
+    bucket bound the worst tick fell under (the server measures itself: a stall of the
+    bench's own loop is not in it)."""
+    a, b = loop_lag(before), loop_lag(after)
+    if not b:
+        return {}
+    d = {le: n - a.get(le, 0.0) for le, n in b.items()}
+    total = d.get(float("inf"), 0.0)
+    worst = next((le for le in sorted(d) if d[le] >= total), None)
+    return {"ticks": int(total), "over_20ms": int(total - d.get(0.02, total)), "over_50ms": int(total - d.get(0.05, total)),
+            "over_100ms": int(total - d.get(0.1, total)), "worst_le_ms": None if worst is None or worst == float("inf") else worst * 1000}
 
 
 def underruns_between(before: str | None, after: str | None) -> dict[str, dict[str, float]]:

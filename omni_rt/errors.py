@@ -135,6 +135,22 @@ class EngineRequestError(EngineError):
     expose = True
 
 
+class CapacityExceeded(OmniError):
+    """A stage's own real-time check refuses one more session (a full-duplex model's
+    frame budget): the caller is told `capacity` (429 / close 1013) with retry-after.
+    `live`: the sessions it already runs."""
+
+    code = "capacity"
+    http_status = 429
+    ws_close = WS_TRY_AGAIN_LATER
+    type = "requests"
+
+    def __init__(self, message: str, live: int = 0, **kw: Any) -> None:
+        kw.setdefault("headers", {"retry-after": "5"})
+        super().__init__(message, **kw)
+        self.live = live
+
+
 class EngineDead(EngineError):
     """The engine is gone: its stage refuses new work with 503 until it is back."""
 
@@ -183,6 +199,7 @@ class RequestAborted(OmniError):
 
 
 __all__ = [
+    "CapacityExceeded",
     "ClientError",
     "ConnectorError",
     "ContextLengthExceeded",

@@ -54,6 +54,9 @@ FINISH_REASON = "finish_reason"
 TALKER_PROMPT = "talker_prompt"
 # Stages whose outputs are an answer's speech (AUDIO payloads), by profile: the split
 # talker's SNAC decoder, Qwen2.5-Omni's token2wav or Qwen3-Omni's code2wav.
+# Where the user's utterance goes in a conversation message's text: the thinker puts
+# the utterance's audio (or its embeddings, or its transcript) there.
+AUDIO_PLACEHOLDER = "<|audio|>"
 SPEECH_STAGES = frozenset({"code2wav", "token2wav", "omni_code2wav"})
 
 

@@ -314,8 +314,8 @@ def create_app(
     pages.add_routes(routes, list(specs))
     dashboard.add_routes(routes, sessions, runtime)
     for name, spec in specs.items():
-        entry = runtime.pools[profiles[name].entry].replicas[0].processor
+        pool = runtime.pools[profiles[name].entry]
         for wire in spec.wires:
-            mount(Mount(wire, sessions, spec, overlay.server, entry, routes, dict(options or {})))
+            mount(Mount(wire, sessions, spec, overlay.server, pool.replicas[0].processor, routes, dict(options or {}), entry_pool=pool))
     routes.install(app)
     return app

@@ -337,6 +337,9 @@ class RealtimeAdmissionSpec(_Strict):
         "calibrate_sessions at once), so a burst at a cold server admits what fits"
     )
     calibrate_sessions: int = Field(default=4, ge=2, le=64, description="answers generated at once by the calibration's second level")
+    calibrate_max_sessions: int = Field(default=
+        16, ge=2, le=256, description="the most answers at once the calibration's third level measures (the burst the first two say fits)"
+    )
     calibrate_tokens: int = Field(default=24, ge=4, le=512, description="max_output_tokens of each calibration answer")
     pipeline_costs: dict[str, PipelineCostSpec] = Field(default=
         {}, description="per pipeline: its cost stated instead of calibrated, e.g. {voice: {base_rtf: 0.2, per_session_rtf: 0.07}}"

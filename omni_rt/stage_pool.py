@@ -75,6 +75,14 @@ class StagePool:
                 self._affinity.popitem(last=False)
         return replica
 
+    def pin(self, affinity: str, replica: Replica) -> None:
+        """Pin a session to `replica` (one a wire picked and reserved room on before
+        the session's first request)."""
+        self._affinity[affinity] = replica.index
+        self._affinity.move_to_end(affinity)
+        while len(self._affinity) > self.max_affinities:
+            self._affinity.popitem(last=False)
+
     def release_affinity(self, affinity: str) -> None:
         """Forget a session's pinning (session closed)."""
         self._affinity.pop(affinity, None)

@@ -47,6 +47,7 @@ import numpy as np
 
 from omni_rt import metrics
 from omni_rt.engines.base import Engine, StepEngine
+from omni_rt.errors import CapacityExceeded
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
@@ -147,6 +148,8 @@ class Conversation:
         self.frames = 0
         self.late = 0
         self.silent_frames = 0  # frames fed silence because the user's audio was not there
+        self.closing = False  # the user's audio ended: what is left is taken however short
+        self.inflight = 0  # steps that took this conversation's audio and have not answered yet
         self.out: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
 
     def feed(self, pcm: np.ndarray) -> None:
@@ -161,8 +164,8 @@ class Conversation:
 
     def take(self) -> np.ndarray:
         """The next frame of the user's audio, or silence (see the module docstring)."""
-        if not self.ready and self.buffered >= FRAME + self.lead:
-            self.ready = True
+        if not self.ready and (self.buffered >= FRAME + self.lead or (self.closing and self.buffered > 0)):
+            self.ready = True  # (the input ended: its tail goes out padded with silence)
         out = np.zeros(FRAME, np.float32)
         if not self.ready:
             self.silent_frames += 1
@@ -220,6 +223,7 @@ class FrameClock:
         items = [self.item(c, c.take()) for c in convs]
         for c in convs:
             c.fresh = False
+            c.inflight += 1
         started = self.clock()
         results = await asyncio.gather(*(self.engine.run(it, op="step", deadline=started + FRAME_S) for it in items), return_exceptions=True)
         took = self.clock() - started
@@ -230,6 +234,7 @@ class FrameClock:
             self.times.add(len(convs), took, self.clock())
             metrics.DUPLEX_STEP_SECONDS.labels(stage=self.name).observe(took)
         for c, r in zip(convs, results, strict=True):
+            c.inflight -= 1
             c.frames += 1
             c.late += late
             if late:
@@ -362,7 +367,11 @@ class MoshiProcessor(StageProcessor):
 
     # ---- a conversation --------------------------------------------------------------------
     async def run(self, ctx: StageContext) -> None:
+        key = ctx.params.get("reservation")
+        if key is not None and str(key) not in self._reserved:
+            self.admit(str(key))  # reserved on a replica that is gone: weighed here (CapacityExceeded)
         if not self._free:
+            self._reserved.discard(str(key))
             raise StageError(f"no free conversation slot (max_sessions {self.max_sessions})")
         slot = self._free.pop(0)
         seed = int(ctx.params.get("seed", self._seeds))
@@ -370,7 +379,6 @@ class MoshiProcessor(StageProcessor):
         lead = int(float(self.args["jitter_ms"]) / 1000 * SAMPLE_RATE)
         conv = Conversation(slot, seed, lead, int(float(self.args["max_buffer_s"]) * SAMPLE_RATE))
         text_piece = self.text_stream()
-        ended = asyncio.Event()
 
         async def read() -> None:
             async for p in ctx.input():
@@ -378,22 +386,27 @@ class MoshiProcessor(StageProcessor):
                     if int(p.meta.get("sample_rate", SAMPLE_RATE)) != SAMPLE_RATE:
                         raise StageError(f"the moshi stage takes {SAMPLE_RATE} Hz audio, got {p.meta.get('sample_rate')}")
                     conv.feed(np.asarray(p.arrays["pcm"], np.float32).reshape(-1))
-            ended.set()
+            conv.closing = True
 
         reader = asyncio.get_running_loop().create_task(read())
         self.clock.add(conv)
         self._reserved.discard(str(ctx.params.get("reservation")))
         try:
             while True:
-                getter = asyncio.ensure_future(conv.out.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
+                if reader.done():
                     reader.result()  # an input error fails the request
-                    if ended.is_set() and conv.buffered == 0:
+                    # the input ended: its tail is stepped (padded), the steps in flight
+                    # answered, then the conversation is over
+                    if conv.buffered == 0 and not conv.inflight and conv.out.empty():
                         break
-                    continue
-                r = getter.result()
+                    r = await conv.out.get()
+                else:
+                    getter = asyncio.ensure_future(conv.out.get())
+                    done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    if getter not in done:
+                        getter.cancel()
+                        continue
+                    r = getter.result()
                 if isinstance(r, BaseException):
                     raise StageError(f"moshi step failed: {r}")
                 text = text_piece(int(r["text"]))
@@ -401,8 +414,6 @@ class MoshiProcessor(StageProcessor):
                     PayloadKind.AUDIO, ctx.fence, arrays={"pcm": np.ascontiguousarray(r["pcm"], np.float32)},
                     meta={"sample_rate": SAMPLE_RATE, "frame": conv.frames - 1, "text": text, "text_token": int(r["text"]), "late": bool(r["late"])},
                 ))
-                if ended.is_set() and conv.buffered == 0:
-                    break
             ctx.add_usage(frames=conv.frames, late_frames=conv.late, silent_frames=conv.silent_frames)
         finally:
             self.clock.remove(conv)
@@ -474,7 +485,7 @@ class TextStreams:
         return piece
 
 
-class FrameBudgetExceeded(Exception):
+class FrameBudgetExceeded(CapacityExceeded):
     """One more conversation would not fit the frame: the caller refuses the session
     (`capacity`, 1013 / 429 with retry-after)."""
 
@@ -486,4 +497,4 @@ class FrameBudgetExceeded(Exception):
             f"with {live} conversation(s) live, one more would make each 80 ms frame's step take "
             f"{(predicted_s or 0) * 1000:.1f} ms (admitted while it stays under {budget_s * 1000:.1f} ms)"
         )
-        super().__init__(self.why)
+        super().__init__(self.why, live)

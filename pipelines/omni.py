@@ -139,7 +139,7 @@ class TalkerBase(StageProcessor):
     def _sampler(self, ctx: StageContext, prompt_codes: list[int]) -> Callable[[np.ndarray, list[int]], int]:
         """The first codebook's sampling (the talker's own: a request's temperature and
         top_p are the thinker's), with the repetition penalty over `prompt_codes` and
-        the codes so far."""
+        the codes so far (`out`, which only grows)."""
         from transformers import (
             LogitsProcessorList,
             RepetitionPenaltyLogitsProcessor,
@@ -157,8 +157,19 @@ class TalkerBase(StageProcessor):
         gen = torch.Generator()
         gen.manual_seed(request_seed(p))
 
+        # The penalty reads each earlier code once however often it came: the distinct
+        # codes so far, grown as the answer goes (not the whole history rebuilt a step).
+        seen = dict.fromkeys(prompt_codes)
+        ids = torch.tensor([list(seen)], dtype=torch.long)
+        taken = [0]  # codes of `out` already in `seen`
+
         def sample(logits: np.ndarray, out: list[int]) -> int:
-            ids = torch.tensor([prompt_codes + out], dtype=torch.long)
+            nonlocal ids
+            fresh = [c for c in out[taken[0]:] if c not in seen]
+            taken[0] = len(out)
+            if fresh:
+                seen.update(dict.fromkeys(fresh))
+                ids = torch.cat([ids, torch.tensor([fresh], dtype=torch.long)], dim=1)
             scores = procs(ids, torch.from_numpy(np.asarray(logits, np.float32)).view(1, -1) + allowed)
             if greedy:
                 return int(scores.argmax(-1))

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
-from omni_rt.payloads import FINISH_REASON, TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
+from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
 from pipelines import checkpoint
@@ -40,9 +40,6 @@ from pipelines.checkpoint import architectures, check_tokenizer_files
 from pipelines.tokenizing import SegmentEncoder, rust_tokenizer
 from pipelines.tools import DEFAULT_MAX_WHITESPACE, ToolCalling, ToolStream, default_parser, is_tool_request, template_messages
 from pipelines.tts import checkpoint_sampling
-
-AUDIO_PLACEHOLDER = "<|audio|>"
-
 
 # ---- audio encoder ----------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError, RequestAborted
-from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload, PayloadKind
+from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
 from protocols.auth import principal_of
@@ -34,7 +34,6 @@ from protocols.registry import Mount
 from protocols.tools import parse_tool_choice, parse_tools
 from sessions import SessionManager
 
-AUDIO_PLACEHOLDER = "<|audio|>"
 # OpenAI's chat audio formats -> the encoder's names
 AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "aac": "aac", "pcm16": "pcm"}
 

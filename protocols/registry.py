@@ -127,6 +127,9 @@ class Mount:
     entry_processor: Any  # the pipeline's entry stage processor (any replica: they are configured alike)
     routes: Routes
     options: dict[str, Any] = field(default_factory=dict)  # test hooks (e.g. "vad": a voice-activity detector factory)
+    # the entry stage's replicas (`omni_rt.stage_pool.StagePool`): a wire that reserves
+    # room on the replica that will run its session picks and pins it there
+    entry_pool: Any = None
 
     @property
     def source(self) -> str:

@@ -119,13 +119,22 @@ class RealtimeAdmission:
         p = self.spec.session_cost_rtf
         return Cost(p, p, "prior")
 
-    def calibrated(self, pipeline: str, base: float, at_k: float, k: int, details: dict[str, Any]) -> Cost:
-        """Record a start-up calibration: RTF `base` for one answer alone, `at_k` for `k`
-        at once. A cost the deploy states wins."""
-        per = max((at_k - base) / (k - 1) if k > 1 else base, self.spec.min_session_cost_rtf)
-        self.calibration[pipeline] = {**details, "base_rtf": round(base, 4), f"rtf_at_{k}": round(at_k, 4), "per_session_rtf": round(per, 4)}
+    def cost_of_levels(self, levels: dict[int, float]) -> Cost:
+        """The cost measured at `levels` ({answers at once: worst RTF}, 1 among them): the
+        RTF alone, and the steepest slope from it to another level (never under
+        `min_session_cost_rtf`)."""
+        base = levels[1]
+        slopes = [(r - base) / (n - 1) for n, r in levels.items() if n > 1]
+        return Cost(base, max([*slopes, self.spec.min_session_cost_rtf]), "calibrated")
+
+    def calibrated(self, pipeline: str, levels: dict[int, float], details: dict[str, Any] | None = None) -> Cost:
+        """Record a start-up calibration ({answers at once: worst RTF}). A cost the deploy
+        states wins."""
+        cost = self.cost_of_levels(levels)
+        self.calibration[pipeline] = {**(details or {}), "base_rtf": round(cost.base, 4), "per_session_rtf": round(cost.per_session, 4),
+                                      **{f"rtf_at_{n}": round(r, 4) for n, r in sorted(levels.items())}}
         if pipeline not in self.costs or self.costs[pipeline].source != "deploy":
-            self.costs[pipeline] = Cost(base, per, "calibrated")
+            self.costs[pipeline] = cost
         return self.costs[pipeline]
 
     def outside_share(self) -> tuple[float, float | None]:

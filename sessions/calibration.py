@@ -6,7 +6,9 @@ server takes its first caller, each real-time voice pipeline it serves (one with
 thinker and a speech stage, served on a voice wire) answers a short synthetic prompt:
 once to warm the stages up (not counted), once alone, then `calibrate_sessions` times at
 once, as a burst of callers who all finished speaking at the same moment would make it
-generate. The generation real-time factor of those answers, as the stages' own streams
+generate, then (where the line through those two says more fit) as many at once as it
+says fit: generation slows gently until the cores saturate and then steeply, and the
+burst admission would admit is what must be measured. The generation real-time factor of those answers, as the stages' own streams
 measure it (the server's generation meter, the same figure admission reads live), gives
 the pipeline's `Cost`: the RTF of one answer alone and what each more answer at the same
 time adds. A cost the deploy states (`pipeline_costs`) is not measured.
@@ -22,8 +24,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from omni_rt.errors import OmniError
-from omni_rt.payloads import SPEECH_STAGES, Fence
+from omni_rt.payloads import AUDIO_PLACEHOLDER, SPEECH_STAGES, Fence, Payload, PayloadKind
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -37,6 +41,17 @@ log = logging.getLogger("sessions.calibration")
 
 VOICE_WIRES = frozenset({"realtime", "duplex", "webrtc"})
 PROMPT = "Tell me about the weather today in a few sentences."
+CALIBRATION_AUDIO_S = 3.0  # a caller's turn
+AUDIO_RATE = 16000
+
+
+def _utterance() -> np.ndarray:
+    """A voiced-sounding signal of a caller's turn (tones under noise; the audio tower's
+    cost does not depend on what is said)."""
+    t = np.arange(int(CALIBRATION_AUDIO_S * AUDIO_RATE)) / AUDIO_RATE
+    rng = np.random.default_rng(0)
+    x = 0.2 * np.sin(2 * np.pi * 180 * t) * (1 + np.sin(2 * np.pi * 3 * t)) + 0.02 * rng.standard_normal(len(t))
+    return x.astype(np.float32)
 TIMEOUT_S = 120.0
 
 
@@ -59,13 +74,17 @@ def calibrated_pipelines(manager: SessionManager, specs: Mapping[str, PipelineSp
     return out
 
 
-async def _answer(manager: SessionManager, pipeline: str, speech: set[str], voice: str | None, tokens: int, tag: str) -> None:
+async def _answer(manager: SessionManager, pipeline: str, speech: set[str], voice: str | None, tokens: int, tag: str, audio: bool) -> None:
     assert manager.orchestrator is not None
-    params: dict[str, Any] = {"messages": [{"role": "user", "content": PROMPT}], "max_output_tokens": tokens, "temperature": 0.0}
+    fence = Fence(f"calibration-{tag}")
+    content = f"{AUDIO_PLACEHOLDER} {PROMPT}" if audio else PROMPT
+    params: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "max_output_tokens": tokens, "temperature": 0.0}
     if voice is not None:
         params["voice"] = voice
-    stream = manager.orchestrator.submit(pipeline, fence=Fence(f"calibration-{tag}"), params=params, outputs={"thinker", *speech},
+    stream = manager.orchestrator.submit(pipeline, fence=fence, params=params, outputs={"thinker", *speech},
                                          entry="thinker", request_id=f"calibration-{pipeline}-{tag}-{time.monotonic_ns():x}")
+    if audio:
+        stream.send_input(Payload(PayloadKind.AUDIO, fence, arrays={"pcm": _utterance()}, meta={"sample_rate": AUDIO_RATE}))
     stream.end_input()
     try:
         async for _ in stream.payloads():
@@ -74,12 +93,13 @@ async def _answer(manager: SessionManager, pipeline: str, speech: set[str], voic
         await stream.close()
 
 
-async def _level(manager: SessionManager, pipeline: str, speech: set[str], voice: str | None, tokens: int, n: int) -> tuple[float | None, float]:
+async def _level(manager: SessionManager, pipeline: str, speech: set[str], voice: str | None, tokens: int, n: int,
+                 audio: bool) -> tuple[float | None, float]:
     """The worst generation RTF of `n` answers generated at once, and the level's wall time."""
     meter = manager.meters.generation
     meter.clear()
     t0 = time.monotonic()
-    await asyncio.wait_for(asyncio.gather(*(_answer(manager, pipeline, speech, voice, tokens, f"{n}-{i}") for i in range(n))), TIMEOUT_S)
+    await asyncio.wait_for(asyncio.gather(*(_answer(manager, pipeline, speech, voice, tokens, f"{n}-{i}", audio) for i in range(n))), TIMEOUT_S)
     wall = time.monotonic() - t0
     worst = meter.worst()
     meter.clear()
@@ -102,24 +122,38 @@ async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) 
         voices = specs[name].voices
         voice = next(iter(voices.values()), None) if voices else None
         k, tokens = spec.calibrate_sessions, spec.calibrate_tokens
+        thinker = next(s for s in profile.stages if s.name == "thinker")
+        audio = thinker.input == PayloadKind.AUDIO and profile.entry == "thinker"  # the thinker hears the caller itself
         t0 = time.monotonic()
+        levels: dict[int, float] = {}
         try:
-            await _level(manager, name, speech, voice, tokens, 1)  # warm-up: first requests pay for lazy set-up
-            base, wall1 = await _level(manager, name, speech, voice, tokens, 1)
-            at_k, wallk = await _level(manager, name, speech, voice, tokens, k)
+            await _level(manager, name, speech, voice, tokens, 1, audio)  # warm-up: first requests pay for lazy set-up
+            base, wall1 = await _level(manager, name, speech, voice, tokens, 1, audio)
+            at_k, wallk = await _level(manager, name, speech, voice, tokens, k, audio)
+            if base is not None and at_k is not None:
+                levels = {1: base, k: at_k}
+                # A straight line from 1 and k answers misses the cliff where the cores
+                # saturate: the burst it would admit is measured too, and the steeper
+                # line kept (one more level, at most calibrate_max_sessions).
+                n = min(adm.cost_of_levels(levels).sessions_under(spec.target_rtf), spec.calibrate_max_sessions)
+                if n > k:
+                    at_n, _ = await _level(manager, name, speech, voice, tokens, n, audio)
+                    if at_n is not None:
+                        levels[n] = at_n
         except (OmniError, asyncio.TimeoutError) as exc:
             log.warning("admission calibration of pipeline %s failed (%s: %s); its sessions are weighed with the prior "
                         "session_cost_rtf %.3f", name, type(exc).__name__, exc, spec.session_cost_rtf)
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
-        if base is None or at_k is None:
+        if not levels:
             log.warning("admission calibration of pipeline %s measured no audio stream; its sessions are weighed with the prior", name)
             out[name] = {"error": "no audio measured"}
             continue
-        cost = adm.calibrated(name, base, at_k, k, {"answers_at_once": k, "max_output_tokens": tokens, "wall_s_alone": round(wall1, 3),
-                                                     f"wall_s_at_{k}": round(wallk, 3), "took_s": round(time.monotonic() - t0, 3)})
+        details = {"answers_at_once": sorted(levels), "max_output_tokens": tokens, "audio_s": CALIBRATION_AUDIO_S if audio else 0.0,
+                   "wall_s_alone": round(wall1, 3), f"wall_s_at_{k}": round(wallk, 3), "took_s": round(time.monotonic() - t0, 3)}
+        cost = adm.calibrated(name, levels, details)
         out[name] = adm.calibration[name]
         log.info("admission calibrated pipeline %s: one answer alone generates at %.3fx real time, each more at once adds %.3f "
-                 "(%d at once: %.3f); a burst of up to %d sessions is admitted at target %.2f", name, cost.base, cost.per_session, k,
-                 at_k, cost.sessions_under(spec.target_rtf), spec.target_rtf)
+                 "(measured at once: %s); a burst of up to %d sessions is admitted at target %.2f", name, cost.base, cost.per_session,
+                 ", ".join(f"{n}: {r:.3f}" for n, r in sorted(levels.items())), cost.sessions_under(spec.target_rtf), spec.target_rtf)
     return out

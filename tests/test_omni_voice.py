@@ -279,3 +279,38 @@ def test_the_talker_loads_a_thinker_whose_head_is_tied(tmp_path):
     ids = torch.tensor([[151644, 872, 198, 9707, 151645]])
     out = module.think_prompt(torch.tensor([0]), ids)
     assert out["hidden"].shape == (1, 5, 128) and bool(torch.isfinite(out["hidden"].float()).all())
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_the_talkers_sampler_keeps_its_history_incrementally_and_samples_as_the_whole_history_would(greedy: bool) -> None:
+    """The repetition penalty over the prompt's codes and every code so far: the sampler
+    grows its set of distinct codes as the answer goes instead of rebuilding the whole
+    history each step, and picks what transformers' processors over the whole history pick."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from pipelines.omni import TalkerBase
+
+    vocab = 64
+    args = {"greedy": greedy, "repetition_penalty": 1.5, "temperature": 0.9, "top_k": 20, "top_p": 0.8}
+    fake = SimpleNamespace(args=args, allowed=torch.zeros(vocab))
+    ctx = SimpleNamespace(params={"seed": 7})
+    prompt = [5, 5, 9, 11]
+    sample = TalkerBase._sampler(fake, ctx, prompt)  # type: ignore[arg-type]
+    procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
+    if not greedy:
+        procs += [TemperatureLogitsWarper(0.9), TopKLogitsWarper(20), TopPLogitsWarper(0.8)]
+    gen = torch.Generator()
+    gen.manual_seed(7)
+    rng = np.random.default_rng(0)
+    out: list[int] = []
+    for _ in range(40):
+        logits = rng.normal(size=vocab).astype(np.float32) * 3
+        scores = procs(torch.tensor([prompt + out]), torch.from_numpy(logits).view(1, -1))
+        want = int(scores.argmax(-1)) if greedy else int(torch.multinomial(torch.softmax(scores, -1), 1, generator=gen))
+        got = sample(logits, out)
+        assert got == want
+        out.append(got)
+    assert len(set(out)) > 5

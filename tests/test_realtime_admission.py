@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
@@ -18,7 +20,7 @@ from omni_rt.load import CPU_WINDOW_S, CgroupCpu, CpuMeter, HoleMeter, LoadMeter
 from omni_rt.specs import PipelineCostSpec, RealtimeAdmissionSpec, SessionsSpec
 from sessions import SessionManager
 from sessions.errors import CapacityLimit, SessionLimit
-from sessions.store import MemoryStore
+from sessions.store import Limits, MemoryStore, Slot
 
 
 class World:
@@ -84,7 +86,7 @@ async def test_a_burst_at_a_cold_calibrated_server_admits_what_the_calibration_s
     session adds 0.07. A burst of 12 at a server that has served nobody: nine fit under
     0.8 with all of them generating at once (0.2 + 0.07 x 8 = 0.76), the tenth would not."""
     w = World(base=0.0, per=0.0, target_rtf=0.8, retry_after_s=7)
-    cost = w.m.admission.calibrated("voice", 0.2, 0.41, 4, {})
+    cost = w.m.admission.calibrated("voice", {1: 0.2, 4: 0.41})
     assert cost.per_session == pytest.approx(0.07) and cost.source == "calibrated" and cost.sessions_under(0.8) == 9
     admitted, refused = await _burst(w.m, 12)
     assert len(admitted) == 9 and len(refused) == 3
@@ -98,10 +100,39 @@ async def test_a_burst_at_a_cold_calibrated_server_admits_what_the_calibration_s
     await w.m.stop()
 
 
+def test_the_steepest_measured_slope_is_kept_where_the_cores_saturate():
+    """1 and 4 at once say 8 fit; 8 at once measured 0.95: the line through that level is
+    kept, and 6 fit."""
+    from sessions.admission import RealtimeAdmission
+
+    adm = RealtimeAdmission(RealtimeAdmissionSpec(), LoadMeters())
+    assert adm.cost_of_levels({1: 0.35, 4: 0.52}).sessions_under(0.8) == 8
+    cost = adm.calibrated("voice", {1: 0.35, 4: 0.52, 8: 0.95}, {"took_s": 1.0})
+    assert cost.per_session == pytest.approx(0.6 / 7) and cost.sessions_under(0.8) == 6
+    assert adm.calibration["voice"] == {"took_s": 1.0, "base_rtf": 0.35, "per_session_rtf": 0.0857, "rtf_at_1": 0.35, "rtf_at_4": 0.52, "rtf_at_8": 0.95}
+    assert adm.cost_of_levels({1: 0.3, 4: 0.3}).per_session == adm.spec.min_session_cost_rtf  # batching for free is never assumed
+
+
+async def test_a_server_calibrates_its_voice_pipeline_before_its_first_caller():
+    """The in-process app over fake stages whose talker makes audio 2x faster than real
+    time: at start-up the voice pipeline answers alone and in bursts, and its measured
+    cost is what admission weighs (in /health)."""
+    from testkit import Speeds, serve
+
+    overlay = {"sessions": {"realtime_admission": {"calibrate": True, "calibrate_sessions": 2, "calibrate_max_sessions": 3,
+                                                   "calibrate_tokens": 8}}}
+    async with serve(["voice"], overlay, speeds=Speeds(token_s=2048 / 24000 / 2)) as h:
+        adm = h.sessions.health()["realtime_admission"]
+        cal = adm["calibration"]["voice"]
+        assert adm["costs"]["voice"]["from"] == "calibrated", adm
+        assert 0 < cal["base_rtf"] < 1 and cal["audio_s"] == 3.0 and 1 in cal["answers_at_once"] and 2 in cal["answers_at_once"]
+        assert h.sessions.meters.generation.worst() is None  # the calibration's streams are not the load of the first callers
+
+
 async def test_a_cost_the_deploy_states_wins_over_calibration_and_the_prior_bounds_what_was_measured_nowhere():
     w = World(base=0.0, per=0.0, target_rtf=0.8, session_cost_rtf=0.1,
               pipeline_costs={"voice": PipelineCostSpec(base_rtf=0.3, per_session_rtf=0.25)})
-    w.m.admission.calibrated("voice", 0.1, 0.13, 4, {})  # measured, but the deploy says otherwise
+    w.m.admission.calibrated("voice", {1: 0.1, 4: 0.13})  # measured, but the deploy says otherwise
     assert w.m.admission.cost("voice").source == "deploy"
     admitted, _ = await _burst(w.m, 5)
     assert len(admitted) == 3  # 0.3 + 0.25 x 2 = 0.8
@@ -120,7 +151,7 @@ async def test_one_long_answer_on_a_busy_cpu_does_not_refuse_the_next_caller():
     """One session generates a long answer as fast as the cores allow: the CPUs are
     saturated, but its RTF is 0.53 and a second session adds 0.07: it fits."""
     w = World(base=0.53, per=0.07, target_rtf=0.8, new_session_s=0)
-    w.m.admission.calibrated("voice", 0.23, 0.44, 4, {})
+    w.m.admission.calibrated("voice", {1: 0.23, 4: 0.44})
     await _open(w.m, "duplex", "voice")
     for _ in range(6):
         w.cpu_s[0] += 2.0  # both cores busy
@@ -136,7 +167,7 @@ async def test_live_load_refuses_and_a_finished_level_is_forgotten_within_the_wi
     something it did not see): the live prediction refuses; once that level is over, its
     streams leave the window (4 s) and the next burst is weighed cold again."""
     w = World(base=0.6, per=0.1, target_rtf=0.8, hysteresis=0.1, new_session_s=0)
-    w.m.admission.calibrated("voice", 0.2, 0.26, 4, {})  # 0.02 a session
+    w.m.admission.calibrated("voice", {1: 0.2, 4: 0.26})  # 0.02 a session
     admitted, _ = await _burst(w.m, 3)
     assert len(admitted) == 3
     w.speak()  # 3 at once measure 0.8
@@ -172,7 +203,7 @@ async def test_sessions_that_have_not_spoken_yet_are_charged_on_top_of_what_is_m
     established ones only, so each new one is charged the cost until it is
     `new_session_s` old."""
     w = World(base=0.25, per=0.15, target_rtf=0.8, hysteresis=0.0, new_session_s=5.0)
-    w.m.admission.calibrated("voice", 0.05, 0.35, 4, {})  # 0.1 a session
+    w.m.admission.calibrated("voice", {1: 0.05, 4: 0.35})  # 0.1 a session
     for _ in range(3):
         await _open(w.m, "duplex", "voice")
     w.t[0] += 6.0
@@ -193,9 +224,9 @@ async def test_concurrent_opens_on_a_slow_store_cannot_over_admit():
     weighed one after another, not all against the same empty server."""
 
     class SlowStore(MemoryStore):
-        async def acquire(self, slot, limits, record):
+        async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:
             await asyncio.sleep(0.05)
-            return await super().acquire(slot, limits, record)
+            await super().acquire(slot, limits, record)
 
     w = World(base=0.0, per=0.0, target_rtf=0.8, session_cost_rtf=0.2, store=SlowStore())
     results = await asyncio.gather(*(w.m.open("duplex", principal="p") for _ in range(8)), return_exceptions=True)
@@ -233,7 +264,7 @@ async def test_cpu_taken_by_other_processes_stretches_the_cold_prediction_and_he
     so with half the CPUs taken what it measured takes twice as long. 0.2 + 0.1 x 2 =
     0.4 fits alone; stretched by 1 / (1 - 0.5) it is 0.8 + ... over the target."""
     w = World(base=0.0, per=0.0, target_rtf=0.75, hysteresis=0.05)
-    w.m.admission.calibrated("voice", 0.2, 0.5, 4, {})
+    w.m.admission.calibrated("voice", {1: 0.2, 4: 0.5})
     await _open(w.m, "duplex", "voice")
     for _ in range(6):
         w.second(own=0.1)
@@ -257,7 +288,7 @@ async def test_cpu_taken_by_other_processes_stretches_the_cold_prediction_and_he
     assert metrics.REGISTRY.get_sample_value("omni_rt_admission_refusing", {"why": "outside_load"}) == 0
     await w.m.stop()
     off = World(base=0.0, per=0.0, target_rtf=0.75, weigh_outside_load=False)
-    off.m.admission.calibrated("voice", 0.2, 0.5, 4, {})
+    off.m.admission.calibrated("voice", {1: 0.2, 4: 0.5})
     for _ in range(6):
         off.second(own=0.2, outside=0.7)
     admitted, _ = await _burst(off.m, 3)

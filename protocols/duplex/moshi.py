@@ -51,7 +51,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import soxr
 
-from omni_rt.errors import WS_POLICY_VIOLATION, ClientError, OmniError, RequestAborted
+from omni_rt.errors import WS_POLICY_VIOLATION, CapacityExceeded, ClientError, InternalError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
 from protocols.auth import principal_of
 from protocols.duplex.transport import AUDIO_FRAME, MAX_FRAME_BYTES, RATES
@@ -205,26 +205,49 @@ class MoshiConversation:
         return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **data})
 
 
-async def open_conversation(sessions: SessionManager, pipeline: str, proc: DuplexModel, kind: str, principal: str, model: str) -> tuple[Session, MoshiConversation]:
-    """Open a `kind` session on the full-duplex model, admitted by its frame budget
-    (refused: FrameCapacity, `capacity` with retry-after), with its conversation."""
+class ReplicaPool(Protocol):
+    """The entry stage's replicas (`omni_rt.stage_pool.StagePool`)."""
+
+    def pick(self, affinity: str | None = None) -> Any: ...
+
+    def pin(self, affinity: str, replica: Any) -> None: ...
+
+
+async def open_conversation(sessions: SessionManager, pipeline: str, pool: ReplicaPool, kind: str, principal: str, model: str) -> tuple[Session, MoshiConversation]:
+    """Open a `kind` session on the full-duplex model, admitted by the frame budget of
+    the replica that will run it (the pool's pick, pinned to the session; refused:
+    FrameCapacity, `capacity` with retry-after), with its conversation. Anything else
+    that goes wrong in the model's check is a fault, not a refusal."""
     key = f"open_{secrets.token_hex(8)}"
+    chosen: list[tuple[Any, DuplexModel]] = []
 
     def admit() -> None:
+        replica = pool.pick()
+        proc = replica.processor
+        if not isinstance(proc, DuplexModel):
+            raise InternalError(f"pipeline {pipeline}: replica {replica.index} of its entry stage is no full-duplex model")
         try:
             proc.admit(key)
-        except Exception as exc:  # noqa: BLE001 - pipelines.moshi.FrameBudgetExceeded: the model's own refusal
-            raise FrameCapacity(kind, getattr(exc, "live", 0), str(exc), sessions.spec.realtime_admission.retry_after_s) from None
+        except CapacityExceeded as exc:  # the model's own refusal (pipelines.moshi.FrameBudgetExceeded)
+            raise FrameCapacity(kind, exc.live, exc.message, sessions.spec.realtime_admission.retry_after_s) from exc
+        chosen.append((replica, proc))
+
+    def cancel() -> None:
+        for _, proc in chosen:
+            proc.cancel(key)
 
     try:
         session = await sessions.open(kind, pipeline, principal=principal, admit=admit)
     except BaseException:
-        proc.cancel(key)  # refused after the frame budget reserved room (a cap, the store)
+        cancel()  # refused after the frame budget reserved room (a cap, the store)
         raise
+    replica, proc = chosen[0]
+    pool.pin(session.id, replica)  # its request runs where its room was reserved
+    session.add_finalizer(cancel)  # a reservation no request took over (a request takes it on start)
     try:
         return session, MoshiConversation(session, sessions, model, float(proc.describe()["frame_ms"]), key)
     except BaseException:
-        proc.cancel(key)
+        cancel()
         await sessions.end(session, "server_error")
         raise
 
@@ -241,6 +264,7 @@ def _rate(v: Any, param: str) -> int:
 def mount(m: Mount) -> None:
     sessions, pipeline = m.sessions, m.pipeline
     proc = m.processor(DuplexModel)
+    pool = m.entry_pool
     model_names = list(pipeline.models)
 
     def caps() -> dict[str, Any]:
@@ -254,7 +278,7 @@ def mount(m: Mount) -> None:
         }
 
     async def open_session(principal: str, model: str) -> tuple[Session, MoshiConversation]:
-        return await open_conversation(sessions, pipeline.name, proc, "duplex", principal, model)
+        return await open_conversation(sessions, pipeline.name, pool, "duplex", principal, model)
 
     async def handle(sock: Socket, session: Session, conv: MoshiConversation, data: str | bytes, first: bool) -> tuple[Session, MoshiConversation] | None:
         session.touch()

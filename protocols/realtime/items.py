@@ -11,10 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_rt.payloads import Payload
+from omni_rt.payloads import AUDIO_PLACEHOLDER, Payload
 from omni_rt.request import RequestStream
-
-AUDIO_PLACEHOLDER = "<|audio|>"
 
 # beta name -> GA name, for the events whose names differ
 GA_NAMES = {

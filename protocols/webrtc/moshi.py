@@ -143,7 +143,7 @@ def mount(m: Mount) -> None:
     async def start_call(request: web.Request, sdp: str, model: str) -> tuple[MoshiCall, str]:
         from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection
 
-        session, conv = await open_conversation(sessions, pipeline.name, proc, "webrtc", principal_of(request).name, model)
+        session, conv = await open_conversation(sessions, pipeline.name, m.entry_pool, "webrtc", principal_of(request).name, model)
         pc = RTCPeerConnection(RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers]))
         call = MoshiCall(session, sessions, conv, pc)
         session.data["call"] = call

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiohttp import WSMsgType
+from aiohttp import WSMsgType, WSServerHandshakeError
 
 from testkit import serve
 
@@ -274,3 +274,58 @@ async def test_a_model_whose_one_step_overruns_the_frame_refuses_the_first_conve
         b = await h.client.ws_connect("/v1/duplex?model=moshi")
         await created(b)
         await b.close()
+
+
+async def test_room_is_reserved_on_the_replica_that_runs_the_conversation_and_given_back() -> None:
+    """Two replicas of the model: each conversation's frame budget is reserved on the
+    replica the pool picked, and its request runs there (it is pinned); when the
+    conversations end, no replica holds a reservation or a live conversation."""
+    overlay = {"pipelines": {"moshi": {"stages": {"moshi": {"replicas": 2}}}}}
+    async with serve(["moshi"], overlay) as h:
+        procs = [h.processor("moshi", i) for i in range(2)]
+        socks = [await h.client.ws_connect("/v1/duplex?model=moshi") for _ in range(4)]
+        for ws in socks:
+            await created(ws)
+        await asyncio.sleep(0.3)
+        assert [len(p.clock.live) for p in procs] == [2, 2]  # the pool spread them; each runs where it reserved
+        assert all(not p._reserved for p in procs)  # every request took its reservation over
+        for s in h.sessions.sessions():  # (a dropped socket alone leaves them resumable)
+            await h.sessions.end(s, "closed")
+        for ws in socks:
+            await ws.close()
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if not any(p.clock.live for p in procs):
+                break
+        assert [len(p.clock.live) for p in procs] == [0, 0] and all(not p._reserved for p in procs)
+
+
+async def test_a_fault_in_the_models_check_is_a_server_error_not_a_capacity_refusal() -> None:
+    async with serve(["moshi"]) as h:
+        proc = h.processor("moshi")
+
+        def broken(key: str) -> None:
+            raise ZeroDivisionError("a bug")
+
+        proc.admit = broken
+        with pytest.raises(WSServerHandshakeError) as err:  # refused before the upgrade: a 500, not capacity's 429
+            await h.client.ws_connect("/v1/duplex?model=moshi")
+        assert err.value.status == 500
+        assert not [d for d in h.sessions.decisions if d.get("reason") == "capacity"]
+        del proc.admit  # the class's own again: the server goes on
+        ok = await h.client.ws_connect("/v1/duplex?model=moshi")
+        await created(ok)
+        await ok.close()
+
+
+def test_the_tail_of_the_users_audio_is_taken_once_the_input_ends() -> None:
+    """A last stretch shorter than a frame plus the lead would wait for more forever;
+    once the input has ended it goes out, padded with silence."""
+    from pipelines.moshi import Conversation
+
+    conv = Conversation(0, 0, lead=960, max_samples=24000 * 2)
+    conv.feed(np.full(1000, 0.5, np.float32))
+    assert not conv.take().any() and conv.buffered == 1000  # waiting for a frame and its lead
+    conv.closing = True
+    frame = conv.take()
+    assert conv.buffered == 0 and np.isclose(frame[:1000], 0.5).all() and not frame[1000:].any()
