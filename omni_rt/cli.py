@@ -156,7 +156,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(json.dumps({name: p.model_dump(mode="json") for name, p in runtime.profiles.items()}, indent=2))
     for note in dtype_notes(runtime):
         print(f"omni-rt check: note: {note}", file=sys.stderr)
+    for note in admission_notes(overlay):
+        print(f"omni-rt check: note: {note}", file=sys.stderr)
     return 0
+
+
+def admission_notes(overlay: Any) -> list[str]:
+    """What load-aware admission will weigh real-time sessions with: the costs the deploy
+    states, or that it calibrates at start-up."""
+    adm = overlay.sessions.realtime_admission
+    if not adm.enabled:
+        return ["load-aware admission is off (sessions.realtime_admission.enabled: false): real-time sessions meet only the caps"]
+    out = []
+    for name, c in adm.pipeline_costs.items():
+        n = 1 + int(max(0.0, adm.target_rtf - c.base_rtf) / max(c.per_session_rtf, adm.min_session_cost_rtf) + 1e-9) if c.base_rtf <= adm.target_rtf else 0
+        out.append(f"admission: pipeline {name} costs {c.base_rtf:.3f} RTF alone, +{c.per_session_rtf:.3f} a session at once "
+                   f"(stated in the deploy): a burst of up to {n} is admitted at target {adm.target_rtf:.2f}")
+    if adm.calibrate:
+        out.append("admission: real-time voice pipelines without a stated cost are calibrated when the server starts "
+                   f"(1, {adm.calibrate_sessions}, and up to {adm.calibrate_max_sessions} answers at once; /health shows what was measured)")
+    else:
+        out.append(f"admission: nothing is calibrated; a pipeline without a stated cost is weighed at the prior {adm.session_cost_rtf:.3f} a session")
+    return out
 
 
 def dtype_notes(runtime: Any) -> list[str]:

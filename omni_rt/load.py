@@ -56,6 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = [
@@ -401,7 +402,14 @@ class LoopLag:
     """How late the event loop wakes a task that sleeps `LOOP_TICK_S` at a time: the
     worst of the last `window_s`, the worst since start, and the histogram
     `omni_rt_event_loop_lag_seconds`. A loop that paces audio frames and is late by
-    more than a frame is heard."""
+    more than a frame is heard.
+
+    A watchdog thread beside it notices a loop that has not ticked for `BLOCKED_S` and
+    takes the loop thread's stack then (`blocked`: the last `BLOCKED_KEPT`, each when,
+    for how long at least, and where; logged as a warning): what held the loop, named."""
+
+    BLOCKED_S = 0.05
+    BLOCKED_KEPT = 20
 
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
@@ -409,6 +417,10 @@ class LoopLag:
         self._lags: deque[tuple[float, float]] = deque()  # (when, lag) of the lags over 5 ms
         self.worst_ever = 0.0
         self.ticks = 0
+        self.blocked: deque[dict[str, Any]] = deque(maxlen=self.BLOCKED_KEPT)
+        self._beat = time.perf_counter()
+        self._loop_thread: int | None = None
+        self._stop = threading.Event()
 
     def record(self, lag: float, now: float | None = None) -> None:
         t = self.clock() if now is None else now
@@ -427,17 +439,63 @@ class LoopLag:
         self._lags.clear()
         self.worst_ever = 0.0
 
+    def _watch(self) -> None:
+        import logging
+        import sys
+        import traceback
+
+        log = logging.getLogger("omni_rt.load")
+        seen = None  # the beat of the stall already reported
+        while not self._stop.wait(0.01):
+            beat = self._beat
+            held = time.perf_counter() - beat
+            if held < self.BLOCKED_S or beat == seen or self._loop_thread is None:
+                continue
+            frame = sys._current_frames().get(self._loop_thread)
+            if frame is None:
+                continue
+            seen = beat
+            stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
+            self.blocked.append({"time": time.time(), "held_ms_at_least": round(held * 1000, 1), "stack": stack[::-1]})
+            log.warning("event loop held for %.0f ms (so far) at %s", held * 1000, " <- ".join(stack[::-1][:6]))
+
     async def run(self) -> None:
         import asyncio
 
         from omni_rt import metrics
 
-        while True:
-            t0 = time.perf_counter()
-            await asyncio.sleep(LOOP_TICK_S)
-            lag = max(0.0, time.perf_counter() - t0 - LOOP_TICK_S)
-            self.record(lag)
-            metrics.EVENT_LOOP_LAG_SECONDS.observe(lag)
+        self._loop_thread = threading.get_ident()
+        self._stop.clear()
+        watchdog = threading.Thread(target=self._watch, name="loop-watchdog", daemon=True)
+        watchdog.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                self._beat = t0
+                await asyncio.sleep(LOOP_TICK_S)
+                now = time.perf_counter()
+                self._beat = now
+                lag = max(0.0, now - t0 - LOOP_TICK_S)
+                self.record(lag)
+                metrics.EVENT_LOOP_LAG_SECONDS.observe(lag)
+        finally:
+            self._stop.set()
+
+
+# Threads of the engines that run in the server's process (`omni_rt.engines`: one
+# executor thread each, named after it): the rest of the process is the front end.
+ENGINE_THREAD_PREFIXES = ("torch-", "diffusers-")
+
+
+def front_cpu_seconds() -> float:
+    """CPU seconds of this process's threads, less its in-process engines' threads."""
+    import psutil
+
+    engines = {t.native_id for t in threading.enumerate() if t.name.startswith(ENGINE_THREAD_PREFIXES)}
+    try:
+        return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id not in engines)
+    except psutil.Error:
+        return 0.0
 
 
 class LoadMeters:
@@ -446,11 +504,15 @@ class LoadMeters:
     machine's CPU, sampled off the event loop (`start`)."""
 
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic, cpu_window_s: float = CPU_WINDOW_S,
-                 cpu: CpuMeter | None = None, machine: MachineMeter | None = None) -> None:
+                 cpu: CpuMeter | None = None, machine: MachineMeter | None = None, front: CpuMeter | None = None) -> None:
         self.generation = RtfMeter(window_s, clock)
         self.playout = HoleMeter(window_s, clock)
         self.loop = LoopLag()
         self.cpu = cpu if cpu is not None else CpuMeter(cpu_window_s, read=self.server_cpu_seconds)
+        # the front end: this process's threads but its in-process engines' (VAD, resampling,
+        # pacing, framing, the wires, the orchestrator)
+        self.front = front if front is not None else CpuMeter(cpu_window_s, read=front_cpu_seconds)
+        self.front_now: float | None = None  # the latest sample: the front end's busy fraction of the CPUs
         self.machine = machine if machine is not None else MachineMeter(cpu_window_s)
         self.cpu_now: float | None = None  # the latest sample: the server's busy fraction
         self.machine_now: MachineLoad | None = None  # the latest sample: the machine's load
@@ -486,6 +548,7 @@ class LoadMeters:
     def sample(self, machine: bool = True) -> None:
         """One reading of the CPU meters (blocking: run it in a thread)."""
         self.cpu_now = self.cpu.utilisation()
+        self.front_now = self.front.utilisation()
         if machine:
             self.machine_now = self.machine.load() or self.machine_now
         self.sampled += 1

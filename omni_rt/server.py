@@ -123,6 +123,12 @@ async def freeze_startup_objects(app: web.Application) -> None:
     gc.freeze()
 
 
+async def start_thread_pool(threads: int = 8) -> None:
+    """Start the loop's thread pool now, not on the first turn that needs a thread
+    (starting one waits for the new thread to run: on a busy CPU, a held loop)."""
+    await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.01) for _ in range(threads)))
+
+
 def drain_on_sigterm(timeout_s: float) -> Callable[[web.Application], Awaitable[None]]:
     """An `on_startup` hook for a serving process: SIGTERM (a supervisor stopping it,
     Kubernetes' rolling update) drains first (sessions move to other nodes, at most
@@ -262,6 +268,7 @@ def create_app(
         try:
             await runtime.start()
             metrics.STAGES.runtimes.add(runtime)
+            await start_thread_pool()
             # what a real-time session costs, measured before the first caller (sessions.calibration)
             await calibrate(sessions, specs)
             log.info(

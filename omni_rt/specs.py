@@ -344,6 +344,13 @@ class RealtimeAdmissionSpec(_Strict):
     pipeline_costs: dict[str, PipelineCostSpec] = Field(default=
         {}, description="per pipeline: its cost stated instead of calibrated, e.g. {voice: {base_rtf: 0.2, per_session_rtf: 0.07}}"
     )
+    weigh_front_end: bool = Field(default=
+        True, description="count the front end's CPU (VAD, resampling, pacing, framing) per open session against the calibrated cost"
+    )
+    front_end_cpu_per_session: float = Field(default=
+        0.1, ge=0, le=16.0, description="CPU cores the server's front end (VAD, resampling, pacing, framing) spends per open real-time "
+        "session until it has measured it: the calibration measured the engines alone, and n sessions' front end takes its share of the cores"
+    )
     session_cost_rtf: float = Field(default=
         0.05, gt=0, le=1.0, description="what one session costs in RTF when its pipeline was neither calibrated nor stated (the prior)"
     )

@@ -102,6 +102,7 @@ class RealtimeAdmission:
             name: Cost(c.base_rtf, max(c.per_session_rtf, spec.min_session_cost_rtf), "deploy") for name, c in spec.pipeline_costs.items()
         }
         self.calibration: dict[str, Any] = {}  # per pipeline: what the start-up calibration measured
+        self._front: tuple[float, str] = (spec.front_end_cpu_per_session, "prior")
         self.refusing = False
         self.last: dict[str, Any] = {}
 
@@ -155,6 +156,19 @@ class RealtimeAdmission:
             return 1.0
         return max(1.0, self.meters.cpu.cpus / load.capacity_cpus)
 
+    def front_end(self, sessions: int) -> tuple[float, str]:
+        """The CPU (in cores) the server's front end spends per real-time session (VAD,
+        resampling, pacing, framing: the process but its in-process engines), and where
+        the figure comes from: measured over the `sessions` established ones (those
+        younger than `new_session_s` have not loaded it yet), else the last measure,
+        else the prior `front_end_cpu_per_session`."""
+        if not self.spec.weigh_front_end:
+            return 0.0, "not weighed"
+        f = self.meters.front_now
+        if f is not None and sessions > 0:
+            self._front = (f * self.meters.front.cpus / sessions, "measured")
+        return self._front
+
     def check(self, kind: str, sessions: int, new: int = 0, pipeline: str | None = None) -> None:
         """Admit one more `kind` session of `pipeline` next to `sessions` established
         real-time ones and `new` ones that have not shown their load yet, or raise
@@ -164,17 +178,23 @@ class RealtimeAdmission:
         rtf = self.meters.generation.worst()
         n = sessions + new + 1
         outside, own = self.outside_share()
-        stretch = 1.0 / (1.0 - min(outside, OUTSIDE_MAX))
+        front, front_from = self.front_end(sessions)
+        cpus = self.meters.machine_now.capacity_cpus if self.meters.machine_now is not None else float(self.meters.cpu.cpus)
+        front_share = front * n / max(cpus, 1e-9)
         cold = cost.at(n)
+        # the calibration measured the engines alone: the front end of n sessions and
+        # other processes take their shares of the cores from them
+        cold_front = cold / (1.0 - min(front_share, OUTSIDE_MAX))
+        stretched = cold / (1.0 - min(front_share + outside, OUTSIDE_MAX))
         live = rtf + cost.per_session * (new + 1) if rtf is not None else None
-        predicted = max(cold * stretch, live if live is not None else 0.0)
+        predicted = max(stretched, live if live is not None else 0.0)
         margin = spec.hysteresis if self.refusing else 0.0
         bound = spec.target_rtf - margin + 1e-9
         why: list[str] = []
         if outside >= OUTSIDE_MAX:
             why.append("outside_load")
         elif predicted > bound:
-            why.append("outside_load" if cold <= bound and (live is None or live <= bound) else "rtf")
+            why.append("outside_load" if cold_front <= bound and (live is None or live <= bound) else "rtf")
         predicted_cpu = None
         if spec.max_cpu_utilisation is not None and own is not None:
             predicted_cpu = own + outside + spec.session_cost_cpu * (new + 1)
@@ -198,7 +218,9 @@ class RealtimeAdmission:
             # kept under their earlier names for dashboards and the benches
             "session_cost_rtf": round(cost.per_session, 4),
             "cost_from": cost.source,
-            "predicted_rtf_cold": round(cold * stretch, 4),
+            "predicted_rtf_cold": round(stretched, 4),
+            "front_end_cores_per_session": round(front, 4),
+            "front_end_from": front_from,
             "predicted_rtf_live": None if live is None else round(live, 4),
             "predicted_rtf": round(predicted, 4),
             "cpu_own": None if own is None else round(own, 4),
@@ -242,4 +264,5 @@ class RealtimeAdmission:
                 "rtf_now": None if rtf is None else round(rtf, 4), "rtf_at_last_decision": self.last.get("rtf_now"),
                 "machine_now": {**live, "cpu_own": None if own is None else round(own, 4), "cpu_outside": round(outside, 4)},
                 "loop_lag_ms_now": round(self.meters.loop.worst() * 1000, 1),
-                "loop_lag_ms_max": round(self.meters.loop.worst_ever * 1000, 1)}
+                "loop_lag_ms_max": round(self.meters.loop.worst_ever * 1000, 1),
+                "loop_blocked": list(self.meters.loop.blocked)[-5:]}

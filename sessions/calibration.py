@@ -140,9 +140,10 @@ async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) 
                     at_n, _ = await _level(manager, name, speech, voice, tokens, n, audio)
                     if at_n is not None:
                         levels[n] = at_n
-        except (OmniError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the server still serves; the failure is logged with its cause
             log.warning("admission calibration of pipeline %s failed (%s: %s); its sessions are weighed with the prior "
-                        "session_cost_rtf %.3f", name, type(exc).__name__, exc, spec.session_cost_rtf)
+                        "session_cost_rtf %.3f", name, type(exc).__name__, exc, spec.session_cost_rtf,
+                        exc_info=not isinstance(exc, (OmniError, asyncio.TimeoutError)))
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         if not levels:

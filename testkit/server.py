@@ -173,10 +173,11 @@ async def serve(
     wanted = set(pipelines)
     data: dict[str, Any] = {
         "pipelines": {n: {"enabled": n in wanted} for n in builtin.load_all()},
-        # Load-aware admission weighs no machine load here (the test process is the server, and
-        # the machine runs other tests) and calibrates nothing (fake stages; tests that want
-        # either set them).
-        "sessions": {"reaper_interval_s": 60, "realtime_admission": {"calibrate": False, "weigh_outside_load": False, "max_throttled_fraction": None}},
+        # Load-aware admission weighs no machine load here (the test process is the server, its
+        # clients and the front end at once, and the machine runs other tests) and calibrates
+        # nothing (fake stages; tests that want either set them).
+        "sessions": {"reaper_interval_s": 60, "realtime_admission": {"calibrate": False, "weigh_outside_load": False, "weigh_front_end": False,
+                                                                  "max_throttled_fraction": None}},
     }
     for key, value in (overlay or {}).items():
         if isinstance(value, Mapping) and isinstance(data.get(key), dict):

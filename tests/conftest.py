@@ -37,9 +37,10 @@ def start_server(overlay: dict, tmp: Path, models_dir: Path, tls_ca: Path | None
     log = tmp / "server.log"
     # The test process and its clients (espeak-ng, Chromium, decoders) share the cores
     # with the server by design: admission does not count them as a noisy neighbour
-    # unless the test says so.
+    # unless the test says so. Nor does it calibrate (some 15 s of start-up a server)
+    # unless the test says so (tests/test_duplex_pacing.py does).
     sessions = dict(overlay.get("sessions") or {})
-    sessions["realtime_admission"] = {"weigh_outside_load": False, **(sessions.get("realtime_admission") or {})}
+    sessions["realtime_admission"] = {"weigh_outside_load": False, "calibrate": False, **(sessions.get("realtime_admission") or {})}
     overlay = {**overlay, "sessions": sessions}
     deploy = tmp / "deploy.yaml"
     deploy.write_text(yaml.safe_dump(overlay))

@@ -115,7 +115,7 @@ def test_four_paced_sessions_keep_real_time_idle_and_beside_a_cpu_burner(models_
     from tests.conftest import start_server
 
     proc = start_server({"pipelines": {n: {"enabled": n == "voice"} for n in pipelines.load_all()},
-                         "sessions": {"realtime_admission": {"weigh_outside_load": True}}}, tmp_path, models_dir)
+                         "sessions": {"realtime_admission": {"weigh_outside_load": True, "calibrate": True}}}, tmp_path, models_dir)
     try:
         result = run("ws", proc.url, None, [4], 4, 24, None, 0, None, burner=True)
     finally:

@@ -213,3 +213,29 @@ async def test_the_memory_store_keeps_a_moved_state_for_its_ttl_only() -> None:
     assert await store.get_state("sess_x") == b"blob" and (await store.lookup("sess_x"))["state"] == "migrated"
     await asyncio.sleep(0.06)
     assert await store.get_state("sess_x") is None and await store.lookup("sess_x") is None
+
+
+async def test_a_moved_session_is_weighed_like_a_new_one_where_it_resumes(prefix):
+    """A rolling deploy must not push the receiving node past real time: a moved voice
+    session goes through the same load-aware admission as a new one. Node b, already
+    serving one session at 0.45 a session, refuses it with capacity (retry-after); its
+    state stays in the store, and once b has room the client resumes it there."""
+    async with node(["voice"], prefix, "a") as a, node(["voice"], prefix, "b", realtime_admission={"session_cost_rtf": 0.45}) as b:
+        c = await DuplexClient.connect(a.url("/v1/duplex", ws=True))
+        sid, token = c.session_id, str(c.resume_token)
+        await c.update(turn_detection=None)
+        assert (await ask(c, "Hello there"))["response"]["status"] == "completed"
+        resident = await DuplexClient.connect(b.url("/v1/duplex", ws=True))  # b's one session
+        report = await (await a.client.post("/admin/drain", json={"timeout_s": 5})).json()
+        assert [m["session_id"] for m in report["moved"]] == [sid]
+        with pytest.raises(RealtimeError) as refused:  # 2 x 0.45 = 0.9 > 0.8
+            await DuplexClient.connect(b.url("/v1/duplex", ws=True), session_id=sid, resume_token=token)
+        assert refused.value.event["error"]["code"] == "capacity" and "retry in" in refused.value.event["error"]["message"]
+        assert b.sessions.stats["moved_in"] == 0 and await b.sessions.store.get_state(sid) is not None
+        assert [d for d in b.sessions.decisions if d.get("reason") == "capacity"][-1]["message"].startswith("moved: ")
+        await resident.close()
+        await b.sessions.end(b.sessions.get(resident.session_id), "closed")
+        c2 = await DuplexClient.connect(b.url("/v1/duplex", ws=True), session_id=sid, resume_token=token)
+        assert c2.first["type"] == "session.resumed" and b.sessions.stats["moved_in"] == 1
+        assert (await ask(c2, "Still there?"))["response"]["status"] == "completed"
+        await c2.close()

@@ -83,6 +83,11 @@ async def test_a_stage_in_a_process_of_its_own_gives_the_same_audio(fresh_ray):
         assert status == 200 and body == local  # stream = batch across the boundary
         proc = _remote_stage(h)
         assert proc.info["pid"] != os.getpid() and proc.info["node"] == ray.get_runtime_context().get_node_id()
+        # the actor's decoder reported its chunks back to this server's meter, and its
+        # process's CPU with them: admission weighs the placed stage
+        meters = h.runtime.orchestrator.meters
+        assert meters.generation.rtfs(), "the placed decoder's stream never reached the server's meter"
+        assert meters._placed.get(proc.info["pid"], 0.0) > 0.0
         health = (await (await h.client.get("/health")).json())["stages"]["code2wav"]
         assert health["healthy"] and health["replicas"][0]["remote"]["placement"] == "process"
         assert health["replicas"][0]["remote"]["actor"] == "omni-rt:tts:code2wav:0"

@@ -33,8 +33,11 @@ class World:
         # used (`outside_s`); the container's cgroup, when a test gives it one
         self.outside_s = [0.0]
         self.cgroup: list[CgroupCpu | None] = [None]
+        self.front_s = [0.0]  # of which the front end's (the process less its in-process engines)
+        spec.setdefault("front_end_cpu_per_session", 0.0)  # the tests that weigh the front end say so
         self.meters = LoadMeters(
             10.0, clock, cpu=CpuMeter(CPU_WINDOW_S, clock=clock, read=lambda: self.cpu_s[0], cpus=2),
+            front=CpuMeter(CPU_WINDOW_S, clock=clock, read=lambda: self.front_s[0], cpus=2),
             machine=MachineMeter(CPU_WINDOW_S, clock=clock, read_machine=lambda: (self.cpu_s[0] + self.outside_s[0], 2 * self.t[0]),
                                  read_cgroup=lambda: self.cgroup[0], cpus=2),
         )
@@ -58,9 +61,11 @@ class World:
         self.t[0] += 1.0
         return r
 
-    def second(self, own: float = 0.0, outside: float = 0.0) -> None:
-        """A second of the server busy `own` of its 2 CPUs, other processes `outside`."""
+    def second(self, own: float = 0.0, outside: float = 0.0, front: float = 0.0) -> None:
+        """A second of the server busy `own` of its 2 CPUs (`front` of them its front
+        end's), other processes `outside`."""
         self.cpu_s[0] += own * 2
+        self.front_s[0] += front * 2
         self.outside_s[0] += outside * 2
         self.t[0] += 1.0
         self.meters.sample()
@@ -144,6 +149,26 @@ async def test_a_cost_the_deploy_states_wins_over_calibration_and_the_prior_boun
     for _ in range(5):
         await w.m.open("oneshot")  # not a real-time kind: the caps alone decide
         await w.m.open("robot")
+    await w.m.stop()
+
+
+async def test_the_front_ends_share_of_the_cores_stretches_the_cold_prediction():
+    """The calibration measured the engines alone; each open session's front end (VAD,
+    resampling, pacing) takes its share of the cores from them. Before it is measured,
+    the prior: 0.2 cores a session on 2 cores; 0.2 + 0.05 x 3 = 0.35 with four,
+    stretched by 1 / (1 - 0.4) = 0.58; with five, 0.4 / 0.5 = 0.8; with six 0.45 / 0.4.
+    Measured over the five once established: 0.05 cores a session, and nine fit."""
+    w = World(base=0.0, per=0.0, target_rtf=0.8, front_end_cpu_per_session=0.2, new_session_s=10)
+    w.m.admission.calibrated("voice", {1: 0.2, 4: 0.35})
+    admitted, refused = await _burst(w.m, 8)
+    assert len(admitted) == 5 and refused[0].why == ["rtf"]
+    assert w.m.admission.last["front_end_from"] == "prior" and w.m.admission.last["predicted_rtf_cold"] == pytest.approx(1.125)
+    for _ in range(11):
+        w.second(own=0.3, front=0.125)  # the five sessions' front end: 0.25 of 2 cores
+    w.m.admission.refusing = False
+    more, _ = await _burst(w.m, 8)
+    assert w.m.admission.last["front_end_from"] == "measured" and w.m.admission.last["front_end_cores_per_session"] == pytest.approx(0.05)
+    assert len(admitted) + len(more) == 9  # 0.2 + 0.05 x 8 = 0.6, / (1 - 0.225) = 0.77; a 10th: 0.65 / 0.75 = 0.87
     await w.m.stop()
 
 
@@ -544,3 +569,17 @@ async def test_a_hole_heard_in_a_paced_answer_refuses_new_sessions_until_it_leav
         w.speak()
     await w.m.open("duplex", principal="p")
     assert w.m.health()["realtime_admission"]["refusing"] is False
+
+
+def test_omni_rt_check_says_what_admission_will_weigh_with():
+    from omni_rt.cli import admission_notes
+    from omni_rt.specs import parse_overlay
+
+    ov = parse_overlay({"sessions": {"realtime_admission": {"pipeline_costs": {"voice": {"base_rtf": 0.3, "per_session_rtf": 0.1}}}}}, "d.yaml")
+    notes = admission_notes(ov)
+    assert "pipeline voice costs 0.300 RTF alone, +0.100 a session at once (stated in the deploy): a burst of up to 6" in notes[0]
+    assert "calibrated when the server starts" in notes[1]
+    off = parse_overlay({"sessions": {"realtime_admission": {"calibrate": False}}}, "d.yaml")
+    assert "weighed at the prior 0.050" in admission_notes(off)[0]
+    with pytest.raises(Exception, match="base_rtf"):
+        parse_overlay({"sessions": {"realtime_admission": {"pipeline_costs": {"voice": {"per_session_rtf": 0.1}}}}}, "d.yaml")

@@ -44,3 +44,25 @@ def test_energy_vad_follows_the_server_vad_rules():
     loud = (0.3 * np.sin(2 * np.pi * 220 * t[:12000])).astype(np.float32)  # 500 ms
     events = vad.push(np.zeros(4800, np.float32), td) + vad.push(loud, td) + vad.push(np.zeros(9600, np.float32), td)
     assert events == [("start", 200), ("stop", 700)]
+
+
+def test_each_silero_detector_is_a_copy_with_a_state_of_its_own():
+    """Detectors are copies of one loaded model: each keeps its own recurrent state
+    (what one stream heard does not change another's probabilities) and a fresh copy
+    answers as a freshly loaded model does."""
+    import torch
+    from silero_vad import load_silero_vad
+
+    from protocols.realtime.vad import _load_silero
+
+    rng = np.random.default_rng(0)
+    speech = [torch.from_numpy(rng.standard_normal(512).astype(np.float32) * 0.3) for _ in range(6)]
+    fresh = load_silero_vad()
+    want = [float(fresh(x, 16000).detach()) for x in speech]
+    a, b = _load_silero(), _load_silero()
+    assert a is not b
+    for x in speech[:3]:
+        a(x, 16000)  # a hears something first
+    got = [float(b(x, 16000).detach()) for x in speech]
+    assert np.allclose(got, want, atol=1e-6)
+    assert _load_silero() is not a

@@ -252,3 +252,18 @@ async def test_a_large_robot_frame_is_decoded_off_the_loop(h, monkeypatch):
             times.append(time.monotonic() - t0)
         assert times[-1] < 0.9, times  # all five answered while the big frame was still decoding
         await big.ws.recv()
+
+
+async def test_websockets_are_served_without_per_message_compression():
+    """Audio frames are not deflated (it barely shrinks them and costs the pacing loop):
+    a client offering permessage-deflate gets plain frames."""
+    import websockets
+
+    from testkit import serve
+
+    async with serve(["voice"]) as h:
+        async with websockets.connect(h.url("/v1/duplex", ws=True)) as ws:  # offers permessage-deflate by default
+            assert ws.response is not None and "sec-websocket-extensions" not in {k.lower() for k in ws.response.headers}
+            assert ws.protocol.extensions == []
+            first = await ws.recv()
+            assert "session.created" in str(first)
