@@ -451,12 +451,18 @@ class LoopLag:
             held = time.perf_counter() - beat
             if held < self.BLOCKED_S or beat == seen or self._loop_thread is None:
                 continue
-            frame = sys._current_frames().get(self._loop_thread)
+            frames = sys._current_frames()
+            frame = frames.get(self._loop_thread)
             if frame is None:
                 continue
             seen = beat
             stack = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-12:]]
-            self.blocked.append({"time": time.time(), "held_ms_at_least": round(held * 1000, 1), "stack": stack[::-1]})
+            # where the other threads are (one of them may hold the interpreter lock)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            others = {names.get(tid, str(tid)): " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                                                           for f in traceback.extract_stack(fr)[-3:][::-1])
+                      for tid, fr in frames.items() if tid not in (self._loop_thread, threading.get_ident())}
+            self.blocked.append({"time": time.time(), "held_ms_at_least": round(held * 1000, 1), "stack": stack[::-1], "threads": others})
             log.warning("event loop held for %.0f ms (so far) at %s", held * 1000, " <- ".join(stack[::-1][:6]))
 
     async def run(self) -> None:

@@ -458,7 +458,9 @@ class ThinkerProcessor(StageProcessor):
         if audio is not None:
             # native audio: token ids with the model's audio placeholder, the audio
             # itself beside them (vLLM's processor expands the placeholder)
-            ids = self.prompt_ids(messages, with_audio=True, tools=offered)
+            # rendered in a thread: a chat template's first render compiles it (pure Python,
+            # tens of ms), and the loop paces every session's audio
+            ids = await asyncio.to_thread(self.prompt_ids, messages, True, offered)
             n_audio = self.audio_tokens(len(audio))
             prompt, n_in = {"prompt_token_ids": ids, **self.audio_prompt(audio)}, len(ids) - 1 + n_audio
             ctx.add_usage(input_audio_tokens=n_audio)
@@ -469,7 +471,7 @@ class ThinkerProcessor(StageProcessor):
             ctx.add_usage(input_audio_tokens=int(embeds.shape[0]))  # rows of the prompt that are audio
         else:
             # text only: token ids, the engine's fast path
-            ids = self.prompt_ids(messages, tools=offered)
+            ids = await asyncio.to_thread(self.prompt_ids, messages, False, offered)
             prompt, n_in = {"prompt_token_ids": ids}, len(ids)
         sampling = self.sampling(ctx.params, tools)
         ctx.add_usage(input_tokens=n_in)

@@ -20,6 +20,7 @@ a loaded one it measures the load as it is then (outside load later stretches it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ CALIBRATION_AUDIO_S = 3.0  # a caller's turn
 AUDIO_RATE = 16000
 
 
+@functools.cache
 def _utterance() -> np.ndarray:
     """A voiced-sounding signal of a caller's turn (tones under noise; the audio tower's
     cost does not depend on what is said)."""
@@ -87,7 +89,7 @@ async def _answer(manager: SessionManager, pipeline: str, speech: set[str], voic
         stream.send_input(Payload(PayloadKind.AUDIO, fence, arrays={"pcm": _utterance()}, meta={"sample_rate": AUDIO_RATE}))
     stream.end_input()
     try:
-        async for _ in stream.payloads():
+        async for _ in stream.payloads():  # (the utterance is made once, before the levels)
             pass
     finally:
         await stream.close()
@@ -124,6 +126,8 @@ async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) 
         k, tokens = spec.calibrate_sessions, spec.calibrate_tokens
         thinker = next(s for s in profile.stages if s.name == "thinker")
         audio = thinker.input == PayloadKind.AUDIO and profile.entry == "thinker"  # the thinker hears the caller itself
+        if audio:
+            await asyncio.to_thread(_utterance)
         t0 = time.monotonic()
         levels: dict[int, float] = {}
         try:

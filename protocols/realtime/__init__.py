@@ -29,7 +29,7 @@ from protocols.realtime.conversation import Conversation, Transport, WebSocketTr
 from protocols.realtime.items import AUDIO_PLACEHOLDER, GA_NAMES, Item, Response, new_id, wire_data
 from protocols.realtime.models import DEFAULT_TRANSCRIPTION, RATE, Config, SessionUpdate, TurnDetection, WireModel, apply_session_update
 from protocols.realtime.output import AudioOutput, EventOutput
-from protocols.realtime.vad import VadFactory, silero_vad
+from protocols.realtime.vad import VadFactory, preload_silero, silero_vad
 from protocols.registry import Mount
 from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import SessionError
@@ -59,6 +59,8 @@ __all__ = [
 def vad_of(m: Mount) -> VadFactory:
     """The voice-activity detector the voice wires use (tests plug in a fake)."""
     vad: VadFactory = m.options.get("vad", silero_vad)
+    if vad is silero_vad:
+        preload_silero()
     return vad
 
 

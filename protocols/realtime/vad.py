@@ -80,6 +80,12 @@ _LOAD_LOCK = threading.Lock()
 _TEMPLATE: list[Any] = []  # the model as loaded, once per process (read only: sessions get copies)
 
 
+def preload_silero() -> None:
+    """Load the model in the background now (a server's start-up), not at the first
+    session's open: the load holds the interpreter lock ~80 ms, stalling the loop."""
+    threading.Thread(target=_load_silero, name="silero-preload", daemon=True).start()
+
+
 def _load_silero() -> Any:
     """A detector of its own (its recurrent state is per stream): a copy of the model
     loaded once. Loading it (torch.jit.load) holds the interpreter lock ~80 ms, a copy
