@@ -398,6 +398,10 @@ CPU_WINDOW_S = 5.0
 LOOP_TICK_S = 0.02
 
 
+# Where an idle thread of the process waits (an executor's queue, a lock, a sleep).
+IDLE_FRAMES = ("thread.py:81 _worker", "threading.py:", "selectors.py:", "garbage.py:")
+
+
 class LoopLag:
     """How late the event loop wakes a task that sleeps `LOOP_TICK_S` at a time: the
     worst of the last `window_s`, the worst since start, and the histogram
@@ -463,7 +467,9 @@ class LoopLag:
                                                            for f in traceback.extract_stack(fr)[-3:][::-1])
                       for tid, fr in frames.items() if tid not in (self._loop_thread, threading.get_ident())}
             self.blocked.append({"time": time.time(), "held_ms_at_least": round(held * 1000, 1), "stack": stack[::-1], "threads": others})
-            log.warning("event loop held for %.0f ms (so far) at %s", held * 1000, " <- ".join(stack[::-1][:6]))
+            busy = {k: v for k, v in others.items() if not v.startswith(IDLE_FRAMES)}
+            log.warning("event loop held for %.0f ms (so far) at %s; other threads running: %s", held * 1000, " <- ".join(stack[::-1][:6]),
+                        "; ".join(f"{k}: {v}" for k, v in busy.items()) or "none")
 
     async def run(self) -> None:
         import asyncio

@@ -103,6 +103,23 @@ def _data(msg: Any) -> str | bytes | None:
     return None  # CLOSE, CLOSING, CLOSED, ERROR: the client is gone
 
 
+# The kernel's send buffer of a WebSocket: what a client has not read yet waits here, so
+# a bound keeps a client that stops reading from hiding seconds of audio in the kernel
+# (autotuned, it grows to megabytes): its sends wait soon, and it is told it is slow.
+SEND_BUFFER_BYTES = 64 * 1024
+
+
+def _bound_send_buffer(request: web.Request) -> None:
+    import socket
+
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        except OSError:
+            pass
+
+
 async def accept(request: web.Request, *, max_frame: int = MAX_FRAME_BYTES, heartbeat: float | None = HEARTBEAT_S) -> Socket:
     # "realtime": the subprotocol OpenAI's browser clients offer (with their key, see protocols.auth).
     # No permessage-deflate: what these sockets carry is mostly audio, which deflate barely
@@ -110,6 +127,7 @@ async def accept(request: web.Request, *, max_frame: int = MAX_FRAME_BYTES, hear
     # that paces them (measured holding it 50-75 ms on a busy 2-core machine).
     ws = web.WebSocketResponse(max_msg_size=max_frame, heartbeat=heartbeat, protocols=("realtime",), compress=False)
     await ws.prepare(request)
+    _bound_send_buffer(request)
     return Socket(ws, request)
 
 

@@ -5,9 +5,10 @@ of callers at a cold server would be refused (or over-admitted) on a guess. Befo
 server takes its first caller, each real-time voice pipeline it serves (one with a
 thinker and a speech stage, served on a voice wire) answers a short synthetic prompt:
 once to warm the stages up (not counted), once alone, then `calibrate_sessions` times at
-once, as a burst of callers who all finished speaking at the same moment would make it
-generate, then (where the line through those two says more fit) as many at once as it
-says fit: generation slows gently until the cores saturate and then steeply, and the
+together, their starts spread over one answer's time (callers do not finish speaking
+in step: one's prompt is prefilled while the others are answered, which holds their
+answers on an engine that does not chunk its prefills), then (where the line through
+those two says more fit) as many together as it says fit: generation slows gently until the cores saturate and then steeply, and the
 burst admission would admit is what must be measured. The generation real-time factor of those answers, as the stages' own streams
 measure it (the server's generation meter, the same figure admission reads live), gives
 the pipeline's `Cost`: the RTF of one answer alone and what each more answer at the same
@@ -96,12 +97,20 @@ async def _answer(manager: SessionManager, pipeline: str, speech: set[str], voic
 
 
 async def _level(manager: SessionManager, pipeline: str, speech: set[str], voice: str | None, tokens: int, n: int,
-                 audio: bool) -> tuple[float | None, float]:
-    """The worst generation RTF of `n` answers generated at once, and the level's wall time."""
+                 audio: bool, spread_s: float = 0.0) -> tuple[float | None, float]:
+    """The worst generation RTF of `n` answers generated together, their starts spread
+    evenly over `spread_s` (callers do not finish speaking in step: one's prompt is
+    prefilled while the others are answered, and on an engine that does not chunk its
+    prefills, that holds their answers), and the level's wall time."""
     meter = manager.meters.generation
     meter.clear()
     t0 = time.monotonic()
-    await asyncio.wait_for(asyncio.gather(*(_answer(manager, pipeline, speech, voice, tokens, f"{n}-{i}", audio) for i in range(n))), TIMEOUT_S)
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(spread_s * i / n)
+        await _answer(manager, pipeline, speech, voice, tokens, f"{n}-{i}", audio)
+
+    await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), TIMEOUT_S)
     wall = time.monotonic() - t0
     worst = meter.worst()
     meter.clear()
@@ -133,7 +142,7 @@ async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) 
         try:
             await _level(manager, name, speech, voice, tokens, 1, audio)  # warm-up: first requests pay for lazy set-up
             base, wall1 = await _level(manager, name, speech, voice, tokens, 1, audio)
-            at_k, wallk = await _level(manager, name, speech, voice, tokens, k, audio)
+            at_k, wallk = await _level(manager, name, speech, voice, tokens, k, audio, wall1)
             if base is not None and at_k is not None:
                 levels = {1: base, k: at_k}
                 # A straight line from 1 and k answers misses the cliff where the cores
@@ -141,7 +150,7 @@ async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) 
                 # line kept (one more level, at most calibrate_max_sessions).
                 n = min(adm.cost_of_levels(levels).sessions_under(spec.target_rtf), spec.calibrate_max_sessions)
                 if n > k:
-                    at_n, _ = await _level(manager, name, speech, voice, tokens, n, audio)
+                    at_n, _ = await _level(manager, name, speech, voice, tokens, n, audio, wall1)
                     if at_n is not None:
                         levels[n] = at_n
         except Exception as exc:  # noqa: BLE001 - the server still serves; the failure is logged with its cause

@@ -577,7 +577,7 @@ def test_omni_rt_check_says_what_admission_will_weigh_with():
 
     ov = parse_overlay({"sessions": {"realtime_admission": {"pipeline_costs": {"voice": {"base_rtf": 0.3, "per_session_rtf": 0.1}}}}}, "d.yaml")
     notes = admission_notes(ov)
-    assert "pipeline voice costs 0.300 RTF alone, +0.100 a session at once (stated in the deploy): a burst of up to 6" in notes[0]
+    assert "pipeline voice costs 0.300 RTF alone, +0.100 a session at once (stated in the deploy): a burst of up to 4" in notes[0]
     assert "calibrated when the server starts" in notes[1]
     off = parse_overlay({"sessions": {"realtime_admission": {"calibrate": False}}}, "d.yaml")
     assert "weighed at the prior 0.050" in admission_notes(off)[0]

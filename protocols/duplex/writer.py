@@ -65,6 +65,8 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
             await asyncio.wait_for(sock.send(out), timing.send_timeout_s)
             blocked += time.monotonic() - t0
         except asyncio.TimeoutError:
+            # its player ran dry for as long: the client's own hole, the last it hears
+            metrics.PLAYOUT_UNDERRUN_SECONDS.labels("duplex", "client").observe(timing.send_timeout_s)
             log.warning("duplex session %s: the client has not read for %.0f s; ending it", session.id, timing.send_timeout_s)
             sessions.end_soon(session, "slow_consumer")
             raise

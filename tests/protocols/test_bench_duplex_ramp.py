@@ -10,7 +10,7 @@ from tests.protocols.helpers import quiet, tone
 
 
 async def test_a_ramp_records_admitted_and_refused_sessions_and_the_servers_rtf():
-    overlay = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.4}}}  # two fit under 0.8
+    overlay = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.3}}}  # two fit under the default 0.65
     async with serve(["voice"], overlay) as h:
         pcm = quiet(0.2) + tone(0.6)
         r = await run_ramp("ws", h.url().rstrip("/"), None, 4, 0.05, 1, pcm, 8)

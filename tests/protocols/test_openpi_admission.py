@@ -13,7 +13,7 @@ import aiohttp
 from clients.openpi import droid_observation, packb, unpackb
 from testkit import serve
 
-OVERLAY = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.4, "window_s": 0.5}}}
+OVERLAY = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.3, "window_s": 0.5}}}
 
 
 async def _robot(h, query: str = "") -> tuple[aiohttp.ClientWebSocketResponse, aiohttp.WSMessage]:
@@ -30,7 +30,7 @@ async def _refusal(ws: aiohttp.ClientWebSocketResponse, first: aiohttp.WSMessage
 
 async def test_robots_with_a_declared_rate_are_weighed_and_refused_over_capacity():
     async with serve(["robot"], OVERLAY) as h:
-        # with a prior cost of 0.4 a session, two robots fit under 0.8
+        # with a prior cost of 0.3 a session, two robots fit under 0.65
         robots = []
         for _ in range(2):
             ws, meta = await _robot(h, "?control_hz=15&replan_steps=8")

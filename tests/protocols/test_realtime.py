@@ -218,9 +218,9 @@ async def test_over_the_cap_an_error_event_then_close_1013(h):
 
 
 async def test_over_real_time_capacity_a_capacity_error_event_then_close_1013():
-    """Load-aware admission on the wire: with a prior cost of 0.4 RTF a session and
-    nothing measured yet, two sessions fit under 0.8 and the third is refused."""
-    overlay = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.4, "window_s": 0.5}}}
+    """Load-aware admission on the wire: with a prior cost of 0.3 RTF a session and
+    nothing measured yet, two sessions fit under 0.65 and the third is refused."""
+    overlay = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.3, "window_s": 0.5}}}
     async with serve(["voice"], overlay) as h2:
         open_ = [await session(h2) for _ in range(2)]
         extra = await connect(h2, "/v1/realtime")
@@ -236,7 +236,7 @@ async def test_over_real_time_capacity_a_capacity_error_event_then_close_1013():
                 if h2.sessions.realtime_sessions() == 1 - i:
                     break
                 await asyncio.sleep(0.005)
-            if i == 0:  # 2 × 0.4 = 0.8 fits the target, not 0.8 - 0.1: the hysteresis holds
+            if i == 0:  # 2 × 0.3 = 0.6 fits the target, not 0.65 - 0.1: the hysteresis holds
                 shut = await connect(h2, "/v1/realtime")
                 assert (await shut.until("error"))["error"]["code"] == "capacity"
         again = await session(h2)  # none left: admitted again
