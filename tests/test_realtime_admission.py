@@ -492,9 +492,10 @@ async def test_a_real_cpu_burner_beside_the_server_refuses_new_voice_sessions_un
     from testkit import serve
     from tests.protocols.helpers import connect
 
-    # nothing calibrated here (fake stages): a session costs the prior, 0.3; two fit under
-    # 0.8 on an idle machine, not with half its CPUs taken (0.6 / (1 - 0.5))
-    overlay = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.3, "weigh_outside_load": True, "hysteresis": 0.05}}}
+    # nothing calibrated here (fake stages): a session costs the prior, 0.25; two fit under
+    # the default 0.65 (and under 0.6 once refusing) on an idle machine, not with half its
+    # CPUs taken (0.5 / (1 - 0.5))
+    overlay = {"sessions": {"realtime_admission": {"session_cost_rtf": 0.25, "weigh_outside_load": True, "hysteresis": 0.05}}}
     pidfile = tmp_path / "burner.pid"
     async with serve(["voice"], overlay) as h:
         first = await connect(h, "/v1/realtime?model=gpt-realtime")
