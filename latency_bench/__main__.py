@@ -158,7 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--ramp-every", type=float, default=3.0, help="seconds between offered sessions in the ramp (default 3)")
     cap.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech")
     cap.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer (default 24)")
-    _server_target(cap, "(unused: the bench starts its own servers)", 8450)
+    # no --url: the bench starts its own servers (one with admission off, one with it on)
+    cap.add_argument("--api-key")
+    cap.add_argument("--port", type=int, default=8450, help="port of the servers the bench starts (default 8450)")
+    cap.add_argument("--deploy", help="deploy overlay both servers start from")
+    cap.add_argument("--json", help="write results here (JSON)")
 
     o = sub.add_parser(
         "text-overhead",

@@ -168,8 +168,10 @@ def admission_notes(overlay: Any) -> list[str]:
     if not adm.enabled:
         return ["load-aware admission is off (sessions.realtime_admission.enabled: false): real-time sessions meet only the caps"]
     out = []
+    from sessions.admission import Cost
+
     for name, c in adm.pipeline_costs.items():
-        n = 1 + int(max(0.0, adm.target_rtf - c.base_rtf) / max(c.per_session_rtf, adm.min_session_cost_rtf) + 1e-9) if c.base_rtf <= adm.target_rtf else 0
+        n = Cost(c.base_rtf, max(c.per_session_rtf, adm.min_session_cost_rtf), "deploy").sessions_under(adm.target_rtf)
         out.append(f"admission: pipeline {name} costs {c.base_rtf:.3f} RTF alone, +{c.per_session_rtf:.3f} a session at once "
                    f"(stated in the deploy): a burst of up to {n} is admitted at target {adm.target_rtf:.2f}")
     if adm.calibrate:
