@@ -68,7 +68,9 @@ def _parts(runtime: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def one_request(talker: Any, ar: Any, decode: Any, chunking: Any, opts: TtsOptions) -> Callable[[int, float], Any]:
-    from pipelines.tts import StreamingDecoder
+    from pipelines.tts import DecodeTimes, StreamingDecoder
+
+    times = DecodeTimes()  # the streams share one, as they share the stage's
 
     async def one(idx: int, t_ref: float) -> dict[str, Any]:
         start = time.perf_counter()
@@ -90,7 +92,7 @@ def one_request(talker: Any, ar: Any, decode: Any, chunking: Any, opts: TtsOptio
         samples = chunks = 0
         ttfp: float | None = None
         try:
-            dec = StreamingDecoder(decode, chunking)
+            dec = StreamingDecoder(decode, chunking, decode_times=times)
             while True:
                 frames = await queue.get()
                 out = await (dec.push(frames) if frames is not None else dec.finish())

@@ -61,7 +61,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "SAMPLE_S", "CgroupCpu", "LoadMeters", "LoopLag", "StreamMeter", "HoleMeter", "CpuMeter", "MachineLoad", "MachineMeter", "RtfMeter", "StreamRtf", "machine_cpu_seconds",
-    "read_cgroup_cpu", "tree_cpu_seconds",
+    "read_cgroup_cpu", "tree_cpu_seconds", "ProcessTree",
 ]
 
 
@@ -182,21 +182,47 @@ class HoleMeter:
 def tree_cpu_seconds(root: Any = None) -> float:
     """User + system CPU seconds of a process (a `psutil.Process`; default this one)
     and its live descendants."""
-    import psutil
+    return ProcessTree(root).cpu_seconds()
 
-    me = root if root is not None else psutil.Process()
-    try:
-        procs = [me, *me.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            continue
-    return total
+
+class ProcessTree:
+    """A process and its descendants, whose CPU seconds are read every sample. Listing
+    the descendants scans every process of the machine (`/proc/*/stat`), so the list is
+    kept for `refresh_s`: a child started since is counted from the next listing, one
+    that exited drops out (its time with it: `CpuMeter` takes the drop as a new start)."""
+
+    def __init__(self, root: Any = None, refresh_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        import psutil
+
+        self.root = root if root is not None else psutil.Process()
+        self.refresh_s = refresh_s
+        self.clock = clock
+        self._procs: list[Any] = []
+        self._listed_at: float | None = None
+
+    def processes(self) -> list[Any]:
+        import psutil
+
+        now = self.clock()
+        if self._listed_at is None or now - self._listed_at >= self.refresh_s:
+            try:
+                self._procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                self._procs = [self.root]
+            self._listed_at = now
+        return self._procs
+
+    def cpu_seconds(self) -> float:
+        import psutil
+
+        total = 0.0
+        for p in self.processes():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                continue
+        return total
 
 
 def _startup_cores() -> frozenset[int] | None:
@@ -532,6 +558,13 @@ class LoadMeters:
         self._placed: dict[int, float] = {}  # pid -> CPU seconds a placed stage's process on this host reported
         self._lock = threading.Lock()
         self._tasks: list[Any] = []
+        self._tree_cache: ProcessTree | None = None
+
+    @property
+    def _tree(self) -> ProcessTree:
+        if self._tree_cache is None:
+            self._tree_cache = ProcessTree()
+        return self._tree_cache
 
     def set_window(self, window_s: float) -> None:
         self.generation.window_s = self.playout.window_s = window_s
@@ -545,16 +578,11 @@ class LoadMeters:
 
     def server_cpu_seconds(self) -> float:
         """This process, its descendants, and the placed stages' processes on this host."""
-        import psutil
-
-        me = psutil.Process()
-        try:
-            tree = {p.pid for p in me.children(recursive=True)} | {me.pid}
-        except psutil.Error:
-            tree = {me.pid}
+        procs = self._tree.processes()
+        tree = {p.pid for p in procs}
         with self._lock:
             placed = sum(s for pid, s in self._placed.items() if pid not in tree)
-        return tree_cpu_seconds(me) + placed
+        return self._tree.cpu_seconds() + placed
 
     # ---- sampling -----------------------------------------------------------------------
     def sample(self, machine: bool = True) -> None:

@@ -254,9 +254,21 @@ def load_snac(model_dir: str | Path, *, deterministic: bool = True) -> Any:
     model.load_state_dict(state, strict=True)
     if deterministic:
         _disable_noise(model)
+    _fold_weight_norm(model)
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def _fold_weight_norm(model: torch.nn.Module) -> None:
+    """Bake each weight-normed layer's weight into a plain tensor: the parametrization
+    recomputes `g * v / |v|` on every forward (~6 % of a decode on CPU), for a weight
+    that never changes at inference."""
+    from torch.nn.utils import parametrize
+
+    for m in model.modules():
+        if parametrize.is_parametrized(m, "weight"):
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
 
 
 def decode_window(model: Any, frames: np.ndarray) -> np.ndarray:

@@ -9,14 +9,16 @@ the session manager then decides each new voice session from them.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
 from omni_rt import metrics
-from omni_rt.load import CPU_WINDOW_S, CgroupCpu, CpuMeter, HoleMeter, LoadMeters, MachineMeter, RtfMeter, machine_cpu_seconds, read_cgroup_cpu
+from omni_rt.load import CPU_WINDOW_S, CgroupCpu, CpuMeter, HoleMeter, LoadMeters, MachineMeter, ProcessTree, RtfMeter, machine_cpu_seconds, read_cgroup_cpu
 from omni_rt.specs import PipelineCostSpec, RealtimeAdmissionSpec, SessionsSpec
 from sessions import SessionManager
 from sessions.errors import CapacityLimit, SessionLimit
@@ -385,6 +387,34 @@ def test_placed_stages_processes_on_this_host_count_as_the_servers_own_cpu():
     meters.placed_cpu(999_999_999, 10.0)  # an older report does not go back
     meters.placed_cpu(os.getpid(), 100.0)  # a process of the tree is counted once, as the tree
     assert 12.5 <= meters.server_cpu_seconds() - mine < 13.5
+
+
+def test_the_process_tree_is_listed_once_per_refresh_and_its_cpu_read_every_time():
+    import subprocess
+    import sys
+
+    import psutil
+
+    t = [0.0]
+    tree = ProcessTree(psutil.Process(), refresh_s=5.0, clock=lambda: t[0])
+    assert [p.pid for p in tree.processes()] == [os.getpid()]  # no child yet
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        deadline = time.monotonic() + 20
+        while psutil.Process(child.pid).cpu_times().user + psutil.Process(child.pid).cpu_times().system < 0.25:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        mine = tree.cpu_seconds()
+        assert child.pid not in {p.pid for p in tree.processes()}  # listed before it started: not yet counted
+        t[0] = 5.0
+        assert child.pid in {p.pid for p in tree.processes()}
+        assert tree.cpu_seconds() - mine >= 0.25  # the child's CPU time, read now
+    finally:
+        child.kill()
+        child.wait()
+    t[0] = 10.0
+    assert child.pid not in {p.pid for p in tree.processes()}
 
 
 def test_the_cgroup_cpu_controller_is_read_in_v2_and_v1_layouts(tmp_path):
