@@ -539,7 +539,8 @@ class PolicyProcessor(StageProcessor):
         state = self.state_vector(lay, arrays)
         limit = len(images) * self.image_tokens + self.max_prompt_tokens
         batch = self._processors[lay.name](
-            images=[images], text=[texts.get(lay.prompt, lay.default_prompt)], padding="max_length", max_length=limit, return_tensors="pt"
+            images=[images], text=[texts.get(lay.prompt, lay.default_prompt)], padding="max_length", max_length=limit, return_tensors="pt",
+            input_data_format="channels_last",  # `_image` made them HWC: a 1-pixel-high image is not channels-first
         )
         if batch["input_ids"].shape[1] > limit:
             n = batch["input_ids"].shape[1] - len(images) * self.image_tokens

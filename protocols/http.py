@@ -137,6 +137,28 @@ async def read_json(request: web.Request, upload: bool = False) -> Any:
 WIRE_CODES = frozenset({"invalid_value", "invalid_type", "unknown_parameter", "missing_required_parameter"})
 
 
+async def read_form(request: web.Request, too_large: ClientError | None = None) -> dict[str, Any]:
+    """A `multipart/form-data` or `application/x-www-form-urlencoded` body as one value per
+    field: text, or aiohttp's `FileField` for a file part. A body that cannot be read (no
+    or a wrong boundary, text that is not in its charset, an unknown charset) is the
+    client's 400, a field sent twice too (which one was meant?); past the body limit,
+    `too_large` (default: the body limit's 413)."""
+    try:
+        form = await request.post()
+    except web.HTTPRequestEntityTooLarge:
+        if too_large is not None:
+            raise too_large from None
+        raise
+    except (ValueError, LookupError, AssertionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ClientError(f"The {request.content_type} body could not be read: {exc}", code="invalid_form") from None
+    out: dict[str, Any] = {}
+    for k, v in form.items():
+        if k in out:
+            raise ClientError(f"The form field '{k}' is given more than once.", param=k, code="invalid_value")
+        out[k] = v
+    return out
+
+
 def validation_error(errors: list[Any], prefix: str = "", type_code: str = "invalid_value") -> ClientError:
     """pydantic's first error as OpenAI's 400, its field path (under `prefix`) as
     `param`. A wrong JSON type gets `type_code` (the Realtime API says invalid_type)."""

@@ -26,7 +26,7 @@ from omni_rt.specs import PipelineSpec
 from protocols.audio_formats import AudioFormatError, decode_audio
 from protocols.auth import principal_of
 from protocols.errors import error_body
-from protocols.http import Streamed, check_length, json_response, prepend, send_streamed
+from protocols.http import Streamed, check_length, json_response, prepend, read_form, send_streamed
 from protocols.registry import Mount
 from sessions import SessionManager
 
@@ -84,12 +84,9 @@ class TranscriptionService:
         check_length(request, MAX_FILE_BYTES + (1 << 20))
         if request.content_type != "multipart/form-data":
             raise ClientError("Send the request as multipart/form-data with a 'file' field.", code="unsupported_media_type", http_status=415)
-        try:
-            form = await request.post()
-        except web.HTTPRequestEntityTooLarge:
-            raise ClientError(f"The file is larger than {MAX_FILE_BYTES} bytes.", code="request_too_large", param="file", http_status=413) from None
-        except ValueError as exc:
-            raise ClientError(f"The multipart body could not be read: {exc}", code="invalid_value") from None
+        form = await read_form(
+            request, ClientError(f"The file is larger than {MAX_FILE_BYTES} bytes.", code="request_too_large", param="file", http_status=413)
+        )
         unknown = sorted(set(form) - FIELDS)
         if unknown:
             raise ClientError(f"Unrecognized request argument supplied: {unknown[0]}", code="unknown_parameter", param=unknown[0])

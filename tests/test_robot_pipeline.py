@@ -156,6 +156,20 @@ def test_prepare_runs_the_checkpoints_processor_for_a_layout(pi0_dir):
     assert x["state"][7] == 0.5
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("shape", [(1, 1, 3), (1, 8, 3), (8, 1, 3), (3, 1, 1), (2, 2, 3)])
+def test_cameras_of_a_pixel_or_two_are_resized_not_taken_for_channels_first(pi0_dir, shape):
+    # the image processor guesses the channel axis, and took a 1-pixel-high HWC image for CHW
+    proc = _processor(pi0_dir)
+    side = proc.layout("aloha")  # any layout: its images are resized to the policy's side
+    arrays: dict[str, np.ndarray] = {f"images/cam_{c}": np.zeros((3, 224, 224), np.uint8) for c in ("high", "left_wrist", "right_wrist")}
+    arrays["images/cam_high"] = np.full(shape, 200, np.uint8)
+    arrays["state"] = np.zeros(14)
+    x = proc.prepare(side, _obs(arrays))
+    assert x["pixel_values"].shape[:2] == (3, 3) and x["pixel_values"].shape[2] == x["pixel_values"].shape[3]
+    np.testing.assert_allclose(x["pixel_values"][0].numpy(), 200 / 255 * 2 - 1, atol=1e-5)  # one colour, resized
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

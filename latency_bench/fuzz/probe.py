@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from latency_bench.fuzz.mutate import EXAMPLES_PER_KIND, Mutant, _bytes_mutation, _structural, dumps, mutate_json
-from latency_bench.fuzz.seeds import OFFER_SDP, VIDEO, mutate_openpi, mutate_sdp, openpi_seeds, realtime_seeds
+from latency_bench.fuzz.seeds import BAD_FORM_TYPES, OFFER_SDP, VIDEO, mutate_form, mutate_openpi, mutate_sdp, openpi_seeds, realtime_seeds
 
 # ---- running and classifying ----------------------------------------------------------------
 
@@ -195,7 +195,19 @@ async def fuzz_videos(t: Target, rng: random.Random, n: int) -> Tally:
         async with t.http.delete(t.url(f"/v1/videos/{vid}"), headers=t.headers) as r:
             await r.read()
 
-    return await fuzz_http_json(t, rng, "videos", "/v1/videos", [VIDEO], n, after)
+    tally = Tally("videos")
+    t0 = time.perf_counter()
+    for i in range(n):
+        if i == 0:
+            m, ctype = Mutant(dumps(VIDEO), "seed (unmutated)"), "application/json"
+        elif rng.random() < 0.5:  # the openai SDK sends multipart form fields
+            body, ctype, how = mutate_form(rng, VIDEO)
+            m = Mutant(body, how)
+        else:
+            m, ctype = mutate_json(rng, [VIDEO]), "application/json"
+        await _http_call(t, tally, m, "POST", "/v1/videos", ctype, after)
+    tally.seconds = time.perf_counter() - t0
+    return tally
 
 
 async def fuzz_webrtc(t: Target, rng: random.Random, n: int) -> Tally:
@@ -241,7 +253,8 @@ async def fuzz_webrtc(t: Target, rng: random.Random, n: int) -> Tally:
             if rng.random() < 0.15:
                 data, h2 = _bytes_mutation(rng, sdp.encode())
                 m = Mutant(data, f"{how}; {h2}")
-            await _http_call(t, tally, m, "POST", "/v1/realtime/calls", rng.choice(("application/sdp", "application/sdp", "text/plain", None)), hangup)
+            ctype = rng.choice(("application/sdp", "application/sdp", "text/plain", None, rng.choice(BAD_FORM_TYPES)))
+            await _http_call(t, tally, m, "POST", "/v1/realtime/calls", ctype, hangup)
         else:  # multipart with a session
             sess, how = _structural(rng, session_seed, ())
             sdp = OFFER_SDP if rng.random() < 0.6 else mutate_sdp(rng)[0]

@@ -119,6 +119,67 @@ IMAGE = {"prompt": "a red square", "model": "omni-rt-image", "n": 1, "size": "16
          "seed": 1, "num_inference_steps": 1, "guidance_scale": 1.0, "negative_prompt": "blue"}
 VIDEO = {"prompt": "a cat", "model": "omni-rt-video", "seconds": "1", "size": "16x16", "fps": 2, "seed": 1, "steps": 1}
 
+# values a form field's text may carry that no schema allows
+FORM_WEIRD = ("", " ", "1e309", str(10**30), "-1", "NaN", "inf", "4.5", "true", "x" * 5000, "0x10", "１２", "\x00", "1_000")
+# content types a client may get wrong
+BAD_FORM_TYPES = (
+    "multipart/form-data", "multipart/form-data; boundary=", "multipart/form-data; boundary=nope", "multipart/form-data; boundary=\"B",
+    "multipart/form-data; boundary=B; charset=bogus", "application/x-www-form-urlencoded; charset=bogus",
+    "application/x-www-form-urlencoded; charset=utf-16", "multipart/mixed; boundary=B", "text/plain; charset=\u00ff",
+)
+
+
+def _multipart(fields: list[tuple[str, bytes]], boundary: str = "B") -> bytes:
+    out = b""
+    for k, v in fields:
+        out += f"--{boundary}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n".encode() + v + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+def _urlencoded(fields: list[tuple[str, bytes]]) -> bytes:
+    from urllib.parse import quote_from_bytes
+
+    return b"&".join(quote_from_bytes(k.encode()).encode() + b"=" + (quote_from_bytes(v).encode() if i % 2 else v) for i, (k, v) in enumerate(fields))
+
+
+def mutate_form(rng: random.Random, seed: dict[str, Any]) -> tuple[bytes, str, str]:
+    """A form body (multipart or urlencoded) from `seed`'s fields, mutated: a field sent
+    twice or dropped, a value no schema allows, bytes that are not UTF-8, a field no one
+    knows, a content type without or with a wrong boundary or charset. Returns (body,
+    content type, how)."""
+    fields = [(k, str(v).encode()) for k, v in seed.items()]
+    hows = []
+    for _ in range(rng.choice((1, 1, 2))):
+        r = rng.random()
+        i = rng.randrange(len(fields))
+        if r < 0.2:
+            fields.append(fields[i])
+            hows.append(f"repeat {fields[i][0]}")
+        elif r < 0.35:
+            hows.append(f"drop {fields.pop(i)[0]}")
+            if not fields:
+                fields.append(("prompt", b"x"))
+        elif r < 0.65:
+            v = rng.choice(FORM_WEIRD)
+            fields[i] = (fields[i][0], v.encode("utf-8", "surrogatepass"))
+            hows.append(f"{fields[i][0]}={v[:20]!r}")
+        elif r < 0.8:
+            fields[i] = (fields[i][0], rng.choice((b"\xff\xfe", b"a\xc3", b"\xed\xa0\x80")))
+            hows.append(f"{fields[i][0]} not UTF-8")
+        else:
+            k = rng.choice(("top", "zzz", "n", "prompt ", ""))
+            fields.append((k, b"1"))
+            hows.append(f"unknown field {k!r}")
+    if rng.random() < 0.5:
+        body, ctype = _multipart(fields), "multipart/form-data; boundary=B"
+    else:
+        body, ctype = _urlencoded(fields), "application/x-www-form-urlencoded"
+    if rng.random() < 0.2:
+        ctype = rng.choice(BAD_FORM_TYPES)
+        hows.append(f"content-type {ctype!r}")
+    return body, ctype, "form: " + "; ".join(hows)
+
+
 OFFER_SDP = "\r\n".join([
     "v=0", "o=- 4005111874 4005111874 IN IP4 0.0.0.0", "s=-", "t=0 0", "a=group:BUNDLE 0 1", "a=msid-semantic:WMS *",
     "m=audio 38043 UDP/TLS/RTP/SAVPF 96 9 0 8", "c=IN IP4 192.0.2.2", "a=sendrecv",
@@ -199,6 +260,7 @@ def _msgpack_weird(rng: random.Random) -> Any:
     return rng.choice([
         None, True, -1, 2**64 - 1, -(2**63), 1.5, float("nan"), float("inf"), "", "x" * 5000, b"", b"\x00" * 7, [], {}, [[[[]]]],
         {"a": 1}, "|O", "<c16", "<U3", "bogus", "<f2", ">f8", "V8", [-1], [2**40, 2**40], [1] * 20, [8, 8, 3, 1], [0], "8,8",
+        [1, 1, 3], [1, 8, 3], [3, 1, 1], [2, 1, 3],
         msgpack.ExtType(5, b"xx"), msgpack.Timestamp(1, 0), {1: 2}, {b"k": "v"}, {(1, 2): 3} if False else {2.5: 1},
     ])
 
@@ -216,6 +278,12 @@ def mutate_openpi(rng: random.Random, seeds: list[dict[Any, Any]]) -> Mutant:
         return Mutant(deep, "deep msgpack maps", "binary")
     if r < 0.16:
         return Mutant(json.dumps({"endpoint": "reset"}), "a text frame", "text")
+    if r < 0.22 and any(isinstance(v, dict) and b"__ndarray__" in v for v in seed.values()):  # a camera of a size no robot sends
+        obj = copy.deepcopy(seed)
+        key = rng.choice([k for k, v in obj.items() if isinstance(v, dict) and v.get(b"shape") == [8, 8, 3]])
+        shape = rng.choice(([1, 1, 3], [1, 8, 3], [8, 1, 3], [2, 2, 3], [3, 1, 1], [3, 3, 3], [1, 4096, 3], [4097, 1, 3]))
+        obj[key] = _arr(bytes(shape[0] * shape[1] * shape[2]), "|u1", shape)
+        return Mutant(msgpack.packb(obj), f"{key} of shape {shape}", "binary")
     packed = msgpack.packb(seed)
     if r < 0.35:
         data, how = _bytes_mutation(rng, packed)

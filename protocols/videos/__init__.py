@@ -35,10 +35,10 @@ from aiohttp import web
 
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
-from protocols.http import json_response, read_json
+from protocols.http import json_response, read_form, read_json, validate_body
 from protocols.pages import page
 from protocols.registry import Mount
-from protocols.videos.jobs import VideoJobs, VideoModel
+from protocols.videos.jobs import VideoCreate, VideoJobs, VideoModel
 from protocols.videos.live import VideoConnection
 from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import SessionError
@@ -50,19 +50,15 @@ def mount(m: Mount) -> None:
     jobs = VideoJobs(sessions, pipeline, model.describe, getattr(model, "prompt_tokens", None))
 
     async def create(request: web.Request) -> web.StreamResponse:
-        ctype = request.content_type
         raw: Any
-        if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
-            form = await request.post()
-            files = [k for k, v in form.items() if not isinstance(v, str)]
+        if request.content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            raw = await read_form(request)
+            files = [k for k, v in raw.items() if not isinstance(v, str)]
             if files:
                 raise ClientError(f"File fields are not supported ({', '.join(files)}).", param=files[0])
-            raw = dict(form.items())
         else:
             raw = await read_json(request)
-            if not isinstance(raw, dict):
-                raise ClientError("The request body must be a JSON object.", code="invalid_json")
-        job = await jobs.create(raw, principal_of(request).name)
+        job = await jobs.create(validate_body(VideoCreate, raw), principal_of(request).name)
         return json_response(job.wire())
 
     async def list_videos(request: web.Request) -> web.StreamResponse:

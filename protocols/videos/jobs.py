@@ -12,9 +12,11 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from omni_rt.errors import ClientError, NotFound, OmniError
 from omni_rt.specs import PipelineSpec
@@ -52,14 +54,38 @@ def _size(raw: Any, multiple: int, param: str = "size") -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def _int(raw: Any, name: str, lo: int, hi: int) -> int:
-    try:
-        v = int(str(raw))
-    except ValueError:
-        raise ClientError(f"Invalid '{name}': {raw!r} is not an integer.", param=name, code="invalid_value") from None
-    if not lo <= v <= hi:
-        raise ClientError(f"Invalid '{name}': {v}; it must be between {lo} and {hi}.", param=name, code="invalid_value")
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise PydanticCustomError("invalid_type", "Input should be an integer, not a boolean")
     return v
+
+
+# an integer as JSON writes it, or as a form field's text ("4")
+WireInt = Annotated[int, BeforeValidator(_not_bool)]
+
+
+class VideoCreate(BaseModel):
+    """`POST /v1/videos`, from JSON or form fields (the openai SDK sends multipart, every
+    value as text): the values' types and ranges. The size's multiple and the steps' and
+    frames' bounds depend on the model (`VideoJobs.create`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(min_length=1, max_length=32000)
+    model: str | None = Field(default=None, max_length=256)
+    seconds: WireInt = Field(default=4, ge=1, le=MAX_SECONDS)
+    size: str | None = Field(default=None, max_length=32)
+    fps: WireInt = Field(default=8, ge=1, le=30)
+    seed: WireInt | None = Field(default=None, ge=0, le=2**31 - 1)
+    steps: WireInt | None = Field(default=None, ge=1)
+    input_reference: None = None  # image-to-video is not served
+
+    @field_validator("prompt")
+    @classmethod
+    def _has_text(cls, v: str) -> str:
+        if not v.strip():
+            raise PydanticCustomError("invalid_value", "'prompt' must not be blank")
+        return v
 
 
 @runtime_checkable
@@ -109,28 +135,21 @@ class VideoJobs:
         self.count = count  # the stage's prompt_tokens, where it has one
         self.jobs: dict[str, VideoJob] = {}
 
-    async def create(self, raw: dict[str, Any], principal: str) -> VideoJob:
-        known = {"prompt", "model", "seconds", "size", "fps", "seed", "steps", "input_reference"}
-        bad = sorted(set(raw) - known)
-        if bad:
-            raise ClientError(f"Unrecognized request argument supplied: {bad[0]}", param=bad[0], code="unknown_parameter")
-        prompt = raw.get("prompt")
-        if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > 32000:
-            raise ClientError("'prompt' is required: a non-empty string of at most 32000 characters.", param="prompt", code="missing_required_parameter")
-        if raw.get("input_reference") is not None:
-            raise ClientError("input_reference is not supported by this server.", param="input_reference", code="invalid_value")
-        model = raw.get("model") or self.pipeline.models[0]
+    async def create(self, req: VideoCreate, principal: str) -> VideoJob:
+        prompt = req.prompt
+        model = req.model or self.pipeline.models[0]
         if model not in self.pipeline.models:
             raise ClientError(f"The model '{model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         d = self.describe()
         too_long = prompt_token_error(self.count, d.get("max_prompt_tokens"), prompt)
         if too_long:
             raise ClientError(too_long, param="prompt", code="invalid_value")
-        width, height = _size(raw.get("size") or f"{d['default_size']}x{d['default_size']}", int(d["size_multiple"]))
-        seconds = _int(raw.get("seconds", 4), "seconds", 1, MAX_SECONDS)
-        fps = _int(raw.get("fps", 8), "fps", 1, 30)
-        seed = _int(raw["seed"], "seed", 0, 2**31 - 1) if raw.get("seed") is not None else secrets.randbelow(2**31)
-        steps = _int(raw["steps"], "steps", 1, int(d["max_steps"])) if raw.get("steps") is not None else None
+        width, height = _size(req.size or f"{d['default_size']}x{d['default_size']}", int(d["size_multiple"]))
+        seconds, fps = req.seconds, req.fps
+        seed = req.seed if req.seed is not None else secrets.randbelow(2**31)
+        steps = req.steps
+        if steps is not None and steps > int(d["max_steps"]):
+            raise ClientError(f"Invalid 'steps': {steps}; this model takes at most {d['max_steps']}.", param="steps", code="invalid_value")
         if d.get("max_frames") is not None and seconds * fps > int(d["max_frames"]):
             raise ClientError(
                 f"This model makes at most {d['max_frames']} frames per clip; {seconds} seconds at {fps} fps is {seconds * fps}. "

@@ -34,7 +34,7 @@ from aiohttp import web
 
 from omni_rt.errors import ClientError, NotFound
 from protocols.auth import client_secret_of, principal_of
-from protocols.http import check_length, json_response, limits_of, read_body, read_json
+from protocols.http import check_length, json_response, limits_of, read_body, read_form, read_json
 from protocols.pages import demo_page
 from protocols.realtime import Conversation, apply_session_update, start_config, vad_of
 from protocols.registry import Mount
@@ -102,7 +102,7 @@ async def read_offer(request: web.Request) -> tuple[str, Any]:
     session_body = None
     check_length(request, limits_of(request).max_body_bytes)  # before anything is read
     if ctype == "multipart/form-data":
-        form = await request.post()
+        form = await read_form(request)
         sdp = _form_text(form.get("sdp"))
         raw_session = form.get("session")
         if raw_session is not None:

@@ -190,6 +190,50 @@ async def test_deleting_a_running_job_stops_it_and_frees_its_slot(h):
     await c.close()
 
 
+def _form(fields: list[tuple[str, bytes]], boundary: str = "B") -> bytes:
+    body = b"".join(f"--{boundary}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n".encode() + v + b"\r\n" for k, v in fields)
+    return body + f"--{boundary}--\r\n".encode()
+
+
+MULTIPART = "multipart/form-data; boundary=B"
+URLENCODED = "application/x-www-form-urlencoded"
+
+
+@pytest.mark.parametrize(
+    "body, ctype, param, code",
+    [
+        (_form([("prompt", b"a"), ("prompt", b"b")]), MULTIPART, "prompt", "invalid_value"),  # which one?
+        (b"prompt=a&seconds=1&seconds=2", URLENCODED, "seconds", "invalid_value"),
+        (_form([("seconds", b"1")]), MULTIPART, "prompt", "missing_required_parameter"),
+        (_form([("prompt", b"a"), ("seconds", b"1e309")]), MULTIPART, "seconds", "invalid_value"),
+        (_form([("prompt", b"a"), ("fps", str(10**30).encode())]), MULTIPART, "fps", "invalid_value"),
+        (b"prompt=a&seed=true", URLENCODED, "seed", "invalid_value"),
+        (_form([("prompt", b"a"), ("top", b"1e309")]), MULTIPART, "top", "unknown_parameter"),
+        (_form([("prompt", b"\xff\xfe a")]), MULTIPART, None, "invalid_form"),  # not UTF-8
+        (b"prompt=\xff\xfe", URLENCODED, None, "invalid_form"),
+        (_form([("prompt", b"a")]), "multipart/form-data", None, "invalid_form"),  # no boundary
+        (_form([("prompt", b"a")]), "multipart/form-data; boundary=nope", None, "invalid_form"),
+        (b"prompt=a", URLENCODED + "; charset=bogus", None, "invalid_form"),
+        (b"prompt=%20%20", URLENCODED, "prompt", "invalid_value"),  # blank
+        (b'{"prompt": "a", "steps": 51}', "application/json", "steps", "invalid_value"),  # over the model's 50
+        (b'{"prompt": "a", "fps": 2.5}', "application/json", "fps", "invalid_value"),
+        (b'{"prompt": ["a"]}', "application/json", "prompt", "invalid_value"),
+    ],
+)
+async def test_bad_video_job_bodies_are_400s_that_name_the_field(h, body, ctype, param, code):
+    r = await h.client.post("/v1/videos", data=body, headers={"content-type": ctype})
+    err = (await r.json())["error"]
+    assert r.status == 400 and (err["param"], err["code"]) == (param, code), err
+    assert h.sessions.sessions() == []
+
+
+async def test_a_video_job_from_form_fields_as_curl_sends_them(h):
+    r = await h.client.post("/v1/videos", data=b"prompt=a%20kite&seconds=1&size=64x64&fps=2&steps=1&seed=4", headers={"content-type": URLENCODED})
+    job = await r.json()
+    assert r.status == 200 and (job["prompt"], job["size"], job["seconds"]) == ("a kite", "64x64", "1")
+    await h.client.delete(f"/v1/videos/{job['id']}")
+
+
 async def test_a_live_prompt_edit_takes_effect_at_the_next_frame_with_none_stale_or_lost(h):
     ws = await connect(h, "/v1/realtime/video")
     await ws.until("session.created")
@@ -311,6 +355,11 @@ async def test_bad_offers_get_clear_errors_and_leave_nothing_behind(h):
         assert r.status == (413 if len(body) > 65536 else 400) and (await r.json())["error"]["code"] == "invalid_sdp", body[:30]
     r = await h.client.post("/v1/realtime/calls", json={"sdp": "v=0"})
     assert r.status == 415
+    for ctype in ("multipart/form-data", "multipart/form-data; boundary=", "multipart/form-data; boundary=nope"):
+        r = await h.client.post("/v1/realtime/calls", data=_form([("sdp", b"v=0")]), headers={"content-type": ctype})
+        assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_form", ctype
+    r = await h.client.post("/v1/realtime/calls", data=_form([("sdp", b"v=0"), ("sdp", b"v=0")]), headers={"content-type": MULTIPART})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "sdp"
     r = await h.client.post("/offer", data=b"{nope", headers={"content-type": "application/json"})
     assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json"
     r = await h.client.post("/offer", json={"sdp": "v=0", "type": "answer"})
