@@ -88,10 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated sizes (default {DEFAULT_SIZES})")
     k.add_argument("--repeat", type=int, default=10, help="timed rounds per size; medians are reported (default 10)")
     k.add_argument("--warmup", type=int, default=2, help="untimed rounds per size (default 2)")
-    k.add_argument("--backend", default="shm", choices=BACKENDS,
-                   help="connector to compare with memcpy (default shm); inproc is always reported too")
-    k.add_argument("--shm-pool-bytes", type=int, default=None,
-                   help="the shm connector's segment recycling pool (default: the connector's, 256 MiB; 0: a fresh segment per put)")
+    k.add_argument("--backend", default="ray", choices=BACKENDS,
+                   help="connector to compare with memcpy (default ray); inproc is always reported too")
     k.add_argument("--json", help="write results here (JSON)")
 
     s = sub.add_parser(

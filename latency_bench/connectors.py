@@ -36,7 +36,7 @@ from latency_bench.stats import median, ratio, summarize
 
 SCHEMA = "omni-rt.latency_bench.connectors/1"
 DEFAULT_SIZES = "1KiB,64KiB,1MiB,16MiB,64MiB"
-BACKENDS = ("shm", "inproc", "ray")
+BACKENDS = ("ray", "inproc")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -70,17 +70,12 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
-def make_connector(backend: str, shm_pool_bytes: int | None = None) -> Any:
-    """Imports the backend lazily; raises ImportError if it is not available.
-    `shm_pool_bytes`: the shm connector's recycling pool (0: a fresh segment per put)."""
+def make_connector(backend: str) -> Any:
+    """Imports the backend lazily; raises ImportError if it is not available."""
     if backend == "inproc":
         from omni_rt.connectors.inproc import InprocConnector
 
         return InprocConnector()
-    if backend == "shm":
-        from omni_rt.connectors.shm import ShmConnector
-
-        return ShmConnector() if shm_pool_bytes is None else ShmConnector(pool_bytes=shm_pool_bytes)
     if backend == "ray":
         # a Ray instance of the bench's own (as a server without server.ray_address starts one)
         from omni_rt.connectors.ray import RayConnector
@@ -170,21 +165,19 @@ def run(
     sizes: Sequence[int],
     repeat: int = 10,
     warmup: int = 2,
-    backend: str = "shm",
+    backend: str = "ray",
     log: Callable[[str], None] = print,
-    shm_pool_bytes: int | None = None,
 ) -> dict[str, Any]:
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
-    conns = {backend: make_connector(backend, shm_pool_bytes)}
+    conns = {backend: make_connector(backend)}
     if backend != "inproc":
         conns["inproc"] = make_connector("inproc")
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "created": utc_now(),
         "machine": {**machine_info(), "numpy": np.__version__},
-        "config": {"backend": backend, "sizes": [int(s) for s in sizes], "repeat": repeat, "warmup": warmup,
-                   "shm_pool_bytes": shm_pool_bytes},
+        "config": {"backend": backend, "sizes": [int(s) for s in sizes], "repeat": repeat, "warmup": warmup},
         "backend": backend,
         "sizes": [],
     }
@@ -241,7 +234,7 @@ def main_connectors(args) -> int:
               file=sys.stderr)
         return 2
     print(header(args.backend))
-    result = run(sizes, repeat=args.repeat, warmup=args.warmup, backend=args.backend, shm_pool_bytes=args.shm_pool_bytes)
+    result = run(sizes, repeat=args.repeat, warmup=args.warmup, backend=args.backend)
     bad = [e["label"] for e in result["sizes"]
            if not e["memcpy"]["data_ok"] or not all(b.get("data_ok") for b in e["backends"].values())]
     if bad:

@@ -116,6 +116,6 @@ class Handle:
     fence: Fence
     nbytes: int
     readers: int = 1
-    # Backend-specific locator (e.g. shm segment name and array layout). Opaque to
+    # Backend-specific locator (e.g. a Ray object reference). Opaque to
     # everyone but the connector that made the handle.
     locator: Mapping[str, Any] | None = field(default=None, hash=False, compare=False)

@@ -57,7 +57,7 @@ class EdgeSpec(_Strict):
     dst: str
     payload: PayloadKind
     mode: Literal["chunk", "batch"] = Field(default="chunk", description="chunk: stream as produced; batch: hand over when src finishes")
-    connector: str = Field(default="inproc", description="name of a connector declared by the deployment (inproc, shm)")
+    connector: str = Field(default="inproc", description="name of a connector declared by the deployment (inproc, ray)")
     chunking: ChunkingSpec = ChunkingSpec()
 
     @property
@@ -244,7 +244,7 @@ class PipelineOverlay(_Strict):
 
 
 class ConnectorSpec(_Strict):
-    backend: Literal["inproc", "shm", "ray"]
+    backend: Literal["inproc", "ray"]
 
 
 class ApiKeySpec(_Strict):
@@ -449,7 +449,7 @@ class DeployOverlay(_Strict):
     server: ServerSpec = ServerSpec()
     sessions: SessionsSpec = SessionsSpec()
     connectors: dict[str, ConnectorSpec] = Field(
-        default={"inproc": ConnectorSpec(backend="inproc"), "shm": ConnectorSpec(backend="shm"), "ray": ConnectorSpec(backend="ray")},
+        default={"inproc": ConnectorSpec(backend="inproc"), "ray": ConnectorSpec(backend="ray")},
         description="named connectors that edges refer to",
     )
     pipelines: dict[str, PipelineOverlay] = {}

@@ -387,33 +387,13 @@ def test_connectors_bench_inproc(tmp_path):
     _check_connectors_result(json.loads(out.read_text()), "inproc", [1024, 65536])
 
 
-def test_connectors_bench_shm(tmp_path):
-    import omni_rt.connectors.shm  # noqa: F401 - required: an import error fails the test
-    out = tmp_path / "conn.json"
-    # In a subprocess with a timeout: a hang in the backend fails the test, not the run.
-    p = subprocess.run(
-        [sys.executable, "-m", "latency_bench", "connectors", "--backend", "shm", "--sizes", "1KiB,1MiB",
-         "--repeat", "2", "--warmup", "1", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert p.returncode == 0, p.stderr
-    res = json.loads(out.read_text())
-    _check_connectors_result(res, "shm", [1024, 1 << 20])
-    for e in res["sizes"]:
-        shm = e["backends"]["shm"]
-        assert shm["get_is_view"] is True  # zero-copy get: a view onto the shared segment
-        assert shm["copied"] is True  # put copies the source into shared memory once
+class _CopyingStandIn:
+    """Copies into a multiprocessing.shared_memory segment on put, returns a view on get,
+    as a copying backend (Ray's object store) does, without starting Ray: the bench must
+    drop its views before cleanup (closing a segment a view still holds raises
+    BufferError)."""
 
-
-class _StdlibShmStandIn:
-    """Copies into a multiprocessing.shared_memory segment on put, returns a view on get.
-
-    Stands in for omni_rt's ShmConnector (same interface) so the harness's view and
-    cleanup ordering is exercised even before that module exists: closing a segment
-    while a view of it is alive raises BufferError.
-    """
-
-    name = "shm"
+    name = "ray"
 
     def __init__(self) -> None:
         self._segs: dict[str, list] = {}
@@ -457,11 +437,11 @@ def test_connectors_bench_copying_backend_drops_views_before_cleanup(monkeypatch
     import latency_bench.connectors as lc
 
     real = lc.make_connector
-    monkeypatch.setattr(lc, "make_connector", lambda b, pool=None: _StdlibShmStandIn() if b == "shm" else real(b))
-    res = lc.run([1000, 1 << 20], repeat=2, warmup=1, backend="shm", log=lambda *_: None)
-    _check_connectors_result(res, "shm", [1000, 1 << 20])
+    monkeypatch.setattr(lc, "make_connector", lambda b: _CopyingStandIn() if b == "ray" else real(b))
+    res = lc.run([1000, 1 << 20], repeat=2, warmup=1, backend="ray", log=lambda *_: None)
+    _check_connectors_result(res, "ray", [1000, 1 << 20])
     for e in res["sizes"]:
-        b = e["backends"]["shm"]
+        b = e["backends"]["ray"]
         assert b["get_is_view"] is True and b["copied"] is True and b["cleanup_freed"] == 1
 
 

@@ -50,7 +50,7 @@ def test_overlay_applies_modes_chunking_replicas_and_args():
         {
             "pipelines": {
                 "tts": {
-                    "edges": {"talker->code2wav": {"mode": "batch", "connector": "shm", "chunking": {"chunk_frames": 4}}},
+                    "edges": {"talker->code2wav": {"mode": "batch", "connector": "ray", "chunking": {"chunk_frames": 4}}},
                     "stages": {"code2wav": {"replicas": 3, "engine_args": {"max_batch": 8}}},
                 }
             }
@@ -59,7 +59,7 @@ def test_overlay_applies_modes_chunking_replicas_and_args():
     )
     p = apply_overlay(TTS, ov)
     e = p.edges[0]
-    assert (e.mode, e.connector, e.chunking.chunk_frames) == ("batch", "shm", 4)
+    assert (e.mode, e.connector, e.chunking.chunk_frames) == ("batch", "ray", 4)
     assert e.chunking.first_chunk_frames == TTS.profiles["split"].edges[0].chunking.first_chunk_frames  # untouched keys stay
     c2w = p.stage("code2wav")
     assert c2w.replicas == 3 and c2w.engine_args["max_batch"] == 8 and c2w.engine_args["max_wait_ms"] == 1.0
@@ -85,7 +85,7 @@ def test_defaults_are_valid():
     ov = DeployOverlay()
     assert ov.server.port == 8000 and ov.server.host == "127.0.0.1"
     # ray is declared but only used by edges into or out of a remote placement
-    assert set(ov.connectors) == {"inproc", "shm", "ray"}
+    assert set(ov.connectors) == {"inproc", "ray"}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

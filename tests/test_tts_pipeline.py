@@ -112,15 +112,6 @@ async def test_fused_equals_split(models_dir):
 
 
 @pytest.mark.integration
-async def test_shm_edge_equals_inproc(models_dir):
-    inproc, _ = await synth(models_dir, edge("chunk"), TEXT)
-    over = edge("chunk")
-    over["pipelines"]["tts"]["edges"]["talker->code2wav"]["connector"] = "shm"
-    shm, _ = await synth(models_dir, over, TEXT)
-    np.testing.assert_array_equal(shm, inproc)
-
-
-@pytest.mark.integration
 async def test_duration_follows_text_length(models_dir):
     short, _ = await synth(models_dir, edge("chunk"), "Hi.")
     long, _ = await synth(models_dir, edge("chunk"), TEXT * 3)

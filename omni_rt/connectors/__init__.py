@@ -1,21 +1,17 @@
-"""Connectors: inproc (zero copy), shm (shared memory across processes), ray (Ray's
-object store, across processes and nodes)."""
+"""Connectors: inproc (zero copy, the stages of one server), ray (Ray's object store:
+stages placed in Ray actors, on this node or another)."""
 
 from __future__ import annotations
 
 from omni_rt.connectors.base import Connector, ConnectorError
 from omni_rt.connectors.inproc import InprocConnector
 
-BACKENDS = ("inproc", "shm", "ray")
+BACKENDS = ("inproc", "ray")
 
 
 def make_connector(backend: str, name: str | None = None) -> Connector:
     if backend == "inproc":
         return InprocConnector(name or backend)
-    if backend == "shm":
-        from omni_rt.connectors.shm import ShmConnector
-
-        return ShmConnector(name or backend)
     if backend == "ray":
         from omni_rt.connectors.ray import RayConnector
 

@@ -331,7 +331,7 @@ async def test_a_fault_in_the_server_is_an_error_event_then_1011_not_a_silent_di
     from protocols.realtime.conversation import Conversation
 
     def broken(self, ev):
-        raise ConnectorError("handle lost: shm segment omni_rt_xyz")
+        raise ConnectorError("handle lost: the object omni_rt_xyz is gone")
 
     monkeypatch.setattr(Conversation, "item_delete", broken)
     ws = await session(h)
