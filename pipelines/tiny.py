@@ -441,7 +441,6 @@ def _fill_audio_encoder(out: Path) -> None:
 THINKER_DIRNAME = "tiny-qwen2-thinker"
 AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
-WORLD_DIRNAME = "tiny-flux-world"
 POLICY_DIRNAME = "tiny-pi0"
 VIDEO_DIRNAME = "tiny-wan"
 
@@ -492,7 +491,6 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "audio_encoder": (AUDIO_ENCODER_DIRNAME, _fill_audio_encoder),
     "policy": (POLICY_DIRNAME, _fill_pi0),
     "image": (IMAGE_DIRNAME, _diffusion("_fill_image")),
-    "world": (WORLD_DIRNAME, _diffusion("_fill_world")),
     "video": (VIDEO_DIRNAME, _diffusion("_fill_wan")),
     "ltx": ("tiny-ltx", _diffusion("_fill_ltx")),
     "sd3": ("tiny-sd3", _diffusion("_fill_sd3")),

@@ -21,24 +21,6 @@ def _fill_image(out: Path) -> None:
     _fill_flux(out, SEED + 4)
 
 
-# The world model: the image checkpoint's architecture plus a conditioner that turns
-# the last `history_frames` frames' latents and an action into extra tokens.
-WORLD_CONFIG = {"action_dim": 4, "history_frames": 2, "latent_channels": 16, "joint_dim": 32, "pooled_dim": 32, "frame_size": 128}
-
-
-def _fill_world(out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from pipelines.world import WorldConditioner
-
-    _fill_flux(out, SEED + 5)
-    torch.manual_seed(SEED + 6)
-    cond = WorldConditioner(WORLD_CONFIG).eval()
-    (out / "world.json").write_text(json.dumps(WORLD_CONFIG, indent=2) + "\n")
-    save_file({k: v.detach().contiguous() for k, v in cond.state_dict().items()}, str(out / "conditioner.safetensors"))
-
-
 def _fill_flux(out: Path, seed: int) -> None:
     """A FluxPipeline directory (loads with `FluxPipeline.from_pretrained`): a Flux
     transformer (1 double + 1 single block, width 32), a 4-level VAE (8x, narrow), a

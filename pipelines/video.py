@@ -3,10 +3,6 @@
 `ClipProcessor` (the `video` pipeline, `/v1/videos` jobs): text to video on a real
 diffusers video family (Wan), a whole clip per request.
 
-`VideoProcessor` (the `video_edit` pipeline, live editing): video as an autoregressive
-rollout of the world model with no action — each frame conditioned on the prompt and
-the frames before it.
-
 A request renders `frames` frames from `start_frame` on (`params["history"]`: the
 latents of the frames before it), emitting each frame as soon as it is decoded, with
 progress in between. Live editing sends one request per chunk of frames with the
@@ -19,8 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from omni_rt.engines.base import Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.errors import StageError
@@ -29,21 +23,6 @@ from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext
 from pipelines.checkpoint import check_diffusers_family
 from pipelines.video_stage import VideoStage
-from pipelines.world import WorldProcessor
-
-
-class VideoProcessor(WorldProcessor):
-    async def run(self, ctx: StageContext) -> None:
-        p = ctx.params
-        frames, start = int(p["frames"]), int(p.get("start_frame", 0))
-        history = list(p.get("history") or [])
-        still = np.zeros(self.action_dim, np.float32)
-        steps = int(p.get("steps") or self.default_steps)
-        for k in range(frames):
-            job = self.frame_job(p, history, still, start + k)
-            latents = await self.render(ctx, job, start + k, k * steps, frames * steps, last=k == frames - 1)
-            history = (history + [latents])[-self.history_frames :]
-        ctx.add_usage(frames=frames, steps=frames * steps)
 
 
 class ClipProcessor(VideoStage):

@@ -64,14 +64,10 @@ FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] 
     "pipelines.image:ImageProcessor": (None, {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.world:ForcingWorldProcessor": (
         "testkit.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
-    "pipelines.world:WorldProcessor": (
-        "testkit.stages:FakeWorld", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.video:ClipProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.forcing:ForcingProcessor": (None, {"main": lambda n, sp: FakeVideoDiffusionEngine(n, sp.diffusion_step_s)}),
     "pipelines.moshi:MoshiProcessor": (
         "testkit.stages:FakeMoshi", {"main": lambda n, sp: FakeStepEngine(moshi_fn, n, sp.step_s)}),
-    "pipelines.video:VideoProcessor": (
-        "testkit.stages:FakeVideo", {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),
 }
 
 

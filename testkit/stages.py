@@ -20,7 +20,7 @@ run exactly as they do over real models. Outputs are deterministic:
 - `FakeAsr` (asr): per 30 s window of audio, one word `"w<token> "` per engine token
   (as many tokens as whole seconds in the window, at least one), as TEXT with the
   window's `segment`, `start`, `end`.
-- `FakePolicy` (policy), `FakeWorld` (world_dit), `FakeVideo` (video_dit); the real
+- `FakePolicy` (policy), `FakeWorld` (world_dit); the real
   `ImageProcessor` runs over `FakeDiffusionEngine`.
 - `FakeMoshi` (moshi): the real frame clock, buffering and admission of
   `pipelines.moshi.MoshiProcessor` over `moshi_fn`: each frame's voice is the user's
@@ -29,7 +29,6 @@ run exactly as they do over real models. Outputs are deterministic:
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
@@ -321,16 +320,6 @@ class FakeWorld(StageProcessor):
         steps = int(ctx.params.get("steps") or 2)
         await self.render(ctx, int(ctx.params.get("frame_index", 0)), 0, steps, last=True)
         ctx.add_usage(frames=1, steps=steps)
-
-
-class FakeVideo(FakeWorld):
-    async def run(self, ctx: StageContext) -> None:
-        frames, start = int(ctx.params["frames"]), int(ctx.params.get("start_frame", 0))
-        steps = int(ctx.params.get("steps") or 2)
-        for k in range(frames):
-            await self.render(ctx, start + k, k * steps, frames * steps, last=k == frames - 1)
-            await asyncio.sleep(0)
-        ctx.add_usage(frames=frames, steps=frames * steps)
 
 
 class FakeAsr(StageProcessor):

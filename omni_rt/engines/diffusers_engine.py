@@ -92,10 +92,9 @@ class DiffusionJob:
     prefix: torch.Tensor | None = None
     negative_prompt: str | None = None
     preview_every: int = 0
-    # Extra conditioning (e.g. a world model's history and action): tokens appended to
-    # the text tokens [T, joint_dim], and a vector added to the pooled text embedding.
+    # Extra conditioning (e.g. a world model's action): tokens appended to the text
+    # tokens [T, text_dim].
     context: torch.Tensor | None = None
-    pooled_bias: torch.Tensor | None = None
     # --- engine state ---
     id: int = 0
     arrived: float = 0.0

@@ -179,8 +179,6 @@ class FluxFamily(Family):
         embeds, pooled = cond
         if job.context is not None:
             embeds = torch.cat([embeds, job.context.to(embeds.device, embeds.dtype)], dim=0)
-        if job.pooled_bias is not None:
-            pooled = pooled + job.pooled_bias.to(pooled.device, pooled.dtype)
         return embeds, pooled
 
     def prepare(self, job: DiffusionJob) -> None:
