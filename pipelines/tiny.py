@@ -387,20 +387,6 @@ THINKER_CONFIG = {
     "rope_theta": 1000000.0,
     "tie_word_embeddings": True,
 }
-# Audio encoder: 16 kHz log-mel (Whisper's front end: 400-point FFT, hop 160, 80 mels)
-# over fixed 480 ms blocks, each encoded on its own (so streaming == batch exactly),
-# two convolutions (stride 2 each) -> 25 embeddings per second of thinker width.
-AUDIO_ENCODER_CONFIG: dict[str, Any] = {
-    "sample_rate": 16000,
-    "n_fft": 400,
-    "hop_length": 160,
-    "n_mels": 80,
-    "block_samples": 7680,
-    "hidden": 128,
-    "out_dim": THINKER_CONFIG["hidden_size"],
-}
-
-
 def _fill_thinker(out: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -426,20 +412,7 @@ def _fill_thinker(out: Path) -> None:
     save_sampling(out, [ids["<|im_end|>"], ids["<|endoftext|>"]], config.pad_token_id, 0.7, bos=config.bos_token_id)
 
 
-def _fill_audio_encoder(out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from pipelines.voice import AudioEncoderNet
-
-    torch.manual_seed(SEED + 2)
-    net = AudioEncoderNet(**{k: AUDIO_ENCODER_CONFIG[k] for k in ("n_mels", "hidden", "out_dim")}).eval()
-    (out / "config.json").write_text(json.dumps({"model_type": "omni_rt_audio_encoder", **AUDIO_ENCODER_CONFIG}, indent=2) + "\n")
-    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "model.safetensors"))
-
-
 THINKER_DIRNAME = "tiny-qwen2-thinker"
-AUDIO_ENCODER_DIRNAME = "tiny-audio-encoder"
 IMAGE_DIRNAME = "tiny-flux-image"
 POLICY_DIRNAME = "tiny-pi0"
 VIDEO_DIRNAME = "tiny-wan"
@@ -488,7 +461,6 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "talker": (TALKER_DIRNAME, _fill_talker),
     "code2wav": (CODE2WAV_DIRNAME, _fill_code2wav),
     "thinker": (THINKER_DIRNAME, _fill_thinker),
-    "audio_encoder": (AUDIO_ENCODER_DIRNAME, _fill_audio_encoder),
     "policy": (POLICY_DIRNAME, _fill_pi0),
     "image": (IMAGE_DIRNAME, _diffusion("_fill_image")),
     "video": (VIDEO_DIRNAME, _diffusion("_fill_wan")),

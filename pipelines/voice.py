@@ -1,18 +1,10 @@
-"""The `voice` pipeline: audio encoder (torch) -> thinker (vLLM) -> talker -> code2wav.
+"""The `voice` pipeline: thinker (vLLM) -> talker -> code2wav (cascade: asr first).
 
-- audio_encoder (entry): takes the user's PCM as it is appended (AUDIO payloads at any
-  rate, `meta.sample_rate`), resamples it to 16 kHz with soxr as it arrives, and
-  encodes every complete 480 ms block right away (Whisper-style log-mel, two strided
-  convolutions). Blocks are encoded independently, so the embeddings of a streamed
-  utterance equal those of the whole utterance at once, and the end of speech only
-  pays for the last partial block. A request whose only output is `audio_encoder`
-  encodes an utterance while the user speaks; the session keeps the embeddings, and
-  the response request enters at the thinker and hands them to it directly (HIDDEN
-  payloads given to the encoder go through unchanged).
-- thinker: a chat LM on vLLM fed `prompt_embeds`: the chat template's token
-  embeddings (history, instructions, text turns from `params["messages"]`) with the
-  audio embeddings spliced in at the `<|audio|>` placeholder of the current user turn.
-  It streams TEXT deltas.
+- thinker: a model that hears audio itself (Qwen2.5-Omni, Qwen3-Omni: its own
+  processor, chat template and audio tower), or a text chat LM after the asr (the
+  cascade profile). Its prompt is the conversation (history, instructions, text turns
+  from `params["messages"]`) with the current utterance at its `<|audio|>`
+  placeholder. It streams TEXT deltas.
 - talker, code2wav: the tts pipeline's stages (shared pools). The talker starts on
   the first phrase of the thinker's text; code2wav on the talker's first frames.
 
@@ -23,15 +15,12 @@ start.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from omni_rt.engines.base import ArEngine, Engine, StepEngine
+from omni_rt.engines.base import ArEngine, Engine
 from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
@@ -40,121 +29,6 @@ from pipelines.checkpoint import architectures, check_tokenizer_files
 from pipelines.tokenizing import SegmentEncoder, rust_tokenizer
 from pipelines.tools import DEFAULT_MAX_WHITESPACE, ToolCalling, ToolStream, default_parser, is_tool_request, template_messages
 from pipelines.tts import checkpoint_sampling
-
-# ---- audio encoder ----------------------------------------------------------------------
-
-
-class AudioEncoderNet(torch.nn.Module):
-    """log-mel [B, n_mels, T] -> embeddings [B, T/4, out_dim]."""
-
-    def __init__(self, n_mels: int, hidden: int, out_dim: int) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv1d(n_mels, hidden, kernel_size=3, stride=2, padding=1)
-        self.conv2 = torch.nn.Conv1d(hidden, hidden, kernel_size=3, stride=2, padding=1)
-        self.proj = torch.nn.Linear(hidden, out_dim)
-
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.gelu(self.conv1(mel))
-        x = torch.nn.functional.gelu(self.conv2(x))
-        return self.proj(x.transpose(1, 2))
-
-
-class AudioBlockEncoder(torch.nn.Module):
-    """16 kHz blocks [B, block_samples] -> embeddings [B, frames, out_dim]."""
-
-    def __init__(self, config: Mapping[str, Any], net: AudioEncoderNet) -> None:
-        super().__init__()
-        from transformers.audio_utils import mel_filter_bank
-
-        self.n_fft = int(config["n_fft"])
-        self.hop = int(config["hop_length"])
-        self.net = net
-        fb = mel_filter_bank(
-            num_frequency_bins=1 + self.n_fft // 2,
-            num_mel_filters=int(config["n_mels"]),
-            min_frequency=0.0,
-            max_frequency=float(config["sample_rate"]) / 2,
-            sampling_rate=int(config["sample_rate"]),
-            norm="slaney",
-            mel_scale="slaney",
-        )
-        self.register_buffer("mel_fb", torch.from_numpy(np.ascontiguousarray(fb.T)).float(), persistent=False)
-        self.register_buffer("window", torch.hann_window(self.n_fft), persistent=False)
-
-    def forward(self, audio: torch.Tensor) -> torch.Tensor:
-        spec = torch.stft(audio, self.n_fft, self.hop, window=self.window, return_complex=True)
-        power = spec[..., :-1].abs() ** 2  # [B, freq, T]
-        mel = torch.clamp(self.mel_fb @ power, min=1e-10).log10()
-        mel = torch.maximum(mel, mel.amax(dim=(1, 2), keepdim=True) - 8.0)
-        return self.net((mel + 4.0) / 4.0)
-
-
-def load_audio_encoder(model_dir: str) -> tuple[dict[str, Any], AudioBlockEncoder]:
-    from safetensors.torch import load_file
-
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    net = AudioEncoderNet(int(config["n_mels"]), int(config["hidden"]), int(config["out_dim"]))
-    net.load_state_dict(load_file(str(Path(model_dir) / "model.safetensors")))
-    return config, AudioBlockEncoder(config, net).eval()
-
-
-class AudioEncoderProcessor(StageProcessor):
-    """Entry stage: AUDIO chunks in (any rate), HIDDEN embeddings out, block by block."""
-
-    @staticmethod
-    def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
-        return lambda: load_audio_encoder(model_dir)[1]
-
-    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
-        super().__init__(spec, engine, aux)
-        self.encoder = self.engine_as(StepEngine)
-        assert spec.model is not None
-        self.config = json.loads((Path(spec.model) / "config.json").read_text())
-        self.block = int(self.config["block_samples"])
-        self.rate = int(self.config["sample_rate"])
-        self.frames_per_block = self.block // int(self.config["hop_length"]) // 4
-
-    async def _encode(self, ctx: StageContext, block: np.ndarray, keep: int) -> None:
-        emb = await self.encoder.run(block.astype(np.float32, copy=False))
-        await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": np.ascontiguousarray(emb[:keep])}))
-        ctx.add_usage(audio_frames=keep)
-
-    async def run(self, ctx: StageContext) -> None:
-        import soxr
-
-        resampler: Any = None
-        in_rate = None
-        buf = np.zeros(0, np.float32)
-        async for p in ctx.input():
-            if p.kind == PayloadKind.HIDDEN:
-                # already encoded (an earlier utterance kept by the session): pass on
-                await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": p.arrays["embeds"]}))
-                continue
-            if p.kind != PayloadKind.AUDIO:
-                continue
-            pcm = p.arrays["pcm"].astype(np.float32, copy=False).reshape(-1)
-            rate = int(p.meta.get("sample_rate", 24000))
-            if resampler is None:
-                in_rate = rate
-                resampler = soxr.ResampleStream(rate, self.rate, 1, dtype="float32") if rate != self.rate else None
-            elif rate != in_rate:
-                raise StageError(f"audio sample rate changed mid-utterance ({in_rate} -> {rate})")
-            y = resampler.resample_chunk(pcm) if resampler is not None else pcm
-            buf = np.concatenate([buf, y])
-            while len(buf) >= self.block:
-                await self._encode(ctx, buf[: self.block], self.frames_per_block)
-                buf = buf[self.block :]
-        if resampler is not None:
-            buf = np.concatenate([buf, resampler.resample_chunk(np.zeros(0, np.float32), last=True)])
-        while len(buf) >= self.block:  # the resampler's flush may complete a block
-            await self._encode(ctx, buf[: self.block], self.frames_per_block)
-            buf = buf[self.block :]
-        if len(buf):
-            keep = max(1, -(-len(buf) * self.frames_per_block // self.block))
-            tail = np.zeros(self.block, np.float32)
-            tail[: len(buf)] = buf
-            await self._encode(ctx, tail, keep)
-
 
 # ---- thinker ----------------------------------------------------------------------------
 
@@ -210,9 +84,7 @@ class ThinkerProcessor(StageProcessor):
       and chat template with the audio as a content part, and vLLM runs the model's
       audio tower on it (`multi_modal_data`);
     * TEXT: a transcript (the cascade profile: asr -> any text chat LM), put where the
-      utterance's placeholder is;
-    * HIDDEN: audio embeddings spliced into `prompt_embeds` (the legacy profile's
-      home-made encoder).
+      utterance's placeholder is.
     """
 
     # min_tokens: the stop token is masked until this many tokens are out (a voice
@@ -261,7 +133,6 @@ class ThinkerProcessor(StageProcessor):
         self.max_samples = 0
         self._fast: Any = None
         self._segments: SegmentEncoder | None = None
-        self.embed: torch.Tensor | None = None
         self.tool_calling: ToolCalling | None = None
 
     def _load(self) -> None:
@@ -280,8 +151,6 @@ class ThinkerProcessor(StageProcessor):
             self.n_fft, self.hop, self.max_samples = int(fe.n_fft), int(fe.hop_length), int(fe.n_samples)
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model)
-        if self.spec.engine_args.get("enable_prompt_embeds"):
-            self._load_embeddings()
         self.audio_id = self.tokenizer.convert_tokens_to_ids(AUDIO_PLACEHOLDER)
         self.stop_ids = [i for i in {self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|endoftext|>")} if i is not None]
         self.text_ranges = text_ranges(self.tokenizer)
@@ -291,17 +160,6 @@ class ThinkerProcessor(StageProcessor):
         parser = self.args["tool_parser"] or default_parser(checkpoint.config(self.spec.model).get("model_type"))
         if parser != "none":
             self.tool_calling = ToolCalling(self.tokenizer, parser, self.args["tool_strict_level"], self.args["tool_max_whitespace"])
-
-    def _load_embeddings(self) -> None:
-        from safetensors import safe_open
-
-        assert self.spec.model is not None
-        for f in sorted(Path(self.spec.model).glob("*.safetensors")):
-            with safe_open(str(f), "pt") as st:
-                if "model.embed_tokens.weight" in st.keys():
-                    self.embed = st.get_tensor("model.embed_tokens.weight").float()
-        if self.embed is None:
-            raise StageError(f"thinker checkpoint {self.spec.model} has no model.embed_tokens.weight")
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -351,32 +209,6 @@ class ThinkerProcessor(StageProcessor):
             return (((rest - 1) // 2 + 1 - 1) // 2 + 1 - 1) // 2 + 1 + (frames // 100) * 13
         return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
-    def prompt_embeds(self, messages: Sequence[Mapping[str, Any]], audio: np.ndarray | None,
-                      tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[torch.Tensor, int]:
-        ids = self.prompt_ids(messages, tools=tools)
-        if self.embed is None:
-            raise StageError("this thinker takes no audio embeddings (start its engine with enable_prompt_embeds)")
-        embed = self.embed
-
-        def rows(sel: list[int]) -> torch.Tensor:
-            return embed[torch.tensor(sel, dtype=torch.long)]
-
-        parts: list[torch.Tensor] = []
-        start = 0
-        spots = [i for i, t in enumerate(ids) if t == self.audio_id]
-        for n, i in enumerate(spots):
-            parts.append(rows(ids[start:i]))
-            # the current turn's audio goes at the last placeholder; earlier ones (old
-            # audio turns whose embeddings are not kept) stay as the marker token
-            if audio is not None and n == len(spots) - 1:
-                parts.append(torch.from_numpy(audio).float())
-            else:
-                parts.append(rows([ids[i]]))
-            start = i + 1
-        parts.append(rows(ids[start:]))
-        emb = torch.cat(parts)
-        return emb, len(ids)
-
     def tool_stream(self, params: Mapping[str, Any]) -> ToolStream | None:
         """The request's tool parser and grammar (None: no tools, or tool_choice none)."""
         if not is_tool_request(params):
@@ -413,14 +245,13 @@ class ThinkerProcessor(StageProcessor):
             sampling["seed"] = int(params["seed"])
         return sampling
 
-    async def _speech(self, ctx: StageContext) -> tuple[np.ndarray | None, np.ndarray | None, str | None]:
+    async def _speech(self, ctx: StageContext) -> tuple[np.ndarray | None, str | None]:
         """What the user said, as this request's inputs give it: (16 kHz audio,
-        audio embeddings, transcript)."""
+        transcript)."""
         if not ctx.inputs:
-            return None, None, None
+            return None, None
         pcm: list[np.ndarray] = []
         rate: int | None = None
-        embeds: list[np.ndarray] = []
         text: list[str] = []
         for p in await ctx.input().read_all():
             if p.kind == PayloadKind.AUDIO:
@@ -429,8 +260,6 @@ class ThinkerProcessor(StageProcessor):
                     raise StageError(f"audio sample rate changed mid-utterance ({rate} -> {r})")
                 rate = r
                 pcm.append(np.asarray(p.arrays["pcm"], np.float32).reshape(-1))
-            elif p.kind == PayloadKind.HIDDEN:
-                embeds.append(p.arrays["embeds"])
             elif p.kind == PayloadKind.TEXT and p.text:
                 text.append(p.text)
         audio = None
@@ -442,12 +271,12 @@ class ThinkerProcessor(StageProcessor):
                 import soxr
 
                 audio = await asyncio.to_thread(soxr.resample, audio, rate, NATIVE_RATE)
-        return audio, (np.concatenate(embeds) if embeds else None), ("".join(text).strip() if text else None)
+        return audio, ("".join(text).strip() if text else None)
 
     async def run(self, ctx: StageContext) -> None:
-        audio, embeds, transcript = await self._speech(ctx)
+        audio, transcript = await self._speech(ctx)
         messages = self.conversation(ctx.params)
-        heard = audio is not None or embeds is not None or transcript is not None
+        heard = audio is not None or transcript is not None
         if heard and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
         if transcript is not None:  # the cascade: the transcript goes where the utterance is
@@ -464,11 +293,6 @@ class ThinkerProcessor(StageProcessor):
             n_audio = self.audio_tokens(len(audio))
             prompt, n_in = {"prompt_token_ids": ids, **self.audio_prompt(audio)}, len(ids) - 1 + n_audio
             ctx.add_usage(input_audio_tokens=n_audio)
-        elif embeds is not None:
-            # prompt embeddings with the audio spliced in at its placeholder
-            emb, _ = self.prompt_embeds(messages, embeds, offered)
-            prompt, n_in = {"prompt_embeds": emb}, int(emb.shape[0])
-            ctx.add_usage(input_audio_tokens=int(embeds.shape[0]))  # rows of the prompt that are audio
         else:
             # text only: token ids, the engine's fast path
             ids = await asyncio.to_thread(self.prompt_ids, messages, False, offered)

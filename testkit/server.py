@@ -28,7 +28,7 @@ from omni_rt.runtime import Runtime, import_processor
 from omni_rt.specs import ProfileSpec, SpecError, StageSpec, parse_overlay
 from omni_rt.stage import StageProcessor
 from testkit.clock import FakeClock
-from testkit.stages import code2wav_fn, encode_fn, moshi_fn
+from testkit.stages import code2wav_fn, moshi_fn
 from testkit.vad import energy_vad
 
 
@@ -50,8 +50,6 @@ def _ar(name: str, sp: Speeds) -> Engine:
 # real processor -> (the processor that runs instead, or None for the real one;
 # role -> engine factory)
 FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] = {
-    "pipelines.voice:AudioEncoderProcessor": (
-        "testkit.stages:FakeAudioEncoder", {"main": lambda n, sp: FakeStepEngine(encode_fn, n, sp.step_s)}),
     "pipelines.voice:ThinkerProcessor": ("testkit.stages:FakeThinker", {"main": _ar}),
     "pipelines.tts:TalkerProcessor": ("testkit.stages:FakeTalker", {"main": _ar}),
     "pipelines.tts:Code2WavProcessor": (None, {"main": lambda n, sp: FakeStepEngine(code2wav_fn, n, sp.step_s)}),

@@ -4,11 +4,9 @@ Each one consumes and produces the same payloads as the real processor it replac
 through the same engine contract, so protocol adapters, sessions and the orchestrator
 run exactly as they do over real models. Outputs are deterministic:
 
-- `FakeAudioEncoder` (audio_encoder): one HIDDEN row per 40 ms of audio
-  ([rms, mean, max, min]), streamed block by block.
 - `FakeThinker` (thinker): one word `"w<token> "` per engine token; `seen` records
-  what each request was given (messages, rows of speech: embedding rows, or one per
-  40 ms of audio where the thinker takes audio itself, as the default profile's does).
+  what each request was given (messages, rows of speech: one per 40 ms of audio where
+  the thinker takes audio itself, as the default profile's does).
   With tools and `tool_choice` `required` or a named function it calls that tool (the
   first for `required`) with arguments that satisfy its schema (`sample_arguments`),
   four characters per engine token, as the real thinker streams a call; `auto` never
@@ -48,42 +46,11 @@ SAMPLES_PER_FRAME = 2048  # as SNAC 24 kHz: the real code2wav's framing
 BLOCK_S = 0.04
 
 
-def encode_fn(op: str | None, block: np.ndarray) -> np.ndarray:
-    x = block.astype(np.float32)
-    return np.asarray([[float(np.sqrt(np.mean(x * x))), float(x.mean()), float(x.max()), float(x.min())]], np.float32)
-
-
 def code2wav_fn(op: str | None, frames: np.ndarray) -> np.ndarray:
     """frames [F, 7] -> audio [F * 2048]: each frame a tone set by its first code."""
     t = np.arange(SAMPLES_PER_FRAME, dtype=np.float32) / RATE
     freq = 200.0 + (frames[:, 0].astype(np.float32) % 400)[:, None]
     return (0.2 * np.sin(2 * np.pi * freq * t[None, :])).astype(np.float32).reshape(-1)
-
-
-class FakeAudioEncoder(StageProcessor):
-    def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
-        super().__init__(spec, engine, aux)
-        self.steps = self.engine_as(StepEngine)
-
-    async def run(self, ctx: StageContext) -> None:
-        buf = np.zeros(0, np.float32)
-        block = 0
-        async for p in ctx.input():
-            if p.kind == PayloadKind.HIDDEN:  # already encoded: passed on
-                await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": p.arrays["embeds"]}))
-                continue
-            block = int(int(p.meta.get("sample_rate", RATE)) * BLOCK_S)
-            buf = np.concatenate([buf, p.arrays["pcm"].astype(np.float32).reshape(-1)])
-            while len(buf) >= block:
-                await self._emit(ctx, buf[:block])
-                buf = buf[block:]
-        if len(buf):
-            await self._emit(ctx, buf)
-
-    async def _emit(self, ctx: StageContext, block: np.ndarray) -> None:
-        rows = await self.steps.run(block)
-        await ctx.emit(Payload(PayloadKind.HIDDEN, ctx.fence, arrays={"embeds": rows}))
-        ctx.add_usage(audio_frames=len(rows))
 
 
 class FakeThinker(StageProcessor):
@@ -102,9 +69,7 @@ class FakeThinker(StageProcessor):
             for p in await ctx.input().read_all():
                 if p.kind == PayloadKind.TEXT and p.text:  # a cascade's transcript
                     said.append(p.text)
-                if p.kind == PayloadKind.HIDDEN:
-                    rows += len(p.arrays["embeds"])
-                elif p.kind == PayloadKind.AUDIO:  # a thinker that takes audio: one row per 40 ms
+                if p.kind == PayloadKind.AUDIO:  # a thinker that takes audio: one row per 40 ms
                     block = int(int(p.meta.get("sample_rate", RATE)) * BLOCK_S)
                     rows += -(-p.arrays["pcm"].size // block)
         messages = list(ctx.params.get("messages") or [])  # empty: answered too, like the real thinker

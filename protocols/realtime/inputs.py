@@ -1,15 +1,14 @@
 """The input audio buffer of a realtime conversation.
 
 What happens to user audio while it is appended depends on the profile served. Where
-the profile's entry is a stage before the thinker (`front`: the legacy audio encoder,
-the cascade's asr), the first audio of an utterance opens a request to it alone and
-every chunk streams in, so a commit only waits for what is left (the encoder's last
-block, the transcript); its outputs become the utterance's "speech", given to the
+the profile's entry is a stage before the thinker (`front`: the cascade's asr), the
+first audio of an utterance opens a request to it alone and every chunk streams in, so
+a commit only waits for what is left (the transcript); its outputs become the utterance's "speech", given to the
 thinker with the response. Where the thinker itself takes audio (the default), the
 buffer keeps the utterance's PCM (at most `MAX_KEPT_MS`), and that is its speech.
 With server_vad a detector listens to everything appended: speech start opens the utterance (with `prefix_padding_ms` of the audio before it) and, during
 an answer, is a barge-in; speech stop commits and, with `create_response`, answers.
-The encoder requests are not fenced: a barge-in cancels the answer, not the question.
+The front stage's requests are not fenced: a barge-in cancels the answer, not the question.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The voice pipeline's three profiles through /v1/realtime (in-process, fakes): what
+"""The voice pipeline's profiles that take speech through /v1/realtime (in-process, fakes): what
 the thinker is given for the user's speech in each, and that nothing else changes.
 
 - default: the thinker takes the audio itself (AUDIO payloads with the response);
-- cascade: asr transcribes each utterance on commit and the thinker gets the text;
-- legacy: the home-made encoder's embeddings (HIDDEN), encoded while appended.
+- cascade: asr transcribes each utterance on commit and the thinker gets the text.
 """
 
 from __future__ import annotations
@@ -64,16 +63,7 @@ async def test_cascade_profile_transcribes_on_commit_and_answers_the_transcript(
         await ws.ws.close()
 
 
-async def test_legacy_profile_encodes_while_appended():
-    async with serve(["voice"], {"pipelines": {"voice": {"profile": "legacy"}}}) as h:
-        assert h.runtime.profiles["voice"].entry == "audio_encoder"
-        ws, _, done = await _turn(h)
-        assert [s["audio_rows"] for s in h.processor("thinker").seen] == [25]
-        assert done["response"]["usage"]["input_token_details"]["audio_tokens"] == 25
-        await ws.ws.close()
-
-
-@pytest.mark.parametrize("profile", ["default", "cascade", "legacy"])
+@pytest.mark.parametrize("profile", ["default", "cascade"])
 async def test_every_profile_serves_chat_audio_in(profile):
     """/v1/chat/completions with an input_audio part enters at the profile's entry."""
     import base64
