@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from omni_rt import metrics
 from omni_rt.connectors.base import Connector
 from omni_rt.engines.base import Engine
@@ -25,7 +27,7 @@ from omni_rt.status import RequestStatus
 if TYPE_CHECKING:
     from omni_rt.orchestrator import _Group, _RequestState
 
-__all__ = ["StageContext", "StageError", "StageInput", "StageProcessor", "check_processor_args"]
+__all__ = ["ProcessorArgs", "SamplingArgs", "StageContext", "StageError", "StageInput", "StageProcessor", "check_processor_args"]
 
 
 _EOS = object()
@@ -196,6 +198,37 @@ class StageContext:
 
 
 E = TypeVar("E")
+
+
+A = TypeVar("A", bound="ProcessorArgs")
+
+
+class ProcessorArgs(BaseModel):
+    """A processor's `processor_args`: each one's type, range and default, written once
+    (`omni-rt check` builds every stage, so a bad value is refused there, naming it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def parse(cls: type[A], args: Mapping[str, Any], what: str, under: Mapping[str, Any] | None = None) -> A:
+        """`args` over `under` (say, a checkpoint's own sampling) over the defaults."""
+        try:
+            return cls.model_validate({**(under or {}), **args})
+        except ValidationError as err:
+            bad = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<args>'}: {e['msg']}" for e in err.errors())
+            raise ValueError(f"{what}: {bad}") from None
+
+
+class SamplingArgs(ProcessorArgs):
+    """A token sampler's settings (vLLM's names; `top_k` -1: off)."""
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "repetition_penalty": self.repetition_penalty}
 
 
 def check_processor_args(args: Mapping[str, Any], known: Iterable[str], what: str) -> None:

@@ -17,19 +17,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 from omni_rt.engines.base import ArEngine, Engine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
 
 RATE = 16000
 WINDOW_S = 30.0
 
 
+class AsrArgs(ProcessorArgs):
+    max_tokens: int = Field(default=440, ge=2, description="tokens a 30-s window's transcript may take (Whisper's decoder holds 448)")
+
+
 class AsrProcessor(StageProcessor):
-    DEFAULTS: dict[str, Any] = {"max_tokens": 440}
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -43,8 +47,7 @@ class AsrProcessor(StageProcessor):
         super().__init__(spec, engine, aux)
         self.ar = self.engine_as(ArEngine)
         assert spec.model is not None
-        check_processor_args(spec.processor_args, self.DEFAULTS, "asr")
-        self.args = {**self.DEFAULTS, **spec.processor_args}
+        self.args = AsrArgs.parse(spec.processor_args, "asr")
         self.tokenizer: Any = None
         self._languages: dict[str, int] = {}
 
@@ -75,7 +78,7 @@ class AsrProcessor(StageProcessor):
         head: list[int] = []
         if prompt:
             # the previous-text context, as Whisper was trained with it (at most half the decoder's context)
-            head = [ids["startofprev"], *self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)[-(self.args["max_tokens"] // 2) :]]
+            head = [ids["startofprev"], *self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)[-(self.args.max_tokens // 2) :]]
         return [*head, ids["startoftranscript"], self._languages[language], ids[task], ids["notimestamps"]]
 
     async def _detect(self, request_id: str, audio: np.ndarray) -> str:
@@ -114,7 +117,7 @@ class AsrProcessor(StageProcessor):
             part = pcm[lo : lo + win]
             meta = {"segment": i, "start": lo / RATE, "end": (lo + len(part)) / RATE, "language": language}
             decoder = self._decoder_prompt(language, task, p.get("prompt") if i == 0 else None)
-            sampling = {"max_tokens": int(self.args["max_tokens"]), "temperature": temperature, "stop_token_ids": [eot]}
+            sampling = {"max_tokens": self.args.max_tokens, "temperature": temperature, "stop_token_ids": [eot]}
             out: list[int] = []
             sent = ""
             async for toks in self.ar.generate(f"{ctx.request_id}-w{i}", prompt_token_ids=decoder, encoder_audio=(part, RATE), sampling=sampling):

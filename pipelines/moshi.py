@@ -44,13 +44,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 from omni_rt import metrics
 from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.errors import CapacityExceeded
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
 from pipelines.moshi_steps import FRAME, MoshiSteps
 
 log = logging.getLogger("pipelines.moshi")
@@ -60,22 +61,25 @@ SAMPLE_RATE = 24000
 FRAME_S = FRAME / SAMPLE_RATE  # 0.08
 WARM_STEPS = 5  # steps measured at each batch size at start-up
 
-DEFAULTS: dict[str, Any] = {
-    "max_sessions": 16,
-    "jitter_ms": 40.0,
-    "max_buffer_s": 4.0,
-    "frame_budget_ms": 80.0,
-    "budget_headroom": 0.75,
-    "text_temperature": 0.7,
-    "audio_temperature": 0.8,
-    "text_top_k": 25,
-    "audio_top_k": 250,
-    "seed": 0,
+class MoshiArgs(ProcessorArgs):
+    """The moshi stage's processor_args (see the module docstring)."""
+
+    max_sessions: int = Field(default=16, ge=1, description="conversations one replica holds at most")
+    jitter_ms: float = Field(default=40.0, ge=0.0, description="audio held before a conversation's first step")
+    max_buffer_s: float = Field(default=4.0, gt=0.0, description="audio ahead of real time beyond this is refused")
+    frame_budget_ms: float = Field(default=80.0, gt=0.0, description="one step's deadline: a frame's length")
+    budget_headroom: float = Field(default=0.75, gt=0.0, description="admit while the predicted step stays under this share of the budget (above 1: steps predicted late are admitted)")
+    text_temperature: float = Field(default=0.7, ge=0.0)
+    audio_temperature: float = Field(default=0.8, ge=0.0)
+    text_top_k: int = Field(default=25, ge=1)
+    audio_top_k: int = Field(default=250, ge=1)
+    seed: int = 0
     # the text stream's ids that write nothing: Moshi's padding between words and the
     # end of a padding run (Kyutai's models: 3 and 0; its servers skip both)
-    "text_pad_id": 3,
-    "text_epad_id": 0,
-}
+    text_pad_id: int = Field(default=3, ge=0)
+    text_epad_id: int = Field(default=0, ge=0)
+
+
 # SentencePiece's control pieces: the hub tokenizer (kmhf/hf-moshiko) declares only
 # <unk> special, so the others are named here, as Kyutai's tokenizer has them
 CONTROL_PIECES = ("<unk>", "<s>", "</s>", "<pad>")
@@ -291,24 +295,23 @@ class MoshiProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
-        check_processor_args(spec.processor_args, DEFAULTS, "moshi")
-        self.args = {**DEFAULTS, **spec.processor_args}
+        self.args = MoshiArgs.parse(spec.processor_args, "moshi")
         self.steps = self.engine_as(StepEngine)
         assert spec.model is not None
         self.load_text(spec.model)
-        self.max_sessions = int(self.args["max_sessions"])
-        self.budget_s = float(self.args["frame_budget_ms"]) / 1000.0 * float(self.args["budget_headroom"])
-        sampling = {k: self.args[k] for k in ("text_temperature", "audio_temperature", "text_top_k", "audio_top_k")}
+        self.max_sessions = self.args.max_sessions
+        self.budget_s = self.args.frame_budget_ms / 1000.0 * self.args.budget_headroom
+        sampling = self.args.model_dump(include={"text_temperature", "audio_temperature", "text_top_k", "audio_top_k"})
         self.clock = FrameClock(self.steps, sampling, spec.name)
         self._free = list(range(self.max_sessions))
         self._reserved: set[str] = set()  # admitted conversations whose request has not started yet
-        self._seeds = int(self.args["seed"])
+        self._seeds = self.args.seed
 
     def describe(self) -> dict[str, Any]:
         t = self.clock.times
         return {
             "sample_rate": SAMPLE_RATE, "frame_ms": FRAME_S * 1000, "max_sessions": self.max_sessions, "live": len(self.clock.live),
-            "frame_budget_ms": float(self.args["frame_budget_ms"]), "admit_below_ms": round(self.budget_s * 1000, 2),
+            "frame_budget_ms": self.args.frame_budget_ms, "admit_below_ms": round(self.budget_s * 1000, 2),
             "step_ms_by_batch": {str(k): round(v * 1000, 2) for k, v in sorted(t.by_size.items())},
             "steps": self.clock.steps, "late_steps": self.clock.late_steps,
         }
@@ -350,7 +353,7 @@ class MoshiProcessor(StageProcessor):
             raise FrameBudgetExceeded(live, predicted, self.budget_s)
         # the first conversation is admitted under the headroom's margin, but not when a
         # step of one conversation alone overruns the whole frame: it would hear nothing
-        frame_s = float(self.args["frame_budget_ms"]) / 1000.0
+        frame_s = self.args.frame_budget_ms / 1000.0
         if predicted is not None and predicted > frame_s and live == 0:
             raise FrameBudgetExceeded(0, predicted, frame_s, f"one conversation's step takes {predicted * 1000:.1f} ms, longer than the "
                                       f"{frame_s * 1000:.0f} ms frame: this model cannot run in real time on this device")
@@ -360,7 +363,7 @@ class MoshiProcessor(StageProcessor):
         self._reserved.discard(key)
 
     def load_text(self, model_dir: str) -> None:
-        self.text = TextStreams.load(model_dir, int(self.args["text_pad_id"]), int(self.args["text_epad_id"]))
+        self.text = TextStreams.load(model_dir, self.args.text_pad_id, self.args.text_epad_id)
 
     def text_stream(self) -> Callable[[int], str]:
         return self.text.stream()
@@ -376,8 +379,8 @@ class MoshiProcessor(StageProcessor):
         slot = self._free.pop(0)
         seed = int(ctx.params.get("seed", self._seeds))
         self._seeds += 1
-        lead = int(float(self.args["jitter_ms"]) / 1000 * SAMPLE_RATE)
-        conv = Conversation(slot, seed, lead, int(float(self.args["max_buffer_s"]) * SAMPLE_RATE))
+        lead = int(self.args.jitter_ms / 1000 * SAMPLE_RATE)
+        conv = Conversation(slot, seed, lead, int(self.args.max_buffer_s * SAMPLE_RATE))
         text_piece = self.text_stream()
 
         async def read() -> None:

@@ -25,11 +25,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
 from pipelines.omni_models import OmniTalkerModule, Token2WavModule, load_speakers, omni_config
 from pipelines.tts import StreamingDecoder, _Emitter
@@ -85,6 +86,29 @@ class _Reply:
         self.changed = asyncio.Event()
 
 
+class OmniTalkerArgs(ProcessorArgs):
+    """An Omni talker's processor_args: the first codebook's sampling (`greedy`: none),
+    and the budget of an answer's codes (`base_codes` + `codes_per_token` x the reply's
+    tokens, at most `max_codes`: a bound a trained model never reaches)."""
+
+    temperature: float = Field(default=0.9, gt=0.0)
+    top_k: int = Field(default=40, ge=1)
+    top_p: float = Field(default=0.8, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.05, gt=0.0)
+    greedy: bool = False
+    max_codes: int = Field(default=4096, ge=1)
+    base_codes: int = Field(default=25, ge=0)
+    codes_per_token: int = Field(default=12, ge=0)
+
+
+class Token2WavArgs(ProcessorArgs):
+    """The DiT's ODE: the reference's steps, guidance and sway."""
+
+    steps: int = Field(default=10, ge=1)
+    guidance: float = 0.5
+    sway: float = -1.0
+
+
 class TalkerBase(StageProcessor):
     """What the Omni families' talkers share: the thinker's payloads read as they stream
     (its prompt's ids and audio first, then the reply's token ids), the user's audio
@@ -93,14 +117,13 @@ class TalkerBase(StageProcessor):
     the first codebook's sampling (`_sampler`, over `self.allowed`). Subclasses load
     their family's ids (`_load_family`) and speak (`_talk`)."""
 
-    DEFAULTS: dict[str, Any] = {}
+    ARGS: type[ProcessorArgs] = ProcessorArgs
     SLOTS = 16
     REALTIME = True
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
-        check_processor_args(spec.processor_args, self.DEFAULTS, "talker")
-        self.args = {**self.DEFAULTS, **spec.processor_args}
+        self.args: Any = self.ARGS.parse(spec.processor_args, "talker")
         self.steps = self.engine_as(StepEngine)
         assert spec.model is not None
         self.model_dir = spec.model
@@ -149,10 +172,10 @@ class TalkerBase(StageProcessor):
         )
 
         a, p = self.args, ctx.params
-        greedy = bool(a["greedy"])
-        procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(float(a["repetition_penalty"]))])
+        greedy = a.greedy
+        procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(a.repetition_penalty)])
         if not greedy:
-            procs += [TemperatureLogitsWarper(float(a["temperature"])), TopKLogitsWarper(int(a["top_k"])), TopPLogitsWarper(float(a["top_p"]))]
+            procs += [TemperatureLogitsWarper(a.temperature), TopKLogitsWarper(a.top_k), TopPLogitsWarper(a.top_p)]
         allowed = self.allowed
         gen = torch.Generator()
         gen.manual_seed(request_seed(p))
@@ -244,8 +267,7 @@ class OmniTalkerProcessor(TalkerBase):
     `OmniTalkerModule.MAX_LEN` positions (prompt and codes).
     """
 
-    DEFAULTS: dict[str, Any] = {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "greedy": False,
-                                "max_codes": 4096, "base_codes": 25, "codes_per_token": 12}
+    ARGS = OmniTalkerArgs
     SLOTS = OmniTalkerModule.SLOTS
 
     @classmethod
@@ -329,7 +351,7 @@ class OmniTalkerProcessor(TalkerBase):
             out.append(code)
             k = len(out)  # this step feeds reply row k (then the text end, then pads)
             have = await rows_for(k + 1)
-            budget = min(int(a["max_codes"]), int(a["base_codes"]) + int(a["codes_per_token"]) * len(rows))
+            budget = min(a.max_codes, a.base_codes + a.codes_per_token * len(rows))
             if (not have and k >= budget) or k >= room:
                 break
             row = rows[k] if have else self.eos_row if k == len(rows) else self.pad_row
@@ -344,7 +366,6 @@ class Token2WavProcessor(StageProcessor):
     chunks decoded at once. processor_args: the DiT's ODE (`steps` 10, `guidance` 0.5,
     `sway` -1.0: the reference's)."""
 
-    DEFAULTS: dict[str, Any] = {"steps": 10, "guidance": 0.5, "sway": -1.0}
     REALTIME = True
 
     @classmethod
@@ -357,8 +378,7 @@ class Token2WavProcessor(StageProcessor):
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
-        check_processor_args(spec.processor_args, self.DEFAULTS, "token2wav")
-        self.args = {**self.DEFAULTS, **spec.processor_args}
+        self.args = Token2WavArgs.parse(spec.processor_args, "token2wav")
         self.steps = self.engine_as(StepEngine)
         assert spec.model is not None
         self.model_dir = spec.model
@@ -396,8 +416,7 @@ class Token2WavProcessor(StageProcessor):
         gen.manual_seed(request_seed(params))
         noise: list[np.ndarray] = []  # per code: [repeats, mel]
         a = self.args
-        ode = {"steps": np.array(int(a["steps"])), "guidance": np.array(float(a["guidance"]), np.float32),
-               "sway": np.array(float(a["sway"]), np.float32)}
+        ode = {"steps": np.array(a.steps), "guidance": np.array(a.guidance, np.float32), "sway": np.array(a.sway, np.float32)}
 
         async def decode(frames: np.ndarray, deadline: float | None = None) -> np.ndarray:
             lo, hi = int(frames[0, 1]), int(frames[-1, 1]) + 1

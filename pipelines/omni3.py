@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
-from pipelines.omni import TalkerBase, _Reply, check_omni, check_talker_files, request_seed
+from pipelines.omni import OmniTalkerArgs, TalkerBase, _Reply, check_omni, check_talker_files, request_seed
 from pipelines.omni3_models import Omni3Code2WavModule, Omni3TalkerModule, omni3_config
 from pipelines.tts import StreamingDecoder, _Emitter
 
@@ -38,6 +38,16 @@ SUPPRESSED = 1024  # the reference suppresses the codec vocabulary's last 1024 i
 
 def check_omni3(model_dir: str, what: str, part: str) -> None:
     check_omni(model_dir, what, part, "Qwen3OmniMoeForConditionalGeneration", OMNI3_ARCHITECTURES, speakers_file=False)
+
+
+class Omni3TalkerArgs(OmniTalkerArgs):
+    """As the Qwen2.5-Omni talker's, with the reference's values (codes are 12.5 Hz frames)."""
+
+    top_k: int = Field(default=50, ge=1)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_codes: int = Field(default=2048, ge=1)
+    base_codes: int = Field(default=6, ge=0)
+    codes_per_token: int = Field(default=3, ge=0)
 
 
 class Omni3TalkerProcessor(TalkerBase):
@@ -51,8 +61,7 @@ class Omni3TalkerProcessor(TalkerBase):
     `Omni3TalkerModule.MAX_LEN` positions.
     """
 
-    DEFAULTS: dict[str, Any] = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05, "greedy": False,
-                                "max_codes": 2048, "base_codes": 6, "codes_per_token": 3}
+    ARGS = Omni3TalkerArgs
     SLOTS = Omni3TalkerModule.SLOTS
 
     @classmethod
@@ -144,7 +153,7 @@ class Omni3TalkerProcessor(TalkerBase):
             prefill["audio_lengths"] = audio_len
         logits = await steps.run(prefill, op="prefill", priority=0)
         sample = self._sampler(ctx, [])
-        greedy = np.array(bool(self.args["greedy"]))
+        greedy = np.array(self.args.greedy)
         a = self.args
         out: list[int] = []
         while True:
@@ -159,7 +168,7 @@ class Omni3TalkerProcessor(TalkerBase):
                                    meta={"frame_start": k}))
             out.append(code)
             logits = res["logits"]
-            budget = min(int(a["max_codes"]), int(a["base_codes"]) + int(a["codes_per_token"]) * (len(rows) - 3))
+            budget = min(a.max_codes, a.base_codes + a.codes_per_token * (len(rows) - 3))
             if (not have and len(out) >= budget) or len(out) >= room:
                 break
         ctx.add_usage(output_audio_tokens=len(out))

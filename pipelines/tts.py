@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from omni_rt.engines.base import ArEngine, Engine, StepEngine
 from omni_rt.load import StreamMeter
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import ChunkingSpec, StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from omni_rt.stage import SamplingArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
 from pipelines.codec import (
     SAMPLE_RATE,
@@ -88,6 +89,23 @@ def checkpoint_sampling(model_dir: str) -> dict[str, Any]:
     return out
 
 
+class TalkerArgs(SamplingArgs):
+    """The codec talker's processor_args. Sampling: Orpheus's recommended values, under
+    the checkpoint's generation_config.json, under these args."""
+
+    temperature: float = Field(default=0.6, ge=0.0)
+    top_p: float = Field(default=0.8, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.3, gt=0.0)
+    # Upper bound on generated tokens: per input character plus a base, capped. A
+    # trained model stops at end-of-speech long before; a random one never does.
+    tokens_per_char: int = Field(default=7, ge=1)
+    base_tokens: int = Field(default=28, ge=0)
+    max_tokens: int = Field(default=2800, ge=1)
+    max_chars_per_segment: int = Field(default=300, ge=1)
+    publish_frames: int = Field(default=1, ge=1, description="frames gathered before they are published")
+    chunking: ChunkingSpec | None = None  # the fused stage's own decoder chunking (a split profile's is its edge's)
+
+
 class CodecTalker:
     """Prompt building and codec-frame generation over a vLLM engine.
 
@@ -95,24 +113,8 @@ class CodecTalker:
     overrides Orpheus's recommended values below.
     """
 
-    DEFAULTS: dict[str, Any] = {
-        # Orpheus's recommended sampling.
-        "temperature": 0.6,
-        "top_p": 0.8,
-        "top_k": -1,
-        "repetition_penalty": 1.3,
-        # Upper bound on generated tokens: per input character plus a base, capped. A
-        # trained model stops at end-of-speech long before; a random one never does.
-        "tokens_per_char": 7,
-        "base_tokens": 28,
-        "max_tokens": 2800,
-        "max_chars_per_segment": 300,
-        "publish_frames": 1,
-    }
-
     def __init__(self, model_dir: str, args: Mapping[str, Any]) -> None:
-        check_processor_args(args, {*self.DEFAULTS, "chunking"}, "talker")
-        self.args = {**self.DEFAULTS, **checkpoint_sampling(model_dir), **args}
+        self.args = TalkerArgs.parse(args, "talker", under=checkpoint_sampling(model_dir))
         self.model_dir = model_dir
         self.layout = CodecLayout.load(model_dir)
         self.tokenizer: Any = None
@@ -131,9 +133,9 @@ class CodecTalker:
 
     def sampling(self, text: str, params: Mapping[str, Any], segment: int) -> dict[str, Any]:
         a = self.args
-        max_tokens = min(int(a["max_tokens"]), int(a["base_tokens"]) + int(a["tokens_per_char"]) * len(text))
+        max_tokens = min(a.max_tokens, a.base_tokens + a.tokens_per_char * len(text))
         s: dict[str, Any] = {
-            **{k: a[k] for k in SAMPLING_KEYS},
+            **a.sampling(),
             "max_tokens": max_tokens,
             "stop_token_ids": [self.layout.end_of_speech],
             "allowed_token_ranges": self._allowed,
@@ -147,8 +149,8 @@ class CodecTalker:
         the pieces of a streamed text (request ids and seeds stay distinct)."""
         request_id, params = ctx.request_id, ctx.params
         voice = str(params.get("voice", "tara"))
-        publish = max(1, int(self.args["publish_frames"]))
-        for j, segment in enumerate(split_text(text, int(self.args["max_chars_per_segment"]))):
+        publish = self.args.publish_frames
+        for j, segment in enumerate(split_text(text, self.args.max_chars_per_segment)):
             i = j if phrase == 0 else phrase * 1000 + j
             assembler = FrameAssembler(self.layout)
             pending: list[np.ndarray] = []
@@ -489,9 +491,8 @@ class FusedTalkerProcessor(StageProcessor):
         self.ar = self.engine_as(ArEngine)
         self.decoder = self.engine_as(StepEngine, "decoder")
         assert spec.model is not None
-        args = dict(spec.processor_args)
-        self.chunking = ChunkingSpec.model_validate(args.pop("chunking", {}))
-        self.talker = CodecTalker(spec.model, args)
+        self.talker = CodecTalker(spec.model, spec.processor_args)
+        self.chunking = self.talker.args.chunking or ChunkingSpec()
         self.decode_times = DecodeTimes()
 
     @staticmethod

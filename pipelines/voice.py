@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field
 
 from omni_rt.engines.base import ArEngine, Engine
 from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor, check_processor_args
+from omni_rt.stage import SamplingArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
 from pipelines.checkpoint import architectures, check_tokenizer_files
 from pipelines.tokenizing import SegmentEncoder, rust_tokenizer
@@ -74,6 +75,35 @@ def feature_pad(samples: int, n_fft: int, hop: int) -> int:
     return -(-(samples + n_fft) // hop) * hop
 
 
+class ThinkerArgs(SamplingArgs):
+    """The thinker's processor_args: sampling (over the checkpoint's
+    generation_config.json), the answer's budget, function calling, the omni talker's
+    feed and the default system turn."""
+
+    temperature: float = Field(default=0.7, ge=0.0)
+    max_tokens: int = Field(default=64, ge=1)
+    # the stop token is masked until this many tokens are out (a voice agent that
+    # answers nothing is never what a caller wants)
+    min_tokens: int = Field(default=1, ge=0)
+    # vLLM's tool-call parser (None: the family's, `pipelines.tools`; "none": no function calling)
+    tool_parser: str | None = None
+    # vLLM's --tool-strict-level ("parameter": every call's arguments satisfy its schema)
+    tool_strict_level: Literal["auto", "function", "parameter"] = "parameter"  # pipelines.tools.STRICT_LEVELS
+    # consecutive whitespace inside a call's JSON (None: unbounded)
+    tool_max_whitespace: int | None = Field(default=DEFAULT_MAX_WHITESPACE, ge=0)
+    # the token budget of an answer that may call a tool, when the request sets none (a
+    # call's JSON takes more tokens than a short spoken answer)
+    tool_max_tokens: int = Field(default=256, ge=1)
+    # the talker conditions on this thinker's own states (the omni profile,
+    # `pipelines.omni`): the prompt's token ids and audio go out first, and every text
+    # delta carries its token ids
+    talker_states: bool = False
+    # the system turn of a conversation that has none (None: the chat template's own
+    # default; the omni profile sets the one Qwen2.5-Omni's model card requires for
+    # speech output)
+    system_prompt: str | None = None
+
+
 class ThinkerProcessor(StageProcessor):
     """Chat text (+ the user's speech) -> streamed text (TEXT deltas).
 
@@ -86,23 +116,6 @@ class ThinkerProcessor(StageProcessor):
     * TEXT: a transcript (the cascade profile: asr -> any text chat LM), put where the
       utterance's placeholder is.
     """
-
-    # min_tokens: the stop token is masked until this many tokens are out (a voice
-    # agent that answers nothing is never what a caller wants).
-    # tool_parser: vLLM's tool-call parser (None: the family's, `pipelines.tools`; "none":
-    # no function calling); tool_strict_level: vLLM's --tool-strict-level ("parameter":
-    # every call's arguments satisfy its schema); tool_max_whitespace: consecutive
-    # whitespace inside a call's JSON (None: unbounded); tool_max_tokens: the token budget
-    # of an answer that may call a tool, when the request sets none (a call's JSON takes
-    # more tokens than a short spoken answer); talker_states: the talker conditions on
-    # this thinker's own states (the omni profile, `pipelines.omni`): the prompt's token
-    # ids and audio go out first, and every text delta carries its token ids;
-    # system_prompt: the system turn of a conversation that has none (None: the chat
-    # template's own default; the omni profile sets the one Qwen2.5-Omni's model card
-    # requires for speech output).
-    DEFAULTS: dict[str, Any] = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "max_tokens": 64, "min_tokens": 1,
-                                "tool_parser": None, "tool_strict_level": "parameter", "tool_max_whitespace": DEFAULT_MAX_WHITESPACE,
-                                "tool_max_tokens": 256, "talker_states": False, "system_prompt": None}
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
@@ -123,8 +136,7 @@ class ThinkerProcessor(StageProcessor):
         super().__init__(spec, engine, aux)
         self.ar = self.engine_as(ArEngine)
         assert spec.model is not None
-        check_processor_args(spec.processor_args, self.DEFAULTS, "thinker")
-        self.args = {**self.DEFAULTS, **checkpoint_sampling(spec.model), **spec.processor_args}
+        self.args = ThinkerArgs.parse(spec.processor_args, "thinker", under=checkpoint_sampling(spec.model))
         self.native = bool(NATIVE_AUDIO_ARCHITECTURES & set(architectures(spec.model)))
         self.omni3 = "Qwen3OmniMoeForConditionalGeneration" in architectures(spec.model)
         self.tokenizer: Any = None
@@ -157,9 +169,9 @@ class ThinkerProcessor(StageProcessor):
         self.text_vocab = self.text_ranges[-1][1]  # past the last text id
         self._fast = rust_tokenizer(self.tokenizer)
         self._segments = SegmentEncoder.for_tokenizer(self._fast) if self._fast is not None else None
-        parser = self.args["tool_parser"] or default_parser(checkpoint.config(self.spec.model).get("model_type"))
+        parser = self.args.tool_parser or default_parser(checkpoint.config(self.spec.model).get("model_type"))
         if parser != "none":
-            self.tool_calling = ToolCalling(self.tokenizer, parser, self.args["tool_strict_level"], self.args["tool_max_whitespace"])
+            self.tool_calling = ToolCalling(self.tokenizer, parser, self.args.tool_strict_level, self.args.tool_max_whitespace)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -220,15 +232,15 @@ class ThinkerProcessor(StageProcessor):
     def sampling(self, params: Mapping[str, Any], tools: ToolStream | None = None) -> dict[str, Any]:
         """The engine sampling of one response (request params over the stage's)."""
         a = self.args
-        max_tokens = int(params.get("max_output_tokens") or (a["tool_max_tokens"] if tools is not None else a["max_tokens"]))
+        max_tokens = int(params.get("max_output_tokens") or (a.tool_max_tokens if tools is not None else a.max_tokens))
         temperature, top_p = params.get("temperature"), params.get("top_p")
         sampling: dict[str, Any] = {
-            "temperature": float(a["temperature"] if temperature is None else temperature),
-            "top_p": float(a["top_p"] if top_p is None else top_p),
-            "top_k": a["top_k"],
-            "repetition_penalty": a["repetition_penalty"],
+            "temperature": float(a.temperature if temperature is None else temperature),
+            "top_p": float(a.top_p if top_p is None else top_p),
+            "top_k": a.top_k,
+            "repetition_penalty": a.repetition_penalty,
             "max_tokens": max_tokens,
-            "min_tokens": min(int(a["min_tokens"]), max_tokens),
+            "min_tokens": min(a.min_tokens, max_tokens),
             "stop_token_ids": self.stop_ids,
             # text tokens and the stop tokens only: never a chat control token
             "allowed_token_ranges": [*self.text_ranges, *([s, s + 1] for s in self.stop_ids)],
@@ -299,7 +311,7 @@ class ThinkerProcessor(StageProcessor):
             prompt, n_in = {"prompt_token_ids": ids}, len(ids)
         sampling = self.sampling(ctx.params, tools)
         ctx.add_usage(input_tokens=n_in)
-        states = bool(self.args["talker_states"])
+        states = self.args.talker_states
         if states:
             arrays = {"prompt_ids": np.asarray(prompt.get("prompt_token_ids", ()), np.int64)}
             if audio is not None:
@@ -322,7 +334,7 @@ class ThinkerProcessor(StageProcessor):
         system turn (an empty conversation is one empty user turn: OpenAI greets, and
         chat templates refuse an empty list)."""
         messages: list[Mapping[str, Any]] = list(params.get("messages") or []) or [{"role": "user", "content": ""}]
-        system = self.args["system_prompt"]
+        system = self.args.system_prompt
         if system and not any(m.get("role") in ("system", "developer") for m in messages):
             messages.insert(0, {"role": "system", "content": str(system)})
         return messages

@@ -292,3 +292,22 @@ def test_the_check_says_a_realtime_stage_computes_in_float32_on_a_cpu(tmp_path, 
     rc, _, err = _check(overlay, capsys)
     assert rc == 0, err
     assert "note: stage moshi: bfloat16 from engine_args.dtype on a CPU" in err and "it will compute in float32" in err, err
+
+
+@pytest.mark.parametrize("pipeline, stage, args, says", [
+    ("moshi", "moshi", {"budget_headroom": -1}, "moshi: budget_headroom: Input should be greater than 0"),
+    ("moshi", "moshi", {"max_sessions": "many"}, "moshi: max_sessions: Input should be a valid integer"),
+    ("voice", "thinker", {"tool_strict_level": "bogus"}, "thinker: tool_strict_level: Input should be 'auto', 'function' or 'parameter'"),
+    ("voice", "thinker", {"top_p": 0}, "thinker: top_p: Input should be greater than 0"),
+    ("tts", "talker", {"publish_frames": 0}, "talker: publish_frames: Input should be greater than or equal to 1"),
+    ("asr", "asr", {"max_tokens": 1}, "asr: max_tokens: Input should be greater than or equal to 2"),
+    ("voice", "thinker", {"max_token": 5}, "thinker: max_token: Extra inputs are not permitted"),
+])
+def test_the_check_refuses_processor_args_of_the_wrong_type_or_range(pipeline, stage, args, says, tmp_path, models_dir, monkeypatch, capsys):
+    monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
+    overlay = tmp_path / "bad.yaml"
+    overlay.write_text(yaml.safe_dump({"pipelines": {pipeline: {"stages": {stage: {"processor_args": args}}}}}))
+    rc, _, err = _check(overlay, capsys)
+    assert rc == 2
+    # (a stage two pipelines share is named under the first that builds it)
+    assert f".stages.{stage}.processor_args: {says}" in err and "omni-rt: error: pipelines." in err, err
