@@ -291,10 +291,10 @@ def test_the_talkers_sampler_keeps_its_history_incrementally_and_samples_as_the_
     import torch
     from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    from pipelines.omni import TalkerBase
+    from pipelines.omni import OmniTalkerArgs, TalkerBase
 
     vocab = 64
-    args = {"greedy": greedy, "repetition_penalty": 1.5, "temperature": 0.9, "top_k": 20, "top_p": 0.8}
+    args = OmniTalkerArgs(greedy=greedy, repetition_penalty=1.5, temperature=0.9, top_k=20, top_p=0.8)
     fake = SimpleNamespace(args=args, allowed=torch.zeros(vocab))
     ctx = SimpleNamespace(params={"seed": 7})
     prompt = [5, 5, 9, 11]
