@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -27,7 +27,7 @@ from omni_rt.status import RequestStatus
 if TYPE_CHECKING:
     from omni_rt.orchestrator import _Group, _RequestState
 
-__all__ = ["ProcessorArgs", "SamplingArgs", "StageContext", "StageError", "StageInput", "StageProcessor", "check_processor_args"]
+__all__ = ["ProcessorArgs", "SamplingArgs", "StageContext", "StageError", "StageInput", "StageProcessor"]
 
 
 _EOS = object()
@@ -215,7 +215,9 @@ class ProcessorArgs(BaseModel):
         try:
             return cls.model_validate({**(under or {}), **args})
         except ValidationError as err:
-            bad = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<args>'}: {e['msg']}" for e in err.errors())
+            bad = "; ".join(
+                (f"{'.'.join(map(str, e['loc']))}: " if e["loc"] else "") + str(e["msg"]).removeprefix("Value error, ") for e in err.errors()
+            )
             raise ValueError(f"{what}: {bad}") from None
 
 
@@ -229,13 +231,6 @@ class SamplingArgs(ProcessorArgs):
 
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "repetition_penalty": self.repetition_penalty}
-
-
-def check_processor_args(args: Mapping[str, Any], known: Iterable[str], what: str) -> None:
-    """Refuse processor_args a processor does not take (a typo must not pass silently)."""
-    unknown = set(args) - set(known)
-    if unknown:
-        raise ValueError(f"unknown {what} processor_args: {sorted(unknown)}")
 
 
 class StageProcessor(abc.ABC):

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 from omni_rt.engines.base import Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
@@ -18,7 +19,12 @@ from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext
 from pipelines.checkpoint import diffusers_class
-from pipelines.video_stage import VideoStage
+from pipelines.video_stage import VideoArgs, VideoStage
+
+
+class ForcingArgs(VideoArgs):
+    history_latent_frames: int = Field(default=2, ge=1, description="the clean latent frames that condition each chunk")
+    fps: int = Field(default=16, ge=1, description="the frame rate the video is made for")
 
 
 class ForcingProcessor(VideoStage):
@@ -33,15 +39,13 @@ class ForcingProcessor(VideoStage):
     generation still needs) so that the next chunk continues from exactly what was
     seen. Chunks of different sessions of one size share the engine's steps."""
 
-    EXTRA_ARGS = frozenset({"history_latent_frames", "fps"})
+    ARGS = ForcingArgs
     WHAT = "forcing"
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
-        self.history_latent_frames = int(self.args.get("history_latent_frames", 2))
-        self.fps = int(self.args.get("fps", 16))
-        if self.history_latent_frames < 1:
-            raise ValueError("forcing processor_args: history_latent_frames >= 1")
+        self.history_latent_frames = self.args.history_latent_frames
+        self.fps = self.args.fps
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:

@@ -17,32 +17,42 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field, model_validator
+
 from omni_rt.engines.base import DiffusionEngine, Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageProcessor
+from omni_rt.stage import ProcessorArgs, StageContext, StageProcessor
 from pipelines.checkpoint import check_diffusers_family
 
 
-class ImageProcessor(StageProcessor):
-    ARGS = {"default_size", "default_steps", "max_steps", "max_n", "max_side", "guidance_scale"}
+class ImageArgs(ProcessorArgs):
+    default_size: str = Field(default="1024x1024", pattern=r"^\d{1,5}x\d{1,5}$")
+    default_steps: int = Field(default=28, ge=1)
+    max_steps: int = Field(default=100, ge=1)
+    max_n: int = Field(default=10, ge=1, description="images one request may ask for")
+    max_side: int = Field(default=2048, ge=64)
+    guidance_scale: float = Field(default=1.0, ge=0.0)
 
+    @model_validator(mode="after")
+    def _steps_fit(self) -> ImageArgs:
+        if self.default_steps > self.max_steps:
+            raise ValueError(f"default_steps {self.default_steps} is over max_steps {self.max_steps}")
+        return self
+
+
+class ImageProcessor(StageProcessor):
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
         self.dit = self.engine_as(DiffusionEngine)
-        args = dict(spec.processor_args)
-        bad = set(args) - self.ARGS
-        if bad:
-            raise ValueError(f"unknown image processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
-        self.default_size = str(args.get("default_size", "1024x1024"))
-        self.default_steps = int(args.get("default_steps", 28))
-        self.max_steps = int(args.get("max_steps", 100))
-        self.max_n = int(args.get("max_n", 10))
-        self.max_side = int(args.get("max_side", 2048))
-        self.guidance_scale = float(args.get("guidance_scale", 1.0))
-        if not (1 <= self.default_steps <= self.max_steps and self.max_n >= 1 and self.max_side >= 64):
-            raise ValueError("image processor_args: 1 <= default_steps <= max_steps, max_n >= 1, max_side >= 64")
+        self.args = ImageArgs.parse(spec.processor_args, "image")
+        self.default_size = self.args.default_size
+        self.default_steps = self.args.default_steps
+        self.max_steps = self.args.max_steps
+        self.max_n = self.args.max_n
+        self.max_side = self.args.max_side
+        self.guidance_scale = self.args.guidance_scale
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field
+
 from omni_rt.engines.base import Engine
 from omni_rt.engines.diffusers_engine import DiffusionJob
 from omni_rt.errors import StageError
@@ -22,7 +24,13 @@ from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext
 from pipelines.checkpoint import check_diffusers_family
-from pipelines.video_stage import VideoStage
+from pipelines.video_stage import VideoArgs, VideoStage
+
+
+class ClipArgs(VideoArgs):
+    default_size: int = Field(default=128, ge=16)
+    default_steps: int = Field(default=8, ge=1)
+    max_frames: int = Field(default=81, ge=1, description="frames the model makes in one clip at most (Wan 2.1: 81)")
 
 
 class ClipProcessor(VideoStage):
@@ -33,14 +41,11 @@ class ClipProcessor(VideoStage):
     `frame_index`, progress in between). Clips of the same size and length share every
     denoising step with those of other requests."""
 
-    EXTRA_ARGS = frozenset({"max_frames"})
-    DEFAULTS = {"default_size": 128, "default_steps": 8, "max_steps": 50}
+    ARGS = ClipArgs
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
-        self.max_frames = int(self.args.get("max_frames", 81))
-        if self.max_frames < 1:
-            raise ValueError("video processor_args: max_frames >= 1")
+        self.max_frames = self.args.max_frames
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:

@@ -8,33 +8,46 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field, model_validator
+
 from omni_rt.engines.base import DiffusionEngine, Engine
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageProcessor, check_processor_args
+from omni_rt.stage import ProcessorArgs, StageProcessor
+
+
+class VideoArgs(ProcessorArgs):
+    """What every video stage takes: its default frame side, denoising steps (default and
+    most a request may ask), classifier-free guidance and negative prompt."""
+
+    default_size: int = Field(default=64, ge=16)
+    default_steps: int = Field(default=6, ge=1)
+    max_steps: int = Field(default=50, ge=1)
+    guidance_scale: float = Field(default=1.0, ge=0.0)
+    negative_prompt: str | None = None
+
+    @model_validator(mode="after")
+    def _steps_fit(self) -> VideoArgs:
+        if self.default_steps > self.max_steps:
+            raise ValueError(f"default_steps {self.default_steps} is over max_steps {self.max_steps}")
+        return self
 
 
 class VideoStage(StageProcessor):
-    """A stage on a video family of the diffusers step engine. Subclasses name their
-    own processor args in `EXTRA_ARGS`, and their defaults for the shared ones in
-    `DEFAULTS`."""
+    """A stage on a video family of the diffusers step engine; a subclass's `ARGS` adds
+    its own processor args and defaults to `VideoArgs`."""
 
-    SHARED_ARGS = frozenset({"default_size", "default_steps", "max_steps", "guidance_scale", "negative_prompt"})
-    EXTRA_ARGS: frozenset[str] = frozenset()
-    DEFAULTS: Mapping[str, Any] = {"default_size": 64, "default_steps": 6, "max_steps": 50}
+    ARGS: type[VideoArgs] = VideoArgs
     WHAT = "video"  # how its processor_args are named in errors
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         super().__init__(spec, engine, aux)
         self.dit = self.engine_as(DiffusionEngine)
-        self.args = dict(spec.processor_args)
-        check_processor_args(self.args, self.SHARED_ARGS | self.EXTRA_ARGS, self.WHAT)
-        self.default_size = int(self.args.get("default_size", self.DEFAULTS["default_size"]))
-        self.default_steps = int(self.args.get("default_steps", self.DEFAULTS["default_steps"]))
-        self.max_steps = int(self.args.get("max_steps", self.DEFAULTS["max_steps"]))
-        self.guidance_scale = float(self.args.get("guidance_scale", 1.0))
-        self.negative_prompt = self.args.get("negative_prompt")
-        if not (1 <= self.default_steps <= self.max_steps and self.default_size >= 16):
-            raise ValueError(f"{self.WHAT} processor_args: 1 <= default_steps <= max_steps, default_size >= 16")
+        self.args: Any = self.ARGS.parse(spec.processor_args, self.WHAT)
+        self.default_size = self.args.default_size
+        self.default_steps = self.args.default_steps
+        self.max_steps = self.args.max_steps
+        self.guidance_scale = self.args.guidance_scale
+        self.negative_prompt = self.args.negative_prompt
 
     @property
     def frame_multiple(self) -> int:

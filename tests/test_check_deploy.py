@@ -302,6 +302,10 @@ def test_the_check_says_a_realtime_stage_computes_in_float32_on_a_cpu(tmp_path, 
     ("tts", "talker", {"publish_frames": 0}, "talker: publish_frames: Input should be greater than or equal to 1"),
     ("asr", "asr", {"max_tokens": 1}, "asr: max_tokens: Input should be greater than or equal to 2"),
     ("voice", "thinker", {"max_token": 5}, "thinker: max_token: Extra inputs are not permitted"),
+    ("image", "dit", {"default_steps": 60, "max_steps": 50}, "image: default_steps 60 is over max_steps 50"),
+    ("image", "dit", {"default_size": "big"}, "image: default_size: String should match pattern"),
+    ("video", "t2v", {"max_frames": 0}, "video: max_frames: Input should be greater than or equal to 1"),
+    ("video_edit", "video_dit", {"history_latent_frames": 0}, "forcing: history_latent_frames: Input should be greater than or equal to 1"),
 ])
 def test_the_check_refuses_processor_args_of_the_wrong_type_or_range(pipeline, stage, args, says, tmp_path, models_dir, monkeypatch, capsys):
     monkeypatch.setenv("OMNI_RT_MODELS_DIR", str(models_dir))
