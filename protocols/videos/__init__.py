@@ -78,7 +78,7 @@ def mount(m: Mount) -> None:
             raise ClientError(f"Unsupported variant '{variant}'; this server has 'video'.", param="variant")
         if job.mp4 is None:
             raise ClientError(f"Video '{video_id}' is {job.status}; its content is ready when it has completed.", code="video_not_ready", http_status=409)
-        return web.Response(body=job.mp4, content_type="video/mp4")
+        return web.FileResponse(job.mp4, headers={"Content-Type": "video/mp4"})  # Range and If-Range as files are served
 
     async def delete(request: web.Request) -> web.StreamResponse:
         job = jobs.get(request.match_info["video_id"], principal_of(request))

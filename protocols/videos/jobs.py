@@ -9,9 +9,11 @@ import io
 import logging
 import re
 import secrets
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -114,7 +116,7 @@ class VideoJob:
     progress: int = 0
     completed_at: int | None = None
     error: dict[str, str] | None = None
-    mp4: bytes | None = None
+    mp4: Path | None = None  # the finished clip, served with Range (players seek)
     session: Session | None = None
     task: asyncio.Task[None] | None = None
 
@@ -134,6 +136,8 @@ class VideoJobs:
         self.describe = describe
         self.count = count  # the stage's prompt_tokens, where it has one
         self.jobs: dict[str, VideoJob] = {}
+        # the finished clips, on disk while their jobs are kept (gone with the process)
+        self._dir = tempfile.TemporaryDirectory(prefix="omni-rt-videos-")
 
     async def create(self, req: VideoCreate, principal: str) -> VideoJob:
         prompt = req.prompt
@@ -181,7 +185,10 @@ class VideoJobs:
                         job.progress = min(99, int(100 * p.meta["progress"] / max(1, p.meta["total"])))
                     else:
                         frames[int(p.meta["frame_index"])] = p.arrays["image"]
-            job.mp4 = await asyncio.to_thread(encode_mp4, [frames[i] for i in sorted(frames)], job.fps)
+            clip = [frames[i] for i in sorted(frames)]
+            path = Path(self._dir.name) / f"{job.id}.mp4"
+            await asyncio.to_thread(lambda: path.write_bytes(encode_mp4(clip, job.fps)))
+            job.mp4 = path
             job.status, job.progress, job.completed_at = "completed", 100, int(time.time())
             outcome = "completed"
         except OmniError as exc:
@@ -204,6 +211,7 @@ class VideoJobs:
         done = [j for j in self.jobs.values() if j.status in ("completed", "failed")]
         for j in sorted(done, key=lambda j: j.created_at)[: max(0, len(done) - KEEP_FINISHED)]:
             self.jobs.pop(j.id, None)
+            _unlink(j)
 
     def get(self, job_id: str, principal: Any) -> VideoJob:
         job = self.jobs.get(job_id)
@@ -216,5 +224,12 @@ class VideoJobs:
         if job.task is not None and not job.task.done():
             job.task.cancel()
             await asyncio.gather(job.task, return_exceptions=True)
+        _unlink(job)
+
+
+def _unlink(job: VideoJob) -> None:
+    if job.mp4 is not None:
+        job.mp4.unlink(missing_ok=True)
+        job.mp4 = None
 
 

@@ -162,6 +162,15 @@ async def test_a_video_job_through_the_sdk(h):
         frames = [f.to_ndarray(format="rgb24") for f in movie.decode(video=0)]
     assert len(frames) == 6 and frames[0].shape == (48, 64, 3)
     assert v.id in [x.id for x in (await c.videos.list()).data]
+    # a player seeks: a byte range of the clip, as a file is served
+    r = await h.client.get(f"/v1/videos/{v.id}/content", headers={"Range": "bytes=100-199"})
+    assert r.status == 206 and r.headers["Content-Range"] == f"bytes 100-199/{len(data)}" and await r.read() == data[100:200]
+    assert r.headers["Content-Type"] == "video/mp4"
+    r = await h.client.get(f"/v1/videos/{v.id}/content", headers={"Range": f"bytes={len(data)}-"})
+    assert r.status == 416
+    await c.videos.delete(v.id)
+    r = await h.client.get(f"/v1/videos/{v.id}/content")
+    assert r.status == 404 and (await r.json())["error"]["code"] == "video_not_found"
     await c.close()
 
 
