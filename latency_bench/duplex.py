@@ -33,7 +33,7 @@ import numpy as np
 from clients.duplex import DuplexClient
 from clients.webrtc import CallClient, CallRefused, use_host_addresses
 from latency_bench import finish, machine_info, utc_now
-from latency_bench.machine import Burner, HealthPoller, LoopStalls, loop_lag_between, metrics_text, steal_seconds, underruns_between
+from latency_bench.machine import Burner, HealthPoller, LoopStalls, bucket_bound, histogram, loop_lag_between, metrics_text, steal_seconds, underruns_between
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
 from omni_rt.load import tree_cpu_seconds
@@ -270,19 +270,6 @@ async def barge_in(transport: str, base: str, key: str | None, pcm: bytes, trial
     return {"trials": trials, "measured": len(ms), "skipped": skipped, "speech_started_to_silent_ms": summarize(ms), "samples_ms": [round(x, 1) for x in ms]}
 
 
-def histogram_p(text: str, name: str, q: float) -> float | None:
-    """The upper bucket bound under which a fraction q of a Prometheus histogram falls."""
-    buckets = []
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    if not buckets or buckets[-1][1] == 0:
-        return None
-    total = buckets[-1][1]
-    return next(le for le, n in buckets if n >= q * total)
-
-
 def run(transport: str, base: str, key: str | None, levels: list[int], turns: int, tokens: int, wav: str | None, trials: int, ps: Any,
         burner: bool = False) -> dict[str, Any]:
     """Every level once on the machine as it is, then (`burner`) once more beside a
@@ -327,7 +314,7 @@ def run(transport: str, base: str, key: str | None, levels: list[int], turns: in
             import httpx
 
             text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10).text
-            server_p99 = histogram_p(text, "omni_rt_webrtc_barge_in_silent_seconds", 0.99)
+            server_p99 = bucket_bound(histogram(text, "omni_rt_webrtc_barge_in_silent_seconds"), 0.99)
             barge["server_speech_started_to_silent_frame_p99_s_le"] = server_p99
             if server_p99 is not None:
                 targets["barge_in_p99_ms_server"] = {"goal": "<= 100", "value_le": server_p99 * 1000, "met": server_p99 <= 0.1,

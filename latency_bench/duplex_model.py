@@ -29,7 +29,7 @@ import numpy as np
 
 from clients.duplex import DuplexClient
 from latency_bench import finish, machine_info, utc_now
-from latency_bench.duplex import histogram_p
+from latency_bench.machine import bucket_bound, histogram
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
 from omni_rt.load import tree_cpu_seconds
@@ -37,23 +37,6 @@ from omni_rt.load import tree_cpu_seconds
 SCHEMA = "omni-rt.latency_bench.duplex_model/1"
 FRAME_S = 0.08
 STEP_METRIC = "omni_rt_duplex_step_seconds"
-
-
-def _histogram(text: str, name: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "_bucket{"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[le] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith(name + "_sum{") or line.startswith(name + "_count{"):
-            out[line.split("{", 1)[0][len(name) :]] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def _delta_text(before: dict[str, float], after: dict[str, float], name: str) -> str:
-    """A histogram's change as Prometheus text, for `histogram_p`."""
-    lines = [f'{name}_bucket{{le="{le}"}} {after[le] - before.get(le, 0.0)}' for le in after if not le.startswith("_")]
-    return "\n".join(lines)
 
 
 def _stalls_ms(arrivals: list[float], buffer_s: float = FRAME_S) -> list[float]:
@@ -105,15 +88,15 @@ async def run_level(base: str, key: str | None, sessions: int, pcm: bytes, secon
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     url = base.replace("http", "ws", 1) + "/v1/duplex?model=moshi"
     async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30) as api:
-        before = _histogram((await api.get("/metrics")).text, STEP_METRIC)
+        before = histogram((await api.get("/metrics")).text, STEP_METRIC)
         cpu0, t0 = (tree_cpu_seconds(ps) if ps else None), time.monotonic()
         results = await asyncio.gather(*(_conversation(url, key, pcm, seconds) for _ in range(sessions)))
         wall = time.monotonic() - t0
         cpu = tree_cpu_seconds(ps) - cpu0 if ps and cpu0 is not None else None
-        after = _histogram((await api.get("/metrics")).text, STEP_METRIC)
+        after = histogram((await api.get("/metrics")).text, STEP_METRIC)
     admitted = [r for r in results if r["admitted"]]
     steps = after.get("_count", 0) - before.get("_count", 0)
-    text = _delta_text(before, after, STEP_METRIC)
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     return {
         "sessions": sessions, "admitted": len(admitted), "refused": [r["refused"] for r in results if not r["admitted"]],
         "admitted_with_zero_late_frames": sum(1 for r in admitted if r["late_frames"] == 0),
@@ -125,8 +108,8 @@ async def run_level(base: str, key: str | None, sessions: int, pcm: bytes, secon
         "server_step_ms": {
             "steps": int(steps),
             "mean": round((after.get("_sum", 0) - before.get("_sum", 0)) / steps * 1000, 2) if steps else None,
-            "p50_le": (v * 1000 if (v := histogram_p(text, STEP_METRIC, 0.5)) is not None else None),
-            "p99_le": (v * 1000 if (v := histogram_p(text, STEP_METRIC, 0.99)) is not None else None),
+            "p50_le": (v * 1000 if (v := bucket_bound(delta, 0.5)) is not None else None),
+            "p99_le": (v * 1000 if (v := bucket_bound(delta, 0.99)) is not None else None),
             "budget": FRAME_S * 1000,
         },
         "cpu_cores_per_session": round(cpu / wall / max(1, len(admitted)), 3) if cpu is not None and wall > 0 else None,

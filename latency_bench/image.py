@@ -10,7 +10,6 @@ each denoising step).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from typing import Any
 
@@ -18,6 +17,7 @@ import httpx
 
 from clients.images import ImageClient, ImageError
 from latency_bench import finish, machine_info, utc_now
+from latency_bench.machine import histogram
 from latency_bench.stats import scaling_target, summarize
 
 SCHEMA = "omni-rt.latency_bench.image/1"
@@ -25,10 +25,8 @@ SCHEMA = "omni-rt.latency_bench.image/1"
 
 def _batch_stats(base_url: str, api_key: str | None) -> tuple[float, float]:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text
-    count = re.search(r'omni_rt_engine_batch_size_count\{engine="dit"\} (\S+)', text)
-    total = re.search(r'omni_rt_engine_batch_size_sum\{engine="dit"\} (\S+)', text)
-    return (float(count.group(1)) if count else 0.0, float(total.group(1)) if total else 0.0)
+    h = histogram(httpx.get(f"{base_url}/metrics", headers=headers, timeout=30).text, "omni_rt_engine_batch_size", engine="dit")
+    return h.get("_count", 0.0), h.get("_sum", 0.0)
 
 
 async def run_level(base_url: str, api_key: str | None, c: int, duration: float, fields: dict[str, Any]) -> dict[str, Any]:

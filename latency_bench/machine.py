@@ -148,6 +148,33 @@ async def metrics_text(base: str, key: str | None) -> str | None:
         return None
 
 
+def histogram(text: str | None, name: str, **labels: str) -> dict[Any, float]:
+    """A Prometheus histogram of a /metrics text (prometheus_client's parser), summed
+    over the series whose labels include `labels`: {le (float): cumulative count,
+    "_sum": …, "_count": …}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[Any, float] = {}
+    for family in text_string_to_metric_families(text or ""):
+        for s in family.samples:
+            if not s.name.startswith(name) or any(s.labels.get(k) != v for k, v in labels.items()):
+                continue
+            key: Any = float(s.labels["le"]) if s.name == name + "_bucket" else s.name[len(name):] if s.name in (name + "_sum", name + "_count") else None
+            if key is not None:
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def bucket_bound(buckets: dict[Any, float], q: float) -> float | None:
+    """The upper bucket bound under which a fraction q of a histogram's observations
+    fall ({le: cumulative count}, as `histogram` gives; other keys are skipped)."""
+    les = sorted((le, n) for le, n in buckets.items() if isinstance(le, float))
+    if not les or les[-1][1] <= 0:
+        return None
+    total = les[-1][1]
+    return next(le for le, n in les if n >= q * total)
+
+
 def underruns(text: str | None, over_s: float = 0.1) -> dict[str, dict[str, float]]:
     """From a /metrics text: per cause, the paced-answer holes counted and those over
     `over_s` (the histogram's `le` bucket at `over_s` must exist)."""
@@ -169,14 +196,7 @@ def underruns(text: str | None, over_s: float = 0.1) -> dict[str, dict[str, floa
 
 def loop_lag(text: str | None) -> dict[float, float]:
     """From a /metrics text: the server's event-loop lag histogram, {le: cumulative count}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[float, float] = {}
-    for family in text_string_to_metric_families(text or ""):
-        for sample in family.samples:
-            if sample.name == "omni_rt_event_loop_lag_seconds_bucket":
-                out[float(sample.labels["le"])] = sample.value
-    return out
+    return {le: n for le, n in histogram(text, "omni_rt_event_loop_lag_seconds").items() if isinstance(le, float)}
 
 
 def loop_lag_between(before: str | None, after: str | None) -> dict[str, Any]:

@@ -542,3 +542,20 @@ def test_engines_driver_runs_a_variants_real_talker_and_decoder():
     lvl = res["levels"]["2"]
     assert lvl["ok"] == 2 and lvl["errors"] == 0, lvl["error_messages"]
     assert all(s["audio_s"] > 0 and s["chunks"] > 1 and s["ttfp_ms"] < s["e2el_ms"] for s in lvl["samples"])
+
+
+def test_histograms_are_read_from_metrics_text_with_prometheus_clients_parser():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from latency_bench.machine import bucket_bound, histogram
+
+    reg = CollectorRegistry()
+    h = Histogram("omni_rt_test_step_seconds", "a step", ["engine"], buckets=(0.01, 0.05, 0.1), registry=reg)
+    for v in (0.005, 0.02, 0.03, 0.07):
+        h.labels(engine="dit").observe(v)
+    h.labels(engine="other").observe(5.0)
+    text = generate_latest(reg).decode()
+    dit = histogram(text, "omni_rt_test_step_seconds", engine="dit")
+    assert dit == {0.01: 1.0, 0.05: 3.0, 0.1: 4.0, float("inf"): 4.0, "_count": 4.0, "_sum": pytest.approx(0.125)}
+    assert histogram(text, "omni_rt_test_step_seconds")["_count"] == 5.0  # every series, summed
+    assert bucket_bound(dit, 0.5) == 0.05 and bucket_bound(dit, 0.99) == 0.1 and bucket_bound({}, 0.5) is None
