@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -95,6 +95,48 @@ async def answer_offer(pc: Any, sdp: str) -> None:
         raise OfferError(f"The SDP offer could not be answered: {exc}") from None
 
 
+def new_peer(ice_servers: list[str]) -> Any:
+    from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection
+
+    return RTCPeerConnection(RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers]))
+
+
+async def answer_call(sessions: Any, session: Session, call: Any, pc: Any, sdp: str, outbound: Any,
+                      on_channel: Callable[[Any], None], started: Callable[[], None]) -> str:
+    """A call's peer connection wired as every call is (the voice pipeline's and a
+    full-duplex model's): `outbound` (the model's voice) onto it, the caller's audio
+    track into `call.pump_in`, the caller's first data channel to `on_channel`, a failed
+    or closed connection ends the session; then the offer answered and `started` run
+    (it says `session.created`). The session owns the call (`session.data["call"]`,
+    closed with it); a failure on the way ends it as `offer_failed`. Returns the answer."""
+    session.data["call"] = call
+    session.add_finalizer(call.close)
+    try:
+        pc.addTrack(outbound)
+
+        @pc.on("track")
+        def on_track(track: Any) -> None:
+            if track.kind == "audio":
+                call.spawn(call.pump_in(track))
+
+        @pc.on("datachannel")
+        def on_datachannel(channel: Any) -> None:
+            if call.channel is None:
+                on_channel(channel)
+
+        @pc.on("connectionstatechange")
+        async def on_state() -> None:
+            if pc.connectionState in ("failed", "closed") and session.is_open:
+                await sessions.end(session, "peer_" + pc.connectionState)
+
+        await answer_offer(pc, sdp)
+        started()
+        return str(pc.localDescription.sdp)
+    except BaseException:
+        await sessions.end(session, "offer_failed")
+        raise
+
+
 async def read_offer(request: web.Request) -> tuple[str, Any]:
     """The SDP offer of `POST /v1/realtime/calls` (application/sdp, or multipart with
     `sdp` and an optional `session` body), checked."""
@@ -153,57 +195,35 @@ def mount(m: Mount) -> None:
     vad = vad_of(m)
 
     async def start_call(request: web.Request, sdp: str, session_body: Any) -> tuple[Call, str]:
-        from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection
-
         cfg = start_config(pipeline, request.query.get("model"), client_secret_of(request))
         if session_body is not None:  # the call starts with this configuration (no session.updated)
             cfg = apply_session_update(cfg, session_body, pipeline.voices)  # a bad field: 400 naming it
         session = await sessions.open("webrtc", pipeline.name, principal=principal_of(request).name)
         conv = Conversation(session, sessions, pipeline, ga=True, model=cfg.model, vad=vad)
         conv.cfg = cfg
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers]))
+        pc = new_peer(ice_servers)
         output = TrackOutput(session, sessions)
         conv.transport = WebRTCTransport(output)
         call = Call(session, sessions, conv, output, pc)
-        session.data["call"] = call
-        session.add_finalizer(call.close)
-        try:
-            pc.addTrack(output.track.track)
 
-            @pc.on("track")
-            def on_track(track: Any) -> None:
-                if track.kind == "audio":
-                    call.spawn(call.pump_in(track))
+        def on_channel(channel: Any) -> None:
+            call.channel = channel
 
-            @pc.on("datachannel")
-            def on_datachannel(channel: Any) -> None:
-                if call.channel is not None:
-                    return
-                call.channel = channel
+            @channel.on("message")
+            def on_message(message: Any) -> None:
+                call.spawn(conv.handle(message))
 
-                @channel.on("message")
-                def on_message(message: Any) -> None:
-                    call.spawn(conv.handle(message))
+            def start() -> None:
+                call.spawn(call.pump_out())
 
-                def start() -> None:
-                    call.spawn(call.pump_out())
+            if channel.readyState == "open":
+                start()
+            else:
+                channel.on("open", start)
 
-                if channel.readyState == "open":
-                    start()
-                else:
-                    channel.on("open", start)
-
-            @pc.on("connectionstatechange")
-            async def on_state() -> None:
-                if pc.connectionState in ("failed", "closed") and session.is_open:
-                    await sessions.end(session, "peer_" + pc.connectionState)
-
-            await answer_offer(pc, sdp)
-            conv.emit("session.created", session=conv.cfg.wire(True, session.id))
-            return call, pc.localDescription.sdp
-        except BaseException:
-            await sessions.end(session, "offer_failed")
-            raise
+        answer = await answer_call(sessions, session, call, pc, sdp, output.track.track, on_channel,
+                                   lambda: conv.emit("session.created", session=conv.cfg.wire(True, session.id)))
+        return call, answer
 
     async def create_call(request: web.Request) -> web.StreamResponse:
         sdp, session_body = await read_offer(request)

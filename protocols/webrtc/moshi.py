@@ -29,7 +29,7 @@ from protocols.auth import principal_of
 from protocols.duplex.moshi import AUDIO_DELTA, DuplexModel, MoshiConversation, open_conversation
 from protocols.http import json_response, read_json
 from protocols.registry import Mount
-from protocols.webrtc import answer_offer, check_offer, hangup_handler, ice_setup, read_offer
+from protocols.webrtc import answer_call, check_offer, hangup_handler, ice_setup, new_peer, read_offer
 from protocols.webrtc.call import MAX_DC_BUFFERED
 from protocols.webrtc.track import RTP_RATE, PacedAudioTrack
 from sessions import END_EVENTS, Session, SessionManager
@@ -141,38 +141,15 @@ def mount(m: Mount) -> None:
     ice_servers = ice_setup(m)
 
     async def start_call(request: web.Request, sdp: str, model: str) -> tuple[MoshiCall, str]:
-        from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection
-
         session, conv = await open_conversation(sessions, pipeline.name, m.entry_pool, "webrtc", principal_of(request).name, model)
-        pc = RTCPeerConnection(RTCConfiguration(iceServers=[RTCIceServer(urls=u) for u in ice_servers]))
+        pc = new_peer(ice_servers)
         call = MoshiCall(session, sessions, conv, pc)
-        session.data["call"] = call
-        session.add_finalizer(call.close)
-        try:
-            pc.addTrack(call.track.track)
 
-            @pc.on("track")
-            def on_track(track: Any) -> None:
-                if track.kind == "audio":
-                    call.spawn(call.pump_in(track))
-
-            @pc.on("datachannel")
-            def on_datachannel(channel: Any) -> None:
-                if call.channel is None:
-                    call.attach(channel)
-
-            @pc.on("connectionstatechange")
-            async def on_state() -> None:
-                if pc.connectionState in ("failed", "closed") and session.is_open:
-                    await sessions.end(session, "peer_" + pc.connectionState)
-
-            await answer_offer(pc, sdp)
+        def started() -> None:
             session.emit("session.created", {"session": {**conv.wire({}), "type": "realtime", "capabilities": {"full_duplex": True, "frame_ms": proc.describe()["frame_ms"]}}})
             call.spawn(call.pump_out())
-            return call, pc.localDescription.sdp
-        except BaseException:
-            await sessions.end(session, "offer_failed")
-            raise
+
+        return call, await answer_call(sessions, session, call, pc, sdp, call.track.track, call.attach, started)
 
     async def create_call(request: web.Request) -> web.StreamResponse:
         sdp, _ = await read_offer(request)
