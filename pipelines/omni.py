@@ -19,7 +19,7 @@ with the same thinker tokens and greedy decoding its codes equal the reference's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,33 @@ class Token2WavArgs(ProcessorArgs):
     steps: int = Field(default=10, ge=1)
     guidance: float = 0.5
     sway: float = -1.0
+
+
+class ReplyRows:
+    """The rows a talker reads of the thinker's reply, made as its tokens stream in
+    (`embed`: new token ids -> their rows, in the talker's module) after the `rows`
+    already there; `upto(n)` waits until there are `n` (True) or the reply ended short of
+    them (False)."""
+
+    def __init__(self, reply: _Reply, embed: Callable[[np.ndarray], Awaitable[Sequence[np.ndarray]]], rows: Sequence[np.ndarray] = ()) -> None:
+        self.reply = reply
+        self.embed = embed
+        self.rows: list[np.ndarray] = list(rows)
+        self.fed = 0
+
+    async def upto(self, n: int) -> bool:
+        while True:
+            if self.fed < len(self.reply.ids):
+                new = np.asarray(self.reply.ids[self.fed :], np.int64)
+                self.fed = len(self.reply.ids)
+                self.rows.extend(await self.embed(new))
+                continue
+            if len(self.rows) >= n:
+                return True
+            if self.reply.ended:
+                return False
+            self.reply.changed.clear()
+            await self.reply.changed.wait()
 
 
 class TalkerBase(StageProcessor):
@@ -306,25 +333,13 @@ class OmniTalkerProcessor(TalkerBase):
                     audio_len: np.ndarray | None, speaker: str, reply: _Reply) -> None:
         steps, s = self.steps, np.array(slot, np.int64)
         pr = await steps.run({"slot": s, "ids": ids, **think}, op="think_prompt", priority=0)
-        rows: list[np.ndarray] = []  # per reply token: hidden + embedding
-        fed = 0
 
-        async def rows_for(n: int) -> bool:
-            """Wait until `n` reply rows exist (True) or the reply ended short of them."""
-            nonlocal fed
-            while True:
-                if fed < len(reply.ids):
-                    new = np.asarray(reply.ids[fed:], np.int64)
-                    fed = len(reply.ids)
-                    out = await steps.run({"slot": s, "ids": new}, op="think_reply", priority=0)
-                    rows.extend(out["hidden"] + out["embeds"])
-                    continue
-                if len(rows) >= n:
-                    return True
-                if reply.ended:
-                    return False
-                reply.changed.clear()
-                await reply.changed.wait()
+        async def embed(new: np.ndarray) -> Sequence[np.ndarray]:  # per reply token: hidden + embedding
+            out = await steps.run({"slot": s, "ids": new}, op="think_reply", priority=0)
+            return list(out["hidden"] + out["embeds"])
+
+        reply_rows = ReplyRows(reply, embed)
+        rows, rows_for = reply_rows.rows, reply_rows.upto
 
         if not await rows_for(1):
             return  # nothing to say

@@ -18,7 +18,7 @@ is sampled as the reference samples it (top-k 50, temperature 0.9, repetition pe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
-from pipelines.omni import OmniTalkerArgs, TalkerBase, _Reply, check_omni, check_talker_files, request_seed
+from pipelines.omni import OmniTalkerArgs, ReplyRows, TalkerBase, _Reply, check_omni, check_talker_files, request_seed
 from pipelines.omni3_models import Omni3Code2WavModule, Omni3TalkerModule, omni3_config
 from pipelines.tts import StreamingDecoder, _Emitter
 
@@ -120,24 +120,12 @@ class Omni3TalkerProcessor(TalkerBase):
         if len(head) < 3:
             raise StageError("the thinker's prompt ends inside the assistant turn's opening")
         prompt_rows = await steps.run({"ids": ids, **think}, op="user_rows", priority=0)
-        rows: list[np.ndarray] = list(await steps.run({"ids": head}, op="text_rows", priority=0))
-        fed = 0
 
-        async def rows_for(n: int) -> bool:
-            """Wait until the answer has `n` rows (True) or the reply ended short of them."""
-            nonlocal fed
-            while True:
-                if fed < len(reply.ids):
-                    new = np.asarray(reply.ids[fed:], np.int64)
-                    fed = len(reply.ids)
-                    rows.extend(await steps.run({"ids": new}, op="text_rows", priority=0))
-                    continue
-                if len(rows) >= n:
-                    return True
-                if reply.ended:
-                    return False
-                reply.changed.clear()
-                await reply.changed.wait()
+        async def embed(new: np.ndarray) -> Sequence[np.ndarray]:
+            return list(await steps.run({"ids": new}, op="text_rows", priority=0))
+
+        reply_rows = ReplyRows(reply, embed, await embed(head))  # the answer's rows: its opening, then the reply's
+        rows, rows_for = reply_rows.rows, reply_rows.upto
 
         if not await rows_for(len(head) + 1):
             return  # nothing to say
