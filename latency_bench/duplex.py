@@ -33,7 +33,7 @@ import numpy as np
 from clients.duplex import DuplexClient
 from clients.webrtc import CallClient, CallRefused, use_host_addresses
 from latency_bench import finish, machine_info, utc_now
-from latency_bench.machine import Burner, HealthPoller, LoopStalls, bucket_bound, histogram, loop_lag_between, metrics_text, steal_seconds, underruns_between
+from latency_bench.machine import Burner, HealthPoller, LoopStalls, admission_view, bucket_bound, histogram, loop_lag_between, metrics_text, steal_seconds, underruns_between
 from latency_bench.realtime import utterance
 from latency_bench.stats import summarize
 from omni_rt.load import tree_cpu_seconds
@@ -156,6 +156,7 @@ async def run_level(transport: str, base: str, key: str | None, sessions: int, t
         if burner:
             await asyncio.sleep(BURNER_LEAD_S)
         t_before, steal0 = await metrics_text(base, key), steal_seconds()
+        since = time.time()
         stalls.start()
         poller.start()
         cpu0, t0 = (tree_cpu_seconds(ps) if ps else None), time.monotonic()
@@ -193,6 +194,7 @@ async def run_level(transport: str, base: str, key: str | None, sessions: int, t
         "per_session": per_session,
         **_server_view(t_before, await metrics_text(base, key)),
         "outside_load": poller.outside_load(),
+        "admission": await admission_view(base, key, since),
         "bench_loop_stalls": {"count": len(stalls.intervals), "max_ms": round(max((b - a for a, b in stalls.intervals), default=0.0) * 1000, 1)},
         "steal_s": round(steal1 - steal0, 2) if steal0 is not None and steal1 is not None else None,
         "cpu_cores_per_session": round(cpu / wall / sessions, 3) if cpu is not None and wall > 0 else None,

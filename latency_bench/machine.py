@@ -128,13 +128,40 @@ class HealthPoller:
     def outside_load(self) -> dict[str, Any]:
         """What the server saw of the machine over the polls: at its admission decisions,
         the share of its CPUs other processes took (`cpu_outside`) and why it refused;
-        between them, the whole machine's busy fraction (`machine_busy_now`)."""
+        between them, the whole machine's busy fraction (`machine_busy_now`); the worst
+        generation RTF of its recent streams (`rtf_now`) over the polls."""
         outside = [p["cpu_outside"] for p in self.polls if p.get("cpu_outside") is not None]
         busy = [p["machine_busy_now"] for p in self.polls if p.get("machine_busy_now") is not None]
         why = sorted({w for p in self.polls for w in (p.get("why") or [])})
+        rtf = sorted(p["rtf_now"] for p in self.polls if p.get("rtf_now") is not None)
         return {"polls": len(self.polls), "cpu_outside_max": max(outside, default=None),
+                "server_rtf_now_p50": rtf[len(rtf) // 2] if rtf else None, "server_rtf_now_max": rtf[-1] if rtf else None,
                 "machine_busy_now_max": max(busy, default=None),
                 "machine_busy_now_mean": round(sum(busy) / len(busy), 3) if busy else None, "refusing_why": why}
+
+
+async def admission_view(base: str, key: str | None, since: float | None = None) -> dict[str, Any] | None:
+    """What load-aware admission weighed with (`/v1/dashboard`; None where it cannot be
+    read): each pipeline's cost and start-up calibration, and the figures behind every
+    refusal since `since` (wall-clock seconds), oldest first, and behind every session
+    admitted although its prediction refused it (`min_sessions`)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.get(base + "/v1/dashboard", headers={"Authorization": f"Bearer {key}"} if key else {})
+            if r.status_code != 200:
+                return None
+            adm = r.json().get("admission") or {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    keep = ("sessions", "new_sessions", "rtf_now", "cost", "predicted_rtf_cold", "predicted_rtf_live", "front_end_cores_per_session",
+            "cpu_outside", "machine_busy", "why")
+    level = [d for d in reversed(adm.get("recent") or []) if d.get("load") and (since is None or d.get("time", 0) >= since)]
+    refused = [{k: d["load"].get(k) for k in keep} for d in level if not d.get("admitted")]
+    past = [{k: d["load"].get(k) for k in (*keep, "admitted_past_target")} for d in level if d.get("admitted") and d["load"].get("admitted_past_target")]
+    return {"target_rtf": adm.get("target_rtf"), "costs": adm.get("costs"), "calibration": adm.get("calibration"), "refused": refused,
+            "admitted_past_target": past}
 
 
 async def metrics_text(base: str, key: str | None) -> str | None:

@@ -22,7 +22,10 @@ they cannot say whether the next voice session will still hear an unbroken answe
 - **the live prediction**: the worst RTF among the streams that emitted audio in the last
   `window_s` (the load as it is now, a finished level forgotten within the window),
   plus `per_session` for this and every session younger than `new_session_s` (it has
-  not shown its load yet).
+  not shown its load yet). With no established session, the measured stream (a new
+  session's own, or one that has ended) stands for one of the N answers: `per_session`
+  is added for the N − 1 others (counting it on top of them charged one answer twice,
+  and a burst at an idle server was refused on the warm-up's stream).
 - **load from outside**: the calibration ran on the machine as it was at start-up. The
   share of the server's CPUs other processes take now (the whole machine's busy
   fraction on its cores, a container's quota fill, less the server's own and its placed
@@ -42,7 +45,9 @@ as the cores allow, so busy cores say nothing of real-time slack
 `outside_load`, `cpu`, `throttled`, `late_audio`) in its message, in `/health`
 (`realtime_admission.why`) and in the `omni_rt_admission_refusing{why}` gauge. Once it
 refuses, it admits again only under each bound less `hysteresis`. Only attached
-sessions are weighed. The first `min_sessions` sessions are always admitted. A refusal
+sessions are weighed. The first `min_sessions` sessions are always admitted; one admitted
+although its prediction refuses it says so in the decision (`admitted_past_target`: why
+it would have been refused): it may not keep real time. A refusal
 is `CapacityLimit`: the `session_limit` family's 429 / close 1013 with code `capacity`,
 its own `retry-after` and the `omni_rt_sessions_rejected_total{reason="capacity"}`
 metric.
@@ -186,7 +191,9 @@ class RealtimeAdmission:
         # other processes take their shares of the cores from them
         cold_front = cold / (1.0 - min(front_share, OUTSIDE_MAX))
         stretched = cold / (1.0 - min(front_share + outside, OUTSIDE_MAX))
-        live = rtf + cost.per_session * (new + 1) if rtf is not None else None
+        # the measured streams stand for the established sessions' answers, or (none
+        # established) for one answer of the n
+        live = rtf + cost.per_session * (n - max(sessions, 1)) if rtf is not None else None
         predicted = max(stretched, live if live is not None else 0.0)
         margin = spec.hysteresis if self.refusing else 0.0
         bound = spec.target_rtf - margin + 1e-9
@@ -208,6 +215,9 @@ class RealtimeAdmission:
         if hole is not None and spec.max_hole_ms is not None and hole * 1000 >= spec.max_hole_ms:
             why.append("late_audio")
         admit = sessions + new < spec.min_sessions or not why
+        # admitted although the prediction refuses it (one of the first min_sessions): the
+        # decision says so, and that this session may not keep real time
+        past_target = admit and bool(why)
         self.refusing = not admit
         self.last = {
             "sessions": sessions,
@@ -231,6 +241,7 @@ class RealtimeAdmission:
             "loop_lag_ms": round(self.meters.loop.worst() * 1000, 1),
             "admitting": admit,
             "why": [] if admit else why,
+            "admitted_past_target": why if past_target else [],
         }
         self._export(own, outside, load, throttled, [] if admit else why)
         if not admit:

@@ -4,8 +4,9 @@ A server that has served nobody yet knows nothing of what a session costs, and a
 of callers at a cold server would be refused (or over-admitted) on a guess. Before the
 server takes its first caller, each real-time voice pipeline it serves (one with a
 thinker and a speech stage, served on a voice wire) answers a short synthetic prompt:
-once to warm the stages up (not counted), once alone, then `calibrate_sessions` times at
-together, their starts spread over one answer's time (callers do not finish speaking
+once to warm the stages up (not counted), alone three times (the median is kept: one
+answer slowed by something else on the machine does not size admission), then
+`calibrate_sessions` times together, their starts spread over one answer's time (callers do not finish speaking
 in step: one's prompt is prefilled while the others are answered, which holds their
 answers on an engine that does not chunk its prefills), then (where the line through
 those two says more fit) as many together as it says fit: generation slows gently until the cores saturate and then steeply, and the
@@ -56,6 +57,7 @@ def _utterance() -> np.ndarray:
     x = 0.2 * np.sin(2 * np.pi * 180 * t) * (1 + np.sin(2 * np.pi * 3 * t)) + 0.02 * rng.standard_normal(len(t))
     return x.astype(np.float32)
 TIMEOUT_S = 120.0
+ALONE_RUNS = 3  # answers alone, after the warm-up: their median is the base
 
 
 def calibrated_pipelines(manager: SessionManager, specs: Mapping[str, PipelineSpec]) -> list[str]:
@@ -141,7 +143,12 @@ async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) 
         levels: dict[int, float] = {}
         try:
             await _level(manager, name, speech, voice, tokens, 1, audio)  # warm-up: first requests pay for lazy set-up
-            base, wall1 = await _level(manager, name, speech, voice, tokens, 1, audio)
+            # one answer alone, ALONE_RUNS times: the median (one answer slowed by
+            # something else on the machine does not decide what every burst is weighed by)
+            alone = [await _level(manager, name, speech, voice, tokens, 1, audio) for _ in range(ALONE_RUNS)]
+            rtfs = [r for r, _ in alone if r is not None]
+            base = float(np.median(rtfs)) if rtfs else None
+            wall1 = float(np.median([w for _, w in alone]))
             at_k, wallk = await _level(manager, name, speech, voice, tokens, k, audio, wall1)
             if base is not None and at_k is not None:
                 levels = {1: base, k: at_k}
@@ -164,6 +171,7 @@ async def calibrate(manager: SessionManager, specs: Mapping[str, PipelineSpec]) 
             out[name] = {"error": "no audio measured"}
             continue
         details = {"answers_at_once": sorted(levels), "max_output_tokens": tokens, "audio_s": CALIBRATION_AUDIO_S if audio else 0.0,
+                   "rtf_alone_runs": [None if r is None else round(r, 4) for r, _ in alone],
                    "wall_s_alone": round(wall1, 3), f"wall_s_at_{k}": round(wallk, 3), "took_s": round(time.monotonic() - t0, 3)}
         cost = adm.calibrated(name, levels, details)
         out[name] = adm.calibration[name]

@@ -107,11 +107,19 @@ def test_four_paced_sessions_keep_real_time_idle_and_beside_a_cpu_burner(models_
     profile and admission; espeak-ng speech over /v1/duplex, paced): four sessions of
     four spoken turns each, then the same beside a process spinning one core. At the
     freshly started, idle server the burst is admitted up to what its calibration says
-    fits (more than the one session that is always admitted: a cold server used to
-    refuse three of four on its start-up CPU), and its event loop, which paces every
+    fits: a caller is refused only where the cold prediction (the start-up calibration,
+    stretched by the front end's share and the load other processes put on the cores
+    then, this test's own clients among them) passes the target; a refusal on a figure
+    left over from an earlier answer (a cold server used to refuse three of four on its
+    start-up CPU, then on the warm-up's stream) fails it. How many that is depends on
+    how fast the machine is when the server starts: on the 2-core reference machine the
+    calibration's answer alone measured from 0.3 to 0.56 x real time between starts
+    (1 to 4 admitted). Its event loop, which paces every
     frame, never runs 100 ms late (measured in the server: `omni_rt_event_loop_lag_seconds`;
     the level's count over 50 ms is in the message). Every admitted session plays its
-    answers without a hole over 100 ms; a session the server cannot keep in real time
+    answers without a hole over 100 ms, except one the server admitted past its target
+    (the first session is always admitted, `min_sessions`; the decision says it was
+    past the target); a session the server cannot keep in real time
     is refused at admission (capacity, retry-after)."""
     from latency_bench.duplex import run
     from tests.conftest import start_server
@@ -124,16 +132,24 @@ def test_four_paced_sessions_keep_real_time_idle_and_beside_a_cpu_burner(models_
         proc.stop()
     idle, busy = result["levels"]
     assert busy["burner_processes"] == 1 and not idle["burner_processes"]
-    assert idle["admitted"] >= 2, {k: idle[k] for k in ("refusals", "outside_load")}
+    adm = idle["admission"]
+    assert adm is not None and adm["costs"]["voice"]["from"] == "calibrated", adm
+    if idle["refused"]:
+        first = adm["refused"][0]  # once refusing, the bound is the target less the hysteresis
+        assert first["sessions"] == 0 and set(first["why"]) <= {"rtf", "outside_load"}, (first, idle["refusals"])
+        assert first["predicted_rtf_cold"] > adm["target_rtf"], {"first_refusal": first, "calibration": adm["calibration"], "refusals": idle["refusals"]}
     lag = idle["server_loop_lag"]
     assert lag["ticks"] > 100 and lag["over_100ms"] == 0, lag
     for lvl in (idle, busy):
-        summary = {k: lvl[k] for k in ("admitted", "refused", "refusals", "errors", "server_underruns", "outside_load", "bench_loop_stalls", "steal_s")}
+        summary = {k: lvl[k] for k in ("admitted", "refused", "admission", "errors", "server_underruns", "outside_load", "bench_loop_stalls", "steal_s")}
         assert not lvl["errors"] and lvl["failed"] == 0, summary
         assert lvl["admitted"] >= 1 and lvl["admitted"] + lvl["refused"] == 4, summary
         assert all(r.get("code") == "capacity" and "retry in" in (r.get("message") or "") for r in lvl["refusals"]), summary
-        for s in lvl["per_session"]:
-            assert s["turns"] == 4 and s["stalls_over_100ms"] == 0, (s, summary)
+        # a session admitted within the target plays without a hole; one admitted past it
+        # (the first, always admitted, beside a burner on a slow start) was told so
+        stalled = [s for s in lvl["per_session"] if s["stalls_over_100ms"]]
+        assert all(s["turns"] == 4 for s in lvl["per_session"]), summary
+        assert len(stalled) <= len(lvl["admission"]["admitted_past_target"]), (stalled, summary)
     assert busy["outside_load"]["cpu_outside_max"] is not None and busy["outside_load"]["cpu_outside_max"] > 0.25, busy["outside_load"]
 
 

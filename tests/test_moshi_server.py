@@ -60,9 +60,12 @@ async def test_two_conversations_hear_the_model_while_they_still_speak(server):
         metrics = api.get("/metrics").text
         assert 'omni_rt_duplex_step_seconds_count{stage="moshi"}' in metrics
         assert any(m["id"] == "moshi" for m in api.get("/v1/models").json()["data"])
-    await a.send("session.close")
-    await a.until("session.closed")
-    await b.close()
+    # both end their conversations (a socket closed without session.close detaches its
+    # session, whose conversation keeps its batch slot for the resume grace)
+    for c in (a, b):
+        await c.send("session.close")
+        await c.until("session.closed")
+        await c.close()
 
 
 async def test_a_webrtc_call_with_the_full_duplex_model(server):

@@ -210,11 +210,30 @@ async def test_live_load_refuses_and_a_finished_level_is_forgotten_within_the_wi
     await w.m.stop()
 
 
+async def test_a_burst_after_one_answer_at_an_idle_server_is_not_charged_that_answer_twice():
+    """A caller was answered alone (0.3, still in the window) and left; then a burst
+    arrives. No session is established: the measured stream stands for one of the burst's
+    answers, so the live prediction for n at once is 0.3 + 0.1 x (n - 1), as the cold
+    one: four fit under 0.65. (Charged on top, it said 0.7 at the fourth and refused it.)"""
+    w = World(base=0.3, per=0.1, target_rtf=0.65, hysteresis=0.0)
+    w.m.admission.calibrated("voice", {1: 0.3, 4: 0.6})
+    w.speak(1)
+    admitted, refused = await _burst(w.m, 6)
+    assert len(admitted) == 4 and len(refused) == 2
+    last = w.m.admission.last
+    assert last["rtf_now"] == pytest.approx(0.3) and last["new_sessions"] == 4 and last["predicted_rtf_live"] == pytest.approx(0.7)
+    assert refused[0].why == ["rtf"]
+    await w.m.stop()
+
+
 async def test_min_sessions_are_always_admitted_and_disabled_admission_refuses_nothing():
     w = World(base=2.0, per=0.0, min_sessions=2)  # a server slower than real time even idle
     w.speak(1)
     await w.m.open("duplex")
     await w.m.open("duplex")
+    # admitted, and the decision says the prediction would have refused it
+    assert w.m.admission.last["admitting"] and w.m.admission.last["admitted_past_target"] == ["rtf"]
+    assert w.m.decisions[-1]["admitted"] and w.m.decisions[-1]["load"]["admitted_past_target"] == ["rtf"]
     with pytest.raises(CapacityLimit):
         await w.m.open("duplex")
     await w.m.stop()
