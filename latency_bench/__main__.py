@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "at the same levels: the engines' own limit, with audio s/s server / engines and TTFP p99 / p50 targets")
     c.add_argument("--server-cmd", default=None,
                    help="custom server command template with {python} {host} {port} {deploy} placeholders "
-                   "(default: {python} -m omni_rt.cli serve --host {host} --port {port} --deploy {deploy})")
+                   "(default: {python} -m omni_server.cli serve --host {host} --port {port} --deploy {deploy})")
 
     sc = sub.add_parser("step-cache", help="diffusers' first-block step cache on the tiny video model: speed-up and output difference")
     sc.add_argument("--model", help="a diffusers pipeline directory (default: the tiny Wan, built if missing)")

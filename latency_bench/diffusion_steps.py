@@ -62,8 +62,8 @@ def step_timings(model_dir: str, sizes: list[int], rows: list[int], repeat: int)
 def main_diffusion_steps(args: Any) -> int:
     model = args.model
     if model is None:
-        from omni_rt.server import models_dir
         from omni_rt.specs import DeployOverlay
+        from omni_server.app import models_dir
         from pipelines.tiny import build_tiny
 
         model = str(build_tiny(models_dir(DeployOverlay()))["image"])

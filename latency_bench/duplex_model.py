@@ -121,7 +121,7 @@ def offline_steps(model_dir: str, levels: list[int], frames: int = 25) -> list[d
     """The batched step against one conversation at a time, in this process."""
     import torch
 
-    from pipelines.moshi_steps import FRAME, MoshiSteps
+    from pipelines.moshi.steps import FRAME, MoshiSteps
 
     sampling = {"text_temperature": 0.7, "audio_temperature": 0.8, "text_top_k": 25, "audio_top_k": 250}
     out = []
@@ -163,7 +163,7 @@ def main_model(args: Any) -> int:
 
         import pipelines
         from latency_bench.server import ServerProcess
-        from omni_rt.server import DEFAULT_MODELS_DIR
+        from omni_server.app import DEFAULT_MODELS_DIR
 
         log_dir = Path(args.json).parent if args.json else Path("bench-out")
         log_dir.mkdir(parents=True, exist_ok=True)

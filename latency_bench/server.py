@@ -1,6 +1,6 @@
 """Start and stop an omni-rt server subprocess for a bench run.
 
-`ServerProcess` starts ``python -m omni_rt.cli serve --host H --port P [--deploy F]``
+`ServerProcess` starts ``python -m omni_server.cli serve --host H --port P [--deploy F]``
 (or a custom command template) in its own session / process group, sends its stdout
 and stderr to a log file, waits for ``GET /health`` to answer 200, samples the RSS of
 the whole process tree (the server plus every descendant, e.g. engine workers) in a
@@ -67,7 +67,7 @@ def tree_rss_bytes(root: psutil.Process) -> tuple[int, int]:
 
 
 def default_command(host: str, port: int, deploy: str | os.PathLike | None, python: str | None = None) -> list[str]:
-    cmd = [python or sys.executable, "-m", "omni_rt.cli", "serve", "--host", host, "--port", str(port)]
+    cmd = [python or sys.executable, "-m", "omni_server.cli", "serve", "--host", host, "--port", str(port)]
     if deploy is not None:
         cmd += ["--deploy", str(deploy)]
     return cmd

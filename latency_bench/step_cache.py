@@ -87,8 +87,8 @@ async def run(model_dir: str, size: int, frames: int, steps: int, threshold: flo
 def main_step_cache(args: Any) -> int:
     model = args.model
     if model is None:
-        from omni_rt.server import models_dir
         from omni_rt.specs import DeployOverlay
+        from omni_server.app import models_dir
         from pipelines.tiny import build_tiny
 
         model = str(build_tiny(models_dir(DeployOverlay()))["video"])

@@ -251,7 +251,7 @@ async def layers_levels(levels: list[int], max_tokens: int, warmup: int, rounds:
     from aiohttp import web
 
     import pipelines
-    from omni_rt.server import RUNTIME, SESSIONS, create_app
+    from omni_server.app import RUNTIME, SESSIONS, create_app
     from protocols.chat import ChatService
     from protocols.http import Streamed
 

@@ -128,7 +128,7 @@ async def engine_levels(deploy: Path, levels: Sequence[int], opts: TtsOptions, r
     {"deploy", "warmup", "levels": {"C": summary}} as `bench_levels` does."""
     from aiohttp import web
 
-    from omni_rt.server import RUNTIME, create_app
+    from omni_server.app import RUNTIME, create_app
 
     app = create_app(tts_only(deploy), f"tts engines bench ({deploy})")
     runner = web.AppRunner(app)

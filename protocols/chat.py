@@ -22,11 +22,11 @@ import numpy as np
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from media.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
 from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError, RequestAborted
 from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import PipelineSpec
-from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
 from protocols.auth import principal_of
 from protocols.errors import error_body
 from protocols.http import Streamed, json_response, prepend, read_json, send_streamed, validate_body

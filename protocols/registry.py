@@ -32,9 +32,13 @@ WIRES: dict[str, str] = {
     "videos": "protocols.videos:mount",
     "video_live": "protocols.videos:mount_live",
     "openpi": "protocols.openpi:mount",
-    "moshi_duplex": "protocols.duplex.moshi:mount",
-    "moshi_webrtc": "protocols.webrtc.moshi:mount",
+    # a full-duplex speech model (Moshi's contract: audio in and out every frame), on
+    # /v1/duplex?model= and on WebRTC calls
+    "duplex_model": "protocols.duplex.model:mount",
+    "webrtc_duplex_model": "protocols.webrtc.model:mount",
 }
+# names a deploy file may still use for a wire that was renamed
+WIRE_ALIASES: dict[str, str] = {"moshi_duplex": "duplex_model", "moshi_webrtc": "webrtc_duplex_model"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 C = TypeVar("C")
@@ -155,7 +159,7 @@ class Mount:
 
 
 def mount(m: Mount) -> None:
-    target = WIRES.get(m.wire)
+    target = WIRES.get(WIRE_ALIASES.get(m.wire, m.wire))
     if target is None:
         raise SpecError(f"{m.source}: unknown wire {m.wire!r}; known: {', '.join(sorted(WIRES))}")
     module, _, fn = target.partition(":")

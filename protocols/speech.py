@@ -16,13 +16,13 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
+from media.audio_formats import AudioFormatError, StreamingEncoder, available_formats, content_type
+from media.audio_tempo import MAX_SPEED, MIN_SPEED, TempoFilter
 from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.request import RequestStream
 from omni_rt.specs import PipelineSpec
-from protocols.audio_formats import AudioFormatError, StreamingEncoder, available_formats, content_type
-from protocols.audio_tempo import MAX_SPEED, MIN_SPEED, TempoFilter
 from protocols.auth import principal_of
 from protocols.errors import error_body
 from protocols.http import Streamed, read_json, send_streamed, validate_body

@@ -19,11 +19,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
 
+from media.audio_formats import AudioFormatError, decode_audio
 from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import PipelineSpec
-from protocols.audio_formats import AudioFormatError, decode_audio
 from protocols.auth import principal_of
 from protocols.errors import error_body
 from protocols.http import Streamed, check_length, json_response, prepend, read_form, send_streamed

@@ -47,7 +47,6 @@ from protocols.auth import principal_of
 from protocols.errors import to_omni
 from protocols.events import EventError as WorldError
 from protocols.events import JsonEvents, prompt_token_error
-from protocols.pages import page
 from protocols.registry import Mount
 from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import Session, SessionError, SessionManager
@@ -337,8 +336,4 @@ def mount(m: Mount) -> None:
         await close_attachment(sock, session, why)
         return sock.ws
 
-    async def world_page(request: web.Request) -> web.Response:
-        return page("world.html")
-
     m.websocket("/v1/world", world, "world-model rollouts (action in, frames out)")
-    m.route("GET", "/demo/world", world_page)

@@ -8,7 +8,7 @@ test moves (`FakeClock`).
         ...
         h.clock.advance(31); await h.sessions.reap()
 
-This module is a composition root for tests (like `omni_rt.server`): it builds the
+This module is a composition root for tests (like `omni_server.app`): it builds the
 app, so it may import every layer.
 """
 
@@ -105,13 +105,13 @@ class Harness:
 
     @property
     def sessions(self) -> Any:
-        from omni_rt.server import SESSIONS
+        from omni_server.app import SESSIONS
 
         return self.app[SESSIONS]
 
     @property
     def runtime(self) -> FakeRuntime:
-        from omni_rt.server import RUNTIME
+        from omni_server.app import RUNTIME
 
         rt = self.app[RUNTIME]
         assert isinstance(rt, FakeRuntime)
@@ -135,7 +135,7 @@ class Harness:
 
 
 class _Server(TestServer):
-    """The server as `omni-rt serve` runs it (`omni_rt.server.runner_options`): aiohttp's
+    """The server as `omni-rt serve` runs it (`omni_server.app.runner_options`): aiohttp's
     test server would cancel a handler when its client goes away; production does not
     (a socket handler hears the disconnect instead)."""
 
@@ -162,7 +162,7 @@ async def serve(
     sessions with `Harness.expire`. `tls`: (server, client) `ssl.SSLContext`s to serve
     https / wss with, as `omni-rt serve --ssl-certfile … --ssl-keyfile …` does."""
     import pipelines as builtin
-    from omni_rt.server import create_app, runner_options
+    from omni_server.app import create_app, runner_options
 
     wanted = set(pipelines)
     data: dict[str, Any] = {

@@ -42,7 +42,7 @@ SERVER_OVERLAY = {
                   # The shared server's Moshi tests check that conversations are heard, on a
                   # machine whose step times vary with whatever else the suite runs (a
                   # second conversation was refused at 114 ms predicted against 60): its
-                  # frame-budget admission is pinned in process (tests/protocols/test_moshi_duplex.py).
+                  # frame-budget admission is pinned in process (tests/protocols/test_duplex_model.py).
                   "moshi": {"stages": {"moshi": {"processor_args": {"budget_headroom": 2.0}}}}},
 }
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipelines.tiny_pi0 import IMAGE_SIZE, PATCH, PI0_SIZES
+from pipelines.tiny.pi0 import IMAGE_SIZE, PATCH, PI0_SIZES
 
 GEMMA_PIECES = 256_000
 VOCAB = 257_152  # what π0 / PaliGemma embed

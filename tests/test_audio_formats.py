@@ -7,15 +7,15 @@ import av  # noqa: E402 - a required dependency: missing means failure, not a sk
 import numpy as np
 import pytest
 
-from protocols import audio_formats
-from protocols.audio_formats import (
+from media import audio_formats
+from media.audio_formats import (
     SUPPORTED_FORMATS,
     AudioFormatError,
     StreamingEncoder,
     available_formats,
     content_type,
 )
-from protocols.audio_tempo import TempoFilter
+from media.audio_tempo import TempoFilter
 
 SR = 24000
 AVAILABLE = available_formats()

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from omni_rt.cli import main
-from pipelines.tiny_pi0 import IMAGE_SIZE as TINY_SIDE
+from omni_server.cli import main
+from pipelines.tiny.pi0 import IMAGE_SIZE as TINY_SIDE
 
 pytestmark = pytest.mark.integration  # each check reads the tiny checkpoints as real model directories (processors, tokenizers, configs)
 

@@ -181,7 +181,7 @@ def test_the_policy_overlays_answer_openpi_client(served: Any) -> None:
     from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
     from clients.openpi import aloha_observation, droid_observation
-    from pipelines.tiny_pi0 import IMAGE_SIZE
+    from pipelines.tiny.pi0 import IMAGE_SIZE
 
     droid = served.name == "pi0-droid.yaml"
     client = WebsocketClientPolicy(served.host, served.port)

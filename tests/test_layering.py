@@ -1,7 +1,9 @@
-"""The layering of docs/design.md, read from the source: the runtime core imports
-nothing above it (only the composition root, omni_rt/server.py and omni_rt/cli.py,
-builds the app from every layer), and sessions, protocols and pipelines import neither
-the test harness nor the benches."""
+"""The layering of docs/design.md, read from the source: the runtime core (`omni_rt`)
+imports nothing above it; the media codecs import no layer; sessions, protocols and
+pipelines import nothing above themselves (a wire never reaches the pages, the
+pipelines never reach the wires or the sessions); only the composition root
+(`omni_server`) builds the app from every layer, and nothing but the harness and the
+benches imports it; no layer imports the test harness or the benches."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-ROOTS = {"omni_rt/server.py", "omni_rt/cli.py"}
+HARNESS = {"testkit", "latency_bench", "tests"}
+LAYERS = ("omni_rt", "media", "sessions", "pipelines", "protocols", "ui", "clients", "omni_server")
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -26,14 +29,26 @@ def imports(package: str) -> dict[str, set[str]]:
     return out
 
 
-def test_the_core_imports_nothing_above_it() -> None:
-    above = {"sessions", "protocols", "pipelines", "clients", "latency_bench", "testkit", "tests"}
-    bad = {m: sorted(n & above) for m, n in imports("omni_rt").items() if m not in ROOTS and n & above}
-    assert not bad, bad
-    assert imports("omni_rt")["omni_rt/server.py"] & {"protocols", "sessions"}  # the check sees real imports
+# package -> the packages of this repository it must not import
+FORBIDDEN = {
+    "omni_rt": {"media", "sessions", "protocols", "pipelines", "ui", "clients", "omni_server"} | HARNESS,
+    "media": {"omni_rt", "sessions", "protocols", "pipelines", "ui", "clients", "omni_server"} | HARNESS,
+    "sessions": {"protocols", "pipelines", "ui", "clients", "omni_server"} | HARNESS,
+    "pipelines": {"sessions", "protocols", "ui", "clients", "omni_server"} | HARNESS,
+    "protocols": {"ui", "clients", "omni_server"} | HARNESS,
+    "ui": {"clients", "omni_server"} | HARNESS,
+    "clients": {"omni_rt", "sessions", "protocols", "pipelines", "ui", "omni_server"} | HARNESS,
+}
 
 
-def test_no_layer_imports_the_harness_or_the_benches() -> None:
-    for package in ("sessions", "protocols", "pipelines", "clients"):
-        bad = {m: sorted(n & {"testkit", "latency_bench", "tests"}) for m, n in imports(package).items() if n & {"testkit", "latency_bench", "tests"}}
+def test_each_layer_imports_only_what_is_below_it() -> None:
+    for package, forbidden in FORBIDDEN.items():
+        bad = {m: sorted(n & forbidden) for m, n in imports(package).items() if n & forbidden}
         assert not bad, (package, bad)
+
+
+def test_the_check_sees_real_imports() -> None:
+    root = imports("omni_server")["omni_server/app.py"]
+    assert {"omni_rt", "sessions", "protocols", "ui"} <= root
+    assert "media" in set().union(*imports("protocols").values())
+    assert "omni_rt" in set().union(*imports("pipelines").values())

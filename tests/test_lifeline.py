@@ -97,7 +97,7 @@ def test_leftovers_of_an_earlier_server_are_found_and_named_at_start(tmp_path):
         with socket.socket() as taken:  # the server stops at its port, right after the check
             taken.bind(("127.0.0.1", 0))
             taken.listen()
-            out = subprocess.run([sys.executable, "-m", "omni_rt.cli", "serve", "--port", str(taken.getsockname()[1])], cwd=REPO,
+            out = subprocess.run([sys.executable, "-m", "omni_server.cli", "serve", "--port", str(taken.getsockname()[1])], cwd=REPO,
                                  capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "cannot listen" in out.stderr
         assert f"earlier omni-rt server (pid {gone.pid}" in out.stderr and f"kill {orphan.pid}" in out.stderr, out.stderr
@@ -125,10 +125,10 @@ def _free_port() -> int:
 CRASH = textwrap.dedent(
     """
     import sys
-    import omni_rt.server
-    from omni_rt.cli import main
+    import omni_server.app
+    from omni_server.cli import main
 
-    started = omni_rt.server.freeze_startup_objects
+    started = omni_server.app.freeze_startup_objects
 
     async def crash(app):  # a fault inside the event loop once the engines run
         await started(app)
@@ -138,7 +138,7 @@ CRASH = textwrap.dedent(
             f.write(" ".join(f"{k.pid}:{k.name()}" for k in kids))
         raise RuntimeError("a crash inside the event loop")
 
-    omni_rt.server.freeze_startup_objects = crash
+    omni_server.app.freeze_startup_objects = crash
     sys.exit(main(sys.argv[1:]))
     """
 )
@@ -149,7 +149,7 @@ def _serve(tmp_path: Path, models_dir: Path, crash: bool = False) -> tuple[subpr
     cfg.write_text("pipelines: {" + ", ".join(f"{n}: {{enabled: false}}" for n in _pipelines() if n != "tts") + "}\n")
     port = _free_port()
     args = ["serve", "--port", str(port), "--deploy", str(cfg)]
-    cmd = [sys.executable, "-c", CRASH, *args] if crash else [sys.executable, "-m", "omni_rt.cli", *args]
+    cmd = [sys.executable, "-c", CRASH, *args] if crash else [sys.executable, "-m", "omni_server.cli", *args]
     log = tmp_path / "server.log"
     env = {**os.environ, "OMNI_RT_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1", "LIFELINE_CHILDREN": str(tmp_path / "children")}
     with open(log, "wb") as out:

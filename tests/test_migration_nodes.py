@@ -109,7 +109,7 @@ async def test_drain_moves_a_duplex_call_and_a_world_rollout_to_the_other_node(n
 
     # the operator drains node A with the CLI
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "omni_rt.cli", "drain", "--url", a.url, "--api-key", ADMIN_KEY, "--timeout", "20"],
+    done = subprocess.run([sys.executable, "-m", "omni_server.cli", "drain", "--url", a.url, "--api-key", ADMIN_KEY, "--timeout", "20"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "2 moved" in done.stderr and time.monotonic() - t0 < 30

@@ -12,7 +12,7 @@ import torch
 
 from omni_rt.stage import StageError
 from pipelines.moshi import MoshiProcessor, StepTimes
-from pipelines.moshi_steps import DECODE_TOLERANCE, FRAME, MoshiSteps, SlotCache
+from pipelines.moshi.steps import DECODE_TOLERANCE, FRAME, MoshiSteps, SlotCache
 
 SAMPLING = {"text_temperature": 0.7, "audio_temperature": 0.8, "text_top_k": 25, "audio_top_k": 250}
 

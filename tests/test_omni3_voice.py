@@ -237,7 +237,7 @@ async def test_the_stages_run_in_the_checkpoints_own_dtypes(models_dir, layout, 
         cfg["dtype"] = "float32"
         (mixed / "config.json").write_text(json.dumps(cfg))
         d = mixed
-    from pipelines.omni3_models import Omni3TalkerModule
+    from pipelines.omni3.models import Omni3TalkerModule
 
     module = Omni3TalkerModule(str(d))
     thinker, talker = next(module.thinker.parameters()).dtype, next(module.talker.parameters()).dtype

@@ -234,7 +234,7 @@ async def test_the_stages_run_in_the_checkpoints_own_dtypes(models_dir, layout, 
     (numpy has no bfloat16: the engine died at start-up on `.numpy()`), and the
     speakers of the hub's spk_dict.pt ((1, 192) / (1, 400, 80)) condition the DiT."""
     from pipelines.omni import OmniTalkerProcessor, Token2WavProcessor
-    from pipelines.omni_models import OmniTalkerModule, load_speakers
+    from pipelines.omni.models import OmniTalkerModule, load_speakers
     from tests import hub
 
     monkeypatch.setattr(OmniTalkerProcessor, "REALTIME", False)
@@ -261,7 +261,7 @@ def test_the_talker_loads_a_thinker_whose_head_is_tied(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from pipelines.omni_models import OmniTalkerModule
+    from pipelines.omni.models import OmniTalkerModule
     from tests import hub
 
     d = hub.build("Qwen2.5-Omni-3B", tmp_path / "hub")

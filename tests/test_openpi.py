@@ -20,7 +20,7 @@ from openpi_client.action_chunk_broker import ActionChunkBroker
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from clients.openpi import PolicyClient, aloha_observation, droid_observation
-from pipelines.tiny_pi0 import IMAGE_SIZE
+from pipelines.tiny.pi0 import IMAGE_SIZE
 from protocols.openpi import ProtocolError, flatten, packb, unpackb
 from tests.conftest import REPO
 from tests.harness import ADMIN_HEADERS, ALICE_KEY, http_client
@@ -381,7 +381,7 @@ def test_the_pi0_overlays_check_and_serve_with_a_hub_shaped_paligemma_processor(
     data["server"] = {"models_dir": str(models_dir)}
     deploy = tmp_path / overlay
     deploy.write_text(yaml.safe_dump(data))
-    check = subprocess.run([sys.executable, "-m", "omni_rt.cli", "check", "--deploy", str(deploy)], cwd=REPO,
+    check = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", "--deploy", str(deploy)], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr[-2000:]
     robot_only = {**data, "pipelines": {**{n: {"enabled": False} for n in ("voice", "tts", "asr", "image", "world", "video", "video_edit")},

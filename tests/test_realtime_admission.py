@@ -622,8 +622,8 @@ async def test_a_hole_heard_in_a_paced_answer_refuses_new_sessions_until_it_leav
 
 
 def test_omni_rt_check_says_what_admission_will_weigh_with():
-    from omni_rt.cli import admission_notes
     from omni_rt.specs import parse_overlay
+    from omni_server.cli import admission_notes
 
     ov = parse_overlay({"sessions": {"realtime_admission": {"pipeline_costs": {"voice": {"base_rtf": 0.3, "per_session_rtf": 0.1}}}}}, "d.yaml")
     notes = admission_notes(ov)

@@ -22,7 +22,7 @@ from omni_rt.engines.base import Engine
 from omni_rt.engines.torch_engine import TorchEngine
 from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.stage import StageError
-from pipelines.tiny_pi0 import IMAGE_SIZE
+from pipelines.tiny.pi0 import IMAGE_SIZE
 from tests.conftest import REPO
 from tests.pi0_hub import IMAGE_TOKEN, VOCAB, lerobot_keys, paligemma_processor
 from tests.pi0_hub import pi0_dir as hub_pi0_dir
@@ -249,7 +249,7 @@ def test_omni_rt_check_names_a_bad_layout(models_dir, tmp_path):
                       "robot": {"stages": {"policy": {"processor_args": {"layouts": {"arm": {"images": ["c"], "action_dim": 0}}}}}}},
         "server": {"models_dir": str(models_dir)},
     }))
-    proc = subprocess.run([sys.executable, "-m", "omni_rt.cli", "check", "--deploy", str(deploy)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "omni_server.cli", "check", "--deploy", str(deploy)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "pipelines.robot.stages.policy.processor_args: layouts.arm: action_dim must be in 1..32" in proc.stderr

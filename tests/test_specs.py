@@ -92,8 +92,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     """`omni-rt ARGS`: `check` runs in this process (an exception out of it, which the
     command would print as a traceback, fails the test), `serve` in a process of its own."""
     if args[0] != "check":
-        return subprocess.run([sys.executable, "-m", "omni_rt.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
-    from omni_rt.cli import main
+        return subprocess.run([sys.executable, "-m", "omni_server.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+    from omni_server.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -176,7 +176,7 @@ def test_overlay_sessions_block_and_keys_file(tmp_path):
     keys.write_text("- {key: abcdefgh-1, principal: alice}\n- {key: abcdefgh-2, principal: ops, admin: true}\n")
     deploy = tmp_path / "d.yaml"
     deploy.write_text("sessions:\n  max_total: 9\n  principal_caps: {alice: 2}\n  idle_ttl_s: 5\n")
-    from omni_rt.cli import _overlay, parser
+    from omni_server.cli import _overlay, parser
 
     args = parser().parse_args(["serve", "--deploy", str(deploy), "--api-keys-file", str(keys), "--max-sessions-per-kind", "realtime=3"])
     overlay, _ = _overlay(args)
@@ -190,7 +190,7 @@ def test_overlay_sessions_block_and_keys_file(tmp_path):
 
 
 def test_shared_stage_override_applies_to_every_pipeline_with_it(tmp_path):
-    from omni_rt.server import resolve_profiles
+    from omni_server.app import resolve_profiles
 
     ov = parse_overlay({"pipelines": {"tts": {"stages": {"talker": {"replicas": 2}}}}}, "d.yaml")
     profiles, _ = resolve_profiles(ov, "d.yaml")

@@ -11,7 +11,7 @@ import wave
 import numpy as np
 import pytest
 
-from protocols.audio_formats import StreamingEncoder
+from media.audio_formats import StreamingEncoder
 from tests.harness import ADMIN_KEY, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

@@ -43,8 +43,8 @@ from typing import Any
 
 from aiohttp import web
 
+from media.audio_formats import Pcm16Resampler
 from omni_rt.errors import WS_POLICY_VIOLATION, ClientError, OmniError
-from protocols.audio_formats import Pcm16Resampler
 from protocols.auth import principal_of
 from protocols.duplex.transport import RATES, DuplexTiming, DuplexTransport
 from protocols.duplex.writer import write

@@ -16,8 +16,8 @@ import soxr
 from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
 
+from media.audio_formats import Pcm16Resampler
 from omni_rt.errors import ClientError
-from protocols.audio_formats import Pcm16Resampler
 from protocols.realtime import RATE, Config, EventOutput, wire_data
 from protocols.realtime.models import AudioIn, AudioInputIn, AudioOutputIn, SessionUpdate, apply_update, parse
 from sessions import SessionEvent, SessionManager

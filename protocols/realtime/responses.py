@@ -11,10 +11,10 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from media.audio_formats import pcm16_bytes
 from omni_rt import metrics
 from omni_rt.errors import ClientError, EngineDead, RequestAborted
 from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload
-from protocols.audio_formats import pcm16_bytes
 from protocols.errors import to_omni
 from protocols.realtime.items import Item, Response, new_id
 from protocols.realtime.models import RATE, ResponseOverrides, parse, voice_of

@@ -36,7 +36,6 @@ from aiohttp import web
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
 from protocols.http import json_response, read_form, read_json, validate_body
-from protocols.pages import page
 from protocols.registry import Mount
 from protocols.videos.jobs import VideoCreate, VideoJobs, VideoModel
 from protocols.videos.live import VideoConnection
@@ -121,8 +120,4 @@ def mount_live(m: Mount) -> None:
         await close_attachment(sock, session, why)
         return sock.ws
 
-    async def video_page(request: web.Request) -> web.Response:
-        return page("video.html")
-
     m.websocket("/v1/realtime/video", live, "live video generation with prompt edits")
-    m.route("GET", "/demo/video", video_page)

@@ -35,7 +35,6 @@ from aiohttp import web
 from omni_rt.errors import ClientError, NotFound
 from protocols.auth import client_secret_of, principal_of
 from protocols.http import check_length, json_response, limits_of, read_body, read_form, read_json
-from protocols.pages import demo_page
 from protocols.realtime import Conversation, apply_session_update, start_config, vad_of
 from protocols.registry import Mount
 from protocols.webrtc.call import Call, WebRTCTransport
@@ -240,14 +239,10 @@ def mount(m: Mount) -> None:
 
     hangup = hangup_handler(sessions)
 
-    async def demo(request: web.Request) -> web.StreamResponse:
-        return demo_page()
-
     m.route("POST", "/v1/realtime/calls", create_call, "WebRTC call (SDP offer → answer)")
     m.route("POST", "/offer", offer)
     m.route("DELETE", "/v1/realtime/calls/{call_id}", hangup)
     m.route("POST", "/v1/realtime/calls/{call_id}/hangup", hangup)
-    m.route("GET", "/demo", demo)
 
 
 def _form_text(value: Any) -> str | None:

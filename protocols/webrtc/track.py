@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from media.audio_formats import Pcm16Resampler
 from omni_rt import metrics
 from omni_rt.payloads import Fence
-from protocols.audio_formats import Pcm16Resampler
 from protocols.realtime import RATE, Response
 from sessions import Session, SessionManager
 

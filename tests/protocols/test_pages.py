@@ -13,8 +13,8 @@ import re
 import pytest
 
 from clients.world import WorldClient, WorldError
-from protocols.dashboard import Window, quantile
 from testkit import Speeds, serve
+from ui.dashboard import Window, quantile
 
 ADMIN, ALICE = "k-admin-pages-1", "k-alice-pages-1"
 KEYS = {"api_keys": [{"key": ADMIN, "principal": "ops", "admin": True}, {"key": ALICE, "principal": "alice"}]}

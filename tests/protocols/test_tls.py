@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_rt.cli import main
-from omni_rt.server import ssl_context
 from omni_rt.specs import SpecError, parse_overlay
+from omni_server.app import ssl_context
+from omni_server.cli import main
 from testkit import serve
 from tests.tls import self_signed
 

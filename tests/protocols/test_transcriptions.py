@@ -9,7 +9,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from protocols.audio_formats import StreamingEncoder, available_formats
+from media.audio_formats import StreamingEncoder, available_formats
 from testkit import serve
 
 

@@ -4,7 +4,7 @@ raw SDP offer, or multipart with `sdp`) → 201 with the SDP answer and `Locatio
 answer, call_id}`; hang up with `DELETE /v1/realtime/calls/{call_id}`.
 
 The caller's Opus audio (48 kHz) goes to the model's conversation as the duplex wire's
-does (`protocols.duplex.moshi.MoshiConversation`: resampled to 24 kHz with soxr, the
+does (`protocols.duplex.model.ModelConversation`: resampled to 24 kHz with soxr, the
 same real-time bound); the model's voice comes back on a paced 48 kHz track (20 ms
 frames in real time, silence when there is nothing queued), and the `oai-events` data
 channel carries `session.created`, `duplex.text.delta {frame, delta}`,
@@ -26,7 +26,7 @@ from aiohttp import web
 
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
-from protocols.duplex.moshi import AUDIO_DELTA, DuplexModel, MoshiConversation, open_conversation
+from protocols.duplex.model import AUDIO_DELTA, DuplexModel, ModelConversation, open_conversation
 from protocols.http import json_response, read_json
 from protocols.registry import Mount
 from protocols.webrtc import answer_call, check_offer, hangup_handler, ice_setup, new_peer, read_offer
@@ -34,13 +34,13 @@ from protocols.webrtc.call import MAX_DC_BUFFERED
 from protocols.webrtc.track import RTP_RATE, PacedAudioTrack
 from sessions import END_EVENTS, Session, SessionManager
 
-log = logging.getLogger("protocols.webrtc.moshi")
+log = logging.getLogger("protocols.webrtc.model")
 
 MAX_PENDING_EVENTS = 256  # events held for a data channel that has not opened yet
 
 
 class MoshiCall:
-    def __init__(self, session: Session, sessions: SessionManager, conv: MoshiConversation, pc: Any) -> None:
+    def __init__(self, session: Session, sessions: SessionManager, conv: ModelConversation, pc: Any) -> None:
         self.session = session
         self.sessions = sessions
         self.conv = conv

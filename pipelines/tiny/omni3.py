@@ -31,7 +31,7 @@ from typing import Any
 
 from pipelines.chat_templates import OMNI3_SPANS, qwen_chat_template
 from pipelines.tiny import save_bf16, save_sampling
-from pipelines.tiny_omni import DEFAULT_SYSTEM, FEATURE_EXTRACTOR, IMAGE_PROCESSOR, TEXT_CONFIG, write_tokenizer
+from pipelines.tiny.omni import DEFAULT_SYSTEM, FEATURE_EXTRACTOR, IMAGE_PROCESSOR, TEXT_CONFIG, write_tokenizer
 
 SEED = 13
 SPECIAL_TOKENS: tuple[str, ...] = (

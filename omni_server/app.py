@@ -21,15 +21,16 @@ import pipelines
 from omni_rt import metrics
 from omni_rt.runtime import Runtime
 from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileSpec, ServerSpec, SessionsSpec, SpecError, apply_overlay
-from protocols import dashboard, pages, sessions_api
 from protocols import models as models_api
+from protocols import sessions_api
 from protocols.auth import CLIENT_SECRETS, ClientSecrets, KeyRing, auth_middleware
 from protocols.http import LIMITS, Limits, error_middleware, json_response
 from protocols.registry import Mount, Routes, mount
 from sessions import SessionManager
 from sessions.calibration import calibrate
+from ui import dashboard, pages
 
-log = logging.getLogger("omni_rt.server")
+log = logging.getLogger("omni_server.app")
 
 DEFAULT_MODELS_DIR = "~/.cache/omni-rt/models"
 TINY_PREFIX = "tiny:"
@@ -324,5 +325,6 @@ def create_app(
         pool = runtime.pools[profiles[name].entry]
         for wire in spec.wires:
             mount(Mount(wire, sessions, spec, overlay.server, pool.replicas[0].processor, routes, dict(options or {}), entry_pool=pool))
+    pages.add_demos(routes)  # each demo page where the wire it drives is served
     routes.install(app)
     return app

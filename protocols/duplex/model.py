@@ -62,7 +62,7 @@ from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, fail_so
 from sessions import Session, SessionError, SessionGone, SessionManager
 from sessions.errors import FrameCapacity
 
-log = logging.getLogger("protocols.duplex.moshi")
+log = logging.getLogger("protocols.duplex.model")
 
 RATE = 24000
 AUDIO_DELTA = "response.output_audio.delta"
@@ -87,7 +87,7 @@ def _pcm16(x: np.ndarray) -> bytes:
     return (np.clip(x, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
-class MoshiConversation:
+class ModelConversation:
     """A session's conversation with the model: the request, the audio both ways, the
     wire settings. It lives in the session (it survives reconnects)."""
 
@@ -213,7 +213,7 @@ class ReplicaPool(Protocol):
     def pin(self, affinity: str, replica: Any) -> None: ...
 
 
-async def open_conversation(sessions: SessionManager, pipeline: str, pool: ReplicaPool, kind: str, principal: str, model: str) -> tuple[Session, MoshiConversation]:
+async def open_conversation(sessions: SessionManager, pipeline: str, pool: ReplicaPool, kind: str, principal: str, model: str) -> tuple[Session, ModelConversation]:
     """Open a `kind` session on the full-duplex model, admitted by the frame budget of
     the replica that will run it (the pool's pick, pinned to the session; refused:
     FrameCapacity, `capacity` with retry-after), with its conversation. Anything else
@@ -245,7 +245,7 @@ async def open_conversation(sessions: SessionManager, pipeline: str, pool: Repli
     pool.pin(session.id, replica)  # its request runs where its room was reserved
     session.add_finalizer(cancel)  # a reservation no request took over (a request takes it on start)
     try:
-        return session, MoshiConversation(session, sessions, model, float(proc.describe()["frame_ms"]), key)
+        return session, ModelConversation(session, sessions, model, float(proc.describe()["frame_ms"]), key)
     except BaseException:
         cancel()
         await sessions.end(session, "server_error")
@@ -277,10 +277,10 @@ def mount(m: Mount) -> None:
             "replay_buffer_events": sessions.spec.replay_buffer_events, "disconnect_grace_s": sessions.spec.disconnect_grace_s,
         }
 
-    async def open_session(principal: str, model: str) -> tuple[Session, MoshiConversation]:
+    async def open_session(principal: str, model: str) -> tuple[Session, ModelConversation]:
         return await open_conversation(sessions, pipeline.name, pool, "duplex", principal, model)
 
-    async def handle(sock: Socket, session: Session, conv: MoshiConversation, data: str | bytes, first: bool) -> tuple[Session, MoshiConversation] | None:
+    async def handle(sock: Socket, session: Session, conv: ModelConversation, data: str | bytes, first: bool) -> tuple[Session, ModelConversation] | None:
         session.touch()
         if isinstance(data, bytes) and data[:1] != b"{":
             if len(data) < 2 or data[0] != AUDIO_FRAME:
@@ -321,16 +321,16 @@ def mount(m: Mount) -> None:
             )
         return None
 
-    async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, MoshiConversation]:
+    async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, ModelConversation]:
         if not isinstance(sid, str) or not sid:
             raise ClientError("Missing required parameter: 'session_id'.", code="missing_required_parameter", param="session_id")
         s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
         conv = s.data.get("moshi")
-        if not isinstance(conv, MoshiConversation):
+        if not isinstance(conv, ModelConversation):
             raise ClientError(f"Session {sid} is not a full-duplex model session.", param="session_id")
         return s, conv
 
-    async def attach(sock: Socket, session: Session, conv: MoshiConversation, first: bool) -> tuple[Session, MoshiConversation] | None:
+    async def attach(sock: Socket, session: Session, conv: ModelConversation, first: bool) -> tuple[Session, ModelConversation] | None:
         gen = session.attachment
         loop = asyncio.get_running_loop()
         writer = loop.create_task(write_events(sock, session, lambda ev: conv.render(ev.type, ev.data)))

@@ -10,8 +10,8 @@ Real architectures, random weights, fixed seed, sized for 2 CPU cores:
   ``pytorch_model.bin``).
 
 The diffusion checkpoints (image, world, video, live video) are built by
-`pipelines.tiny_diffusion`; the model families with a module of their own by
-`pipelines.tiny_omni`, `tiny_omni3`, `tiny_pi0`, `tiny_whisper` and `tiny_moshi`.
+`pipelines.tiny.diffusion`; the model families with a module of their own by
+`pipelines.tiny.omni`, `omni3`, `pi0`, `whisper` and `moshi` (this package).
 
 Each builds into a temp dir next to its destination and is renamed into place, with a
 ``.complete`` marker written last, so a crashed build never looks finished and two
@@ -419,38 +419,38 @@ VIDEO_DIRNAME = "tiny-wan"
 
 
 def _fill_omni(out: Path) -> None:
-    from pipelines.tiny_omni import fill  # it trains its tokenizer on CORPUS (imports this module)
+    from pipelines.tiny.omni import fill  # it trains its tokenizer on CORPUS (imports this module)
 
     fill(out)
 
 
 def _fill_omni3(out: Path) -> None:
-    from pipelines.tiny_omni3 import fill  # it trains its tokenizer on CORPUS (imports this module)
+    from pipelines.tiny.omni3 import fill  # it trains its tokenizer on CORPUS (imports this module)
 
     fill(out)
 
 
 def _fill_pi0(out: Path) -> None:
-    from pipelines.tiny_pi0 import fill  # it trains its tokenizer on CORPUS (imports this module)
+    from pipelines.tiny.pi0 import fill  # it trains its tokenizer on CORPUS (imports this module)
 
     fill(out)
 
 
 def _fill_moshi(out: Path) -> None:
-    from pipelines.tiny_moshi import fill  # it trains its tokenizer on CORPUS (imports this module)
+    from pipelines.tiny.moshi import fill  # it trains its tokenizer on CORPUS (imports this module)
 
     fill(out)
 
 
 def _fill_whisper(out: Path) -> None:
-    from pipelines.tiny_whisper import fill  # it trains its tokenizer on CORPUS (imports this module)
+    from pipelines.tiny.whisper import fill  # it trains its tokenizer on CORPUS (imports this module)
 
     fill(out)
 
 
 def _diffusion(name: str) -> Callable[[Path], None]:
     def fill(out: Path) -> None:
-        from pipelines import tiny_diffusion  # (it imports this module's seed)
+        from pipelines.tiny import diffusion as tiny_diffusion  # (it imports this module's seed)
 
         getattr(tiny_diffusion, name)(out)
 

@@ -1,7 +1,7 @@
 """Streaming audio encoders for the OpenAI-compatible ``/v1/audio/speech`` endpoint.
 
 ``response_format`` selects one of :data:`SUPPORTED_FORMATS`; ``speed`` is applied
-with :class:`protocols.audio_tempo.TempoFilter` (tempo change without pitch change,
+with :class:`media.audio_tempo.TempoFilter` (tempo change without pitch change,
 FFmpeg ``atempo``).
 
 Typical use, per request::

@@ -7,7 +7,7 @@ monologue (the text stream). There are no turns: the model decides every frame w
 to speak, back-channel or stay silent. The networks are transformers'
 `MoshiForConditionalGeneration` with its `MimiModel`, loaded with `from_pretrained`
 from a directory (`kmhf/hf-moshiko` / `hf-moshika`, or the tiny random one); the step
-over many conversations is `pipelines.moshi_steps.MoshiSteps`, run by the torch engine.
+over many conversations is `pipelines.moshi.steps.MoshiSteps`, run by the torch engine.
 
 One request per conversation: its input is the user's audio (AUDIO payloads, float32
 PCM at 24 kHz, any chunk size), its output one AUDIO payload a frame (1920 samples, the
@@ -52,7 +52,7 @@ from omni_rt.errors import CapacityExceeded
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
-from pipelines.moshi_steps import FRAME, MoshiSteps
+from pipelines.moshi.steps import FRAME, MoshiSteps
 
 log = logging.getLogger("pipelines.moshi")
 

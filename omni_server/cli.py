@@ -110,7 +110,7 @@ def _warn_leftovers() -> None:
     try:
         found = leftover_engines()
     except Exception as exc:  # noqa: BLE001 - a check, never a reason not to start
-        logging.getLogger("omni_rt.cli").debug("could not look for leftover engine processes: %s", exc)
+        logging.getLogger("omni_server.cli").debug("could not look for leftover engine processes: %s", exc)
         return
     for server, pids in sorted(found.items()):
         print(f"omni-rt: warning: {len(pids)} process(es) of an earlier omni-rt server (pid {server}, no longer running) are still "
@@ -123,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=overlay.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from aiohttp import web
 
-    from omni_rt.server import create_app, drain_on_sigterm, freeze_startup_objects, runner_options, ssl_context
+    from omni_server.app import create_app, drain_on_sigterm, freeze_startup_objects, runner_options, ssl_context
 
     tls = ssl_context(overlay.server, source)  # before anything loads: a bad file fails in a second
     _warn_leftovers()
@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app.on_startup.append(freeze_startup_objects)  # after the engines started (cleanup_ctx runs first)
     app.on_startup.append(drain_on_sigterm(overlay.server.drain_timeout_s))
     options = runner_options(overlay)
-    logging.getLogger("omni_rt.server").info("serving on %s://%s:%d", "https" if tls else "http", host, port)
+    logging.getLogger("omni_server.app").info("serving on %s://%s:%d", "https" if tls else "http", host, port)
     # SIGINT stops the server gracefully (the app's cleanup stops the engines); SIGTERM drains first
     web.run_app(app, sock=sock, print=None, access_log=None, shutdown_timeout=5.0, ssl_context=tls, **options)
     return 0
@@ -148,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     overlay, source = _overlay(args)
-    from omni_rt.server import RUNTIME, create_app, ssl_context
+    from omni_server.app import RUNTIME, create_app, ssl_context
 
     ssl_context(overlay.server, source)
     # Builds (without starting) the whole runtime: model paths, processors, engine args.
@@ -228,7 +228,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def cmd_build_tiny(args: argparse.Namespace) -> int:
     overlay, _ = _overlay(args)
-    from omni_rt.server import models_dir
+    from omni_server.app import models_dir
     from pipelines.tiny import build_tiny
 
     for name, path in build_tiny(models_dir(overlay), force=args.force).items():

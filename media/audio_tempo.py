@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from protocols.audio_formats import _AV_IMPORT_ERROR, _as_mono_float, av
+from media.audio_formats import _AV_IMPORT_ERROR, _as_mono_float, av
 
 __all__ = ["MAX_SPEED", "MIN_SPEED", "TempoFilter"]
 

@@ -32,9 +32,9 @@ from omni_rt import metrics
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
 from protocols.http import json_response
-from protocols.pages import page
 from protocols.registry import Routes
 from sessions import SessionManager
+from ui.pages import page
 
 WINDOW_S = 60.0
 MAX_LISTED = 200  # sessions listed one by one (the counts cover all)

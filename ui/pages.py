@@ -1,6 +1,6 @@
 """The pages: `GET /`, an index of what this server speaks (the routes every mounted
 wire listed) linking every page; the pages themselves, each one self-contained HTML
-file under `static/` with no build step, mounted by the wire they drive —
+file under `static/` with no build step, mounted where the wire they drive is served —
 `/demo` (WebRTC voice agent, the webrtc wire), `/demo/world` (the world wire),
 `/demo/video` (the live-video wire) — and `/dashboard` (the server's own state);
 `GET /static/{file}`: the stylesheet and script the pages share, and vendored
@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 import mimetypes
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -35,8 +36,27 @@ def page(name: str) -> web.Response:
                         headers={"cache-control": "no-cache"})
 
 
-def demo_page() -> web.Response:
-    return page("demo.html")
+# demo page path -> (its file, the route of the wire it drives)
+DEMOS = {
+    "/demo": ("demo.html", ("POST", "/v1/realtime/calls")),
+    "/demo/world": ("world.html", ("WS", "/v1/world")),
+    "/demo/video": ("video.html", ("WS", "/v1/realtime/video")),
+}
+
+
+def add_demos(routes: Routes) -> None:
+    """Mount each demo page whose wire is served (after the wires are mounted)."""
+    for path, (name, (method, wire)) in DEMOS.items():
+        served = wire in routes.websocket or wire in routes.by_model if method == "WS" else (method, wire) in routes.http or (method, wire) in routes.http_by_model
+        if served:
+            routes.add("GET", path, _page_handler(name), "ui")
+
+
+def _page_handler(name: str) -> Any:
+    async def handler(request: web.Request) -> web.Response:
+        return page(name)
+
+    return handler
 
 
 def static_file(rel: str) -> web.FileResponse:

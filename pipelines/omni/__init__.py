@@ -32,7 +32,7 @@ from omni_rt.payloads import TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
-from pipelines.omni_models import OmniTalkerModule, Token2WavModule, load_speakers, omni_config
+from pipelines.omni.models import OmniTalkerModule, Token2WavModule, load_speakers, omni_config
 from pipelines.tts import StreamingDecoder, _Emitter
 from pipelines.voice import feature_pad
 

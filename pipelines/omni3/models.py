@@ -28,7 +28,7 @@ import torch
 
 from omni_rt.dtypes import config_dtype, dtype_of
 from omni_rt.errors import StageError
-from pipelines.omni_models import load_part
+from pipelines.omni.models import load_part
 
 
 def omni3_config(model_dir: str) -> Any:

@@ -29,7 +29,7 @@ from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
 from pipelines.omni import OmniTalkerArgs, ReplyRows, TalkerBase, _Reply, check_omni, check_talker_files, request_seed
-from pipelines.omni3_models import Omni3Code2WavModule, Omni3TalkerModule, omni3_config
+from pipelines.omni3.models import Omni3Code2WavModule, Omni3TalkerModule, omni3_config
 from pipelines.tts import StreamingDecoder, _Emitter
 
 OMNI3_ARCHITECTURES = frozenset({"Qwen3OmniMoeForConditionalGeneration"})
