@@ -68,7 +68,7 @@ def _parts(runtime: Any) -> tuple[Any, Any, Any, Any]:
 
 
 def one_request(talker: Any, ar: Any, decode: Any, chunking: Any, opts: TtsOptions) -> Callable[[int, float], Any]:
-    from pipelines.tts import DecodeTimes, StreamingDecoder
+    from pipelines.streaming import DecodeTimes, StreamingDecoder
 
     times = DecodeTimes()  # the streams share one, as they share the stage's
 

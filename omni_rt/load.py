@@ -7,7 +7,7 @@ stage placed in another process or a Ray actor sends its reports back with its
 outputs, `omni_rt.placement`), the wires through the session manager, and admission
 reads it. Two servers in one process keep apart.
 
-Each streaming audio decoder (`pipelines.tts.StreamingDecoder`) reports every chunk it
+Each streaming audio decoder (`pipelines.streaming.StreamingDecoder`) reports every chunk it
 emits to the generation meter, an `RtfMeter`. A stream's generation real-time
 factor is the wall time between its first and its latest chunk over the audio emitted
 after the first chunk (the first chunk waits for its lookahead frames and would count

@@ -158,9 +158,14 @@ class Mount:
             self.routes.index.append(("WS", path, what))
 
 
-def mount(m: Mount) -> None:
-    target = WIRES.get(WIRE_ALIASES.get(m.wire, m.wire))
+def resolve(wire: str, source: str = "deploy") -> str:
+    """The "module:function" that mounts `wire` (a renamed wire's old name too)."""
+    target = WIRES.get(WIRE_ALIASES.get(wire, wire))
     if target is None:
-        raise SpecError(f"{m.source}: unknown wire {m.wire!r}; known: {', '.join(sorted(WIRES))}")
-    module, _, fn = target.partition(":")
+        raise SpecError(f"{source}: unknown wire {wire!r}; known: {', '.join(sorted(WIRES))}")
+    return target
+
+
+def mount(m: Mount) -> None:
+    module, _, fn = resolve(m.wire, m.source).partition(":")
     getattr(importlib.import_module(module), fn)(m)

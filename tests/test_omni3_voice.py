@@ -180,7 +180,7 @@ async def test_frames_and_waveform_equal_the_reference(omni3_dir, reference, wit
 async def test_streamed_code2wav_equals_its_chunks_decoded_at_once(omni3_dir, reference):
     from omni_rt.engines.torch_engine import TorchEngine
     from pipelines.omni3 import Omni3Code2WavProcessor
-    from pipelines.tts import StreamingDecoder
+    from pipelines.streaming import StreamingDecoder
 
     ref = _generate(reference, None, 6)
     profile = _stages("chunk")

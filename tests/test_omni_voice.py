@@ -168,7 +168,7 @@ async def _run(omni_dir, profile: ProfileSpec, inputs: list[Payload]) -> tuple[l
 async def _decode_at_once(omni_dir, codes: list[int], chunking: ChunkingSpec) -> list[np.ndarray]:
     from omni_rt.engines.torch_engine import TorchEngine
     from pipelines.omni import Token2WavProcessor
-    from pipelines.tts import StreamingDecoder
+    from pipelines.streaming import StreamingDecoder
 
     spec = _stages("chunk", "token2wav").stage("token2wav").model_copy(update={"model": str(omni_dir)})
     engine = TorchEngine(Token2WavProcessor.torch_module(str(omni_dir), "main"), name="token2wav")

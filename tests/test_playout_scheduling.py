@@ -22,7 +22,8 @@ import torch
 
 from omni_rt.engines.torch_engine import TorchEngine
 from omni_rt.specs import ChunkingSpec
-from pipelines.tts import SAMPLES_PER_FRAME, StreamingDecoder
+from pipelines.codec import SAMPLES_PER_FRAME
+from pipelines.streaming import StreamingDecoder
 
 
 class _Recorder(torch.nn.Module):

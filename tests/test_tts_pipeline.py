@@ -13,7 +13,9 @@ import pipelines
 from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.runtime import Runtime
 from omni_rt.specs import ChunkingSpec, DeployOverlay, apply_overlay, parse_overlay
-from pipelines.tts import SAMPLES_PER_FRAME, DecodeTimes, StreamingDecoder, split_text
+from pipelines.codec import SAMPLES_PER_FRAME
+from pipelines.streaming import DecodeTimes, StreamingDecoder
+from pipelines.tts import split_text
 
 # Float tolerance of chunked vs one-shot decoding: the same convolution over a
 # different window length may use a different summation order in oneDNN (observed

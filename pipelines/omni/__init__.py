@@ -33,7 +33,7 @@ from omni_rt.specs import StageSpec
 from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
 from pipelines.omni.models import OmniTalkerModule, Token2WavModule, load_speakers, omni_config
-from pipelines.tts import StreamingDecoder, _Emitter
+from pipelines.streaming import AudioEmitter, StreamingDecoder
 from pipelines.voice import feature_pad
 
 # the hub repos declare Qwen2_5OmniModel; transformers saves Qwen2_5OmniForConditionalGeneration
@@ -77,7 +77,7 @@ def speaker_of(speakers: Mapping[str, Any], params: Mapping[str, Any]) -> str:
     raise StageError(f"unknown voice {voice!r}; this checkpoint speaks {', '.join(speakers)}")
 
 
-class _Reply:
+class ThinkerReply:
     """The thinker's reply as the talker reads it: token ids as they stream in."""
 
     def __init__(self) -> None:
@@ -115,7 +115,7 @@ class ReplyRows:
     already there; `upto(n)` waits until there are `n` (True) or the reply ended short of
     them (False)."""
 
-    def __init__(self, reply: _Reply, embed: Callable[[np.ndarray], Awaitable[Sequence[np.ndarray]]], rows: Sequence[np.ndarray] = ()) -> None:
+    def __init__(self, reply: ThinkerReply, embed: Callable[[np.ndarray], Awaitable[Sequence[np.ndarray]]], rows: Sequence[np.ndarray] = ()) -> None:
         self.reply = reply
         self.embed = embed
         self.rows: list[np.ndarray] = list(rows)
@@ -227,7 +227,7 @@ class TalkerBase(StageProcessor):
 
         return sample
 
-    async def _read(self, inp: AsyncIterator[Payload], reply: _Reply) -> None:
+    async def _read(self, inp: AsyncIterator[Payload], reply: ThinkerReply) -> None:
         """Token ids of the reply's text (a talker speaks content, never a call)."""
         tokenizer = self.processor.tokenizer
         try:
@@ -262,7 +262,7 @@ class TalkerBase(StageProcessor):
             ids = np.concatenate([ids[:at], np.full(int(f["n_audio"]), self.audio_token, np.int64), ids[at + 1 :]])
             think = {"features": f["features"], "feature_mask": f["feature_mask"]}
             audio_len = np.array(int(f["feature_mask"].sum()), np.int64)
-        reply = _Reply()
+        reply = ThinkerReply()
         reader = asyncio.get_running_loop().create_task(self._read(inp, reply))
         slot = await self.free.get()
         try:
@@ -276,7 +276,7 @@ class TalkerBase(StageProcessor):
                 self.free.put_nowait(slot)
 
     async def _talk(self, ctx: StageContext, slot: int, ids: np.ndarray, think: dict[str, np.ndarray],
-                    audio_len: np.ndarray | None, speaker: str, reply: _Reply) -> None:
+                    audio_len: np.ndarray | None, speaker: str, reply: ThinkerReply) -> None:
         raise NotImplementedError
 
 
@@ -330,7 +330,7 @@ class OmniTalkerProcessor(TalkerBase):
         self.bos_rows = dict(zip(self.speakers, rows[2:], strict=True))
 
     async def _talk(self, ctx: StageContext, slot: int, ids: np.ndarray, think: dict[str, np.ndarray],
-                    audio_len: np.ndarray | None, speaker: str, reply: _Reply) -> None:
+                    audio_len: np.ndarray | None, speaker: str, reply: ThinkerReply) -> None:
         steps, s = self.steps, np.array(slot, np.int64)
         pr = await steps.run({"slot": s, "ids": ids, **think}, op="think_prompt", priority=0)
 
@@ -412,7 +412,7 @@ class Token2WavProcessor(StageProcessor):
         inp = ctx.input()
         decoder = StreamingDecoder(self.decoder(ctx.params), inp.chunking if inp.mode == "chunk" else None, meter=ctx.meter,
                                    samples_per_frame=self.samples_per_code, width=2)
-        emit = _Emitter(ctx)
+        emit = AudioEmitter(ctx)
         n = 0
         async for payload in inp:
             codes = np.asarray(payload.arrays["frames"], np.int32).reshape(-1)

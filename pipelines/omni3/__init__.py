@@ -28,9 +28,9 @@ from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageError, StageProcessor
-from pipelines.omni import OmniTalkerArgs, ReplyRows, TalkerBase, _Reply, check_omni, check_talker_files, request_seed
+from pipelines.omni import OmniTalkerArgs, ReplyRows, TalkerBase, ThinkerReply, check_omni, check_talker_files, request_seed
 from pipelines.omni3.models import Omni3Code2WavModule, Omni3TalkerModule, omni3_config
-from pipelines.tts import StreamingDecoder, _Emitter
+from pipelines.streaming import AudioEmitter, StreamingDecoder
 
 OMNI3_ARCHITECTURES = frozenset({"Qwen3OmniMoeForConditionalGeneration"})
 SUPPRESSED = 1024  # the reference suppresses the codec vocabulary's last 1024 ids (its control ids), but the end
@@ -113,7 +113,7 @@ class Omni3TalkerProcessor(TalkerBase):
         return role == self.user, int(opens[-1])
 
     async def _talk(self, ctx: StageContext, slot: int, ids: np.ndarray, think: dict[str, np.ndarray],
-                    audio_len: np.ndarray | None, speaker: str, reply: _Reply) -> None:
+                    audio_len: np.ndarray | None, speaker: str, reply: ThinkerReply) -> None:
         steps, s = self.steps, np.array(slot, np.int64)
         user, at = self.turns(ids)
         head = ids[at:]  # <|im_start|>assistant\n: the first three rows of the answer
@@ -199,7 +199,7 @@ class Omni3Code2WavProcessor(StageProcessor):
         inp = ctx.input()
         decoder = StreamingDecoder(self.decode, inp.chunking if inp.mode == "chunk" else None, meter=ctx.meter,
                                    samples_per_frame=self.samples_per_frame, width=self.groups)
-        emit = _Emitter(ctx)
+        emit = AudioEmitter(ctx)
         async for payload in inp:
             frames = np.asarray(payload.arrays["frames"], np.int32)
             if frames.ndim != 2 or frames.shape[1] != self.groups:

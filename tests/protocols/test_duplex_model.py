@@ -329,3 +329,15 @@ def test_the_tail_of_the_users_audio_is_taken_once_the_input_ends() -> None:
     conv.closing = True
     frame = conv.take()
     assert conv.buffered == 0 and np.isclose(frame[:1000], 0.5).all() and not frame[1000:].any()
+
+
+def test_the_wires_are_named_for_the_contract_and_the_old_names_still_mount() -> None:
+    """A deploy file written before the full-duplex model's wires were renamed still
+    mounts them; an unknown wire is refused with the known ones listed."""
+    from omni_rt.specs import SpecError
+    from protocols.registry import WIRES, resolve
+
+    assert resolve("moshi_duplex") == WIRES["duplex_model"] == "protocols.duplex.model:mount"
+    assert resolve("moshi_webrtc") == WIRES["webrtc_duplex_model"] == "protocols.webrtc.model:mount"
+    with pytest.raises(SpecError, match="unknown wire 'moshi_pager'; known: .*duplex_model"):
+        resolve("moshi_pager", "pipelines.moshi")
