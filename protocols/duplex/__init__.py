@@ -32,6 +32,10 @@ events, the same conversation, with this wire's transport plugged in:
   its grace answers `session.expired`. Each resume issues a new `resume_token`.
 - `session.close` → `session.closed`, then the socket closes (1000). A fault in the
   server → an `error` event, then close 1011.
+
+The socket's lifecycle (open or resume, attach, heartbeat, detach, fault) is the one
+every resumable wire shares (`protocols.resumable`); this module says what is the
+voice conversation's own.
 """
 
 from __future__ import annotations
@@ -44,17 +48,14 @@ from typing import Any
 from aiohttp import web
 
 from media.audio_formats import Pcm16Resampler
-from omni_rt.errors import WS_POLICY_VIOLATION, ClientError, OmniError
-from protocols.auth import principal_of
 from protocols.duplex.transport import RATES, DuplexTiming, DuplexTransport
 from protocols.duplex.writer import write
-from protocols.errors import error_event
 from protocols.realtime import RATE, Conversation, vad_of
 from protocols.realtime.state import config_of, conversation_state, items_of
 from protocols.registry import Mount
-from protocols.wire_json import load_json
-from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, fail_socket, reject
-from sessions import Session, SessionError, SessionGone, SessionState
+from protocols.resumable import ResumableWire
+from protocols.ws import Socket
+from sessions import Session, SessionState
 
 log = logging.getLogger("protocols.duplex")
 
@@ -126,12 +127,6 @@ class Duplex:
         return self
 
 
-def _refusal(exc: OmniError, session_id: str) -> dict[str, Any]:
-    if isinstance(exc, SessionGone):
-        return {"type": "session.expired", "session_id": session_id, "reason": exc.reason}
-    return error_event(exc)
-
-
 def mount(m: Mount) -> None:
     sessions, pipeline = m.sessions, m.pipeline
 
@@ -140,131 +135,40 @@ def mount(m: Mount) -> None:
 
     sessions.restorers[("duplex", pipeline.name)] = restore
 
-    async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, Duplex]:
-        if not isinstance(sid, str) or not sid:
-            raise ClientError("Missing required parameter: 'session_id'.", code="missing_required_parameter", param="session_id")
-        s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
-        d = s.data.get("duplex")
-        if not isinstance(d, Duplex):  # a session of another kind
-            raise ClientError(f"Session {sid} is not a duplex session.", param="session_id")
-        return s, d
+    async def open_session(principal: str, model: str) -> tuple[Session, Duplex]:
+        session = await sessions.open("duplex", pipeline.name, principal=principal)
+        return session, Duplex.create(session, m, model)
 
-    async def attach(sock: Socket, session: Session, d: Duplex, first: bool, principal: str) -> tuple[Session, Duplex] | None:
-        """Serve one attachment. Returns the session to switch to when the client
-        resumes another one as its first event; None when this connection is over."""
-        gen = session.attachment
-        loop = asyncio.get_running_loop()
-        writer = loop.create_task(write(d.transport, sock, session, sessions))
-        ended = asyncio.ensure_future(session.closed.wait())
-        interval = d.transport.timing.heartbeat_s
+    def state_of(session: Session) -> Duplex | None:
+        d = session.data.get("duplex")
+        return d if isinstance(d, Duplex) else None
 
-        async def heartbeat() -> None:
-            while True:
-                await asyncio.sleep(interval)
-                if session.attached_as(gen):
-                    session.emit("heartbeat", {"interval_s": interval})
+    async def handle(session: Session, d: Duplex, data: str | bytes) -> None:
+        if isinstance(data, bytes) and data[:1] != b"{":
+            session.touch()
+            await d.transport.audio_frame(d.conv, data)
+        else:
+            await d.conv.handle(data)
 
-        beat = loop.create_task(heartbeat())
-        switch: tuple[Session, Duplex] | None = None
-        left = True  # however this attachment ends (the client left, a fault, a cancel)...
-        try:
-            while (data := await sock.receive(writer, ended)) is not None:
-                if d.moving:
-                    continue  # handed off: the client hears session.migrated next
-                if isinstance(data, bytes) and data[:1] != b"{":
-                    try:
-                        session.touch()
-                        await d.transport.audio_frame(d.conv, data)
-                    except ClientError as err:
-                        d.conv.error(err)
-                    continue
-                if first:
-                    first = False
-                    try:
-                        ev = load_json(data)
-                    except ClientError:
-                        ev = None  # the conversation reads it again and says why it is not an event
-                    if isinstance(ev, dict) and ev.get("type") == "session.resume":
-                        try:
-                            switch = await resume(ev.get("session_id"), ev.get("resume_token"), principal)
-                            break
-                        except ClientError as err:
-                            d.conv.error(err)
-                        except SessionError as exc:
-                            refusal = _refusal(exc, str(ev.get("session_id")))
-                            session.emit(refusal.pop("type"), refusal)
-                        first = True  # a refused resume may be retried
-                        continue
-                await d.conv.handle(data)
-        except Exception:
-            left = False  # a fault: the caller ends the session
-            raise
-        finally:
-            beat.cancel()
-            ended.cancel()
-            if session.state == SessionState.CLOSED and not writer.done():
-                # the session's last event (closed, expired, migrated) goes out first
-                await asyncio.wait({writer}, timeout=1.0)
-            writer.cancel()
-            await asyncio.gather(writer, beat, return_exceptions=True)
-            if left and switch is None and session.attached_as(gen):
-                await sessions.detach(session.id)  # ...it stays resumable for disconnect_grace_s
-        return switch
+    async def created(session: Session, d: Duplex) -> None:
+        d.conv.emit("session.created", session=d.transport.session_wire(d.conv), resume_token=await sessions.issue_resume_token(session))
+
+    async def resumed(sock: Socket, session: Session, d: Duplex) -> None:
+        dropped = session.dropped_events - session.data.get("dropped_seen", 0)
+        session.data["dropped_seen"] = session.dropped_events
+        await sock.send(d.transport.direct(
+            "session.resumed", session=d.transport.session_wire(d.conv), resume_token=await sessions.issue_resume_token(session),
+            replayed_events=session.queued_events, dropped_events=dropped,
+        ))
+
+    wire: ResumableWire[Duplex] = ResumableWire(
+        sessions, "duplex", "/v1/duplex", open=open_session, state_of=state_of, handle=handle,
+        error=lambda _s, d, err: d.conv.error(err),
+        writer=lambda sock, session, d: write(d.transport, sock, session, sessions),
+        created=created, resumed=resumed, heartbeat_s=lambda d: d.transport.timing.heartbeat_s, paused=lambda d: d.moving,
+    )
 
     async def duplex(request: web.Request) -> web.StreamResponse:
-        principal = principal_of(request).name
-        model = request.query.get("model") or pipeline.models[0]
-        session: Session | None = None
-        sock: Socket | None = None
-        try:
-            if request.query.get("session_id"):
-                sock = await accept(request)
-                sid = request.query["session_id"]
-                try:
-                    session, d = await resume(sid, request.query.get("resume_token"), principal)
-                except (SessionError, ClientError) as exc:
-                    await sock.send_json(_refusal(exc, sid))
-                    await sock.close(WS_POLICY_VIOLATION, "resume refused")
-                    return sock.ws
-                resumed = True
-            else:
-                try:
-                    session = await sessions.open("duplex", pipeline.name, principal=principal)
-                except SessionError as exc:
-                    return await reject(request, exc)
-                d = Duplex.create(session, m, model)
-                sock = await accept(request)
-                d.conv.emit("session.created", session=d.transport.session_wire(d.conv), resume_token=await sessions.issue_resume_token(session))
-                resumed = False
-            first = not resumed
-            while True:
-                if resumed:
-                    dropped = session.dropped_events - session.data.get("dropped_seen", 0)
-                    session.data["dropped_seen"] = session.dropped_events
-                    await sock.send(
-                        d.transport.direct(
-                            "session.resumed",
-                            session=d.transport.session_wire(d.conv),
-                            resume_token=await sessions.issue_resume_token(session),
-                            replayed_events=session.queued_events,
-                            dropped_events=dropped,
-                        )
-                    )
-                nxt = await attach(sock, session, d, first, principal)
-                if nxt is None:
-                    break
-                # the client resumed an older session: the fresh one is not needed
-                fresh = session
-                session, d = nxt
-                await sessions.end(fresh, "replaced_by_resume")
-                resumed, first = True, False
-        except DISCONNECTED:
-            if session is not None and session.state == SessionState.ACTIVE:
-                await sessions.detach(session.id)
-        except Exception as exc:  # noqa: BLE001 - a fault: tell the client, end the session, close 1011
-            return await fail_socket(sock, sessions, session, exc, f"duplex session {session.id if session else '-'}")
-        assert sock is not None and session is not None
-        await close_attachment(sock, session, "ended")  # a detached session has no close reason: 1000
-        return sock.ws
+        return await wire.serve(request, request.query.get("model") or pipeline.models[0])
 
     m.websocket("/v1/duplex", duplex, "full-duplex voice with resume")

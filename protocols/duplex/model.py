@@ -50,16 +50,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import soxr
+from aiohttp import web
 
-from omni_rt.errors import WS_POLICY_VIOLATION, CapacityExceeded, ClientError, InternalError, OmniError, RequestAborted
+from omni_rt.errors import CapacityExceeded, ClientError, InternalError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
-from protocols.auth import principal_of
 from protocols.duplex.transport import AUDIO_FRAME, MAX_FRAME_BYTES, RATES
-from protocols.errors import error_event
 from protocols.registry import Mount
+from protocols.resumable import ResumableWire
 from protocols.wire_json import load_json
-from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, fail_socket, reject, write_events
-from sessions import Session, SessionError, SessionGone, SessionManager
+from protocols.ws import Socket, write_events
+from sessions import Session, SessionManager
 from sessions.errors import FrameCapacity
 
 log = logging.getLogger("protocols.duplex.model")
@@ -280,7 +280,11 @@ def mount(m: Mount) -> None:
     async def open_session(principal: str, model: str) -> tuple[Session, ModelConversation]:
         return await open_conversation(sessions, pipeline.name, pool, "duplex", principal, model)
 
-    async def handle(sock: Socket, session: Session, conv: ModelConversation, data: str | bytes, first: bool) -> tuple[Session, ModelConversation] | None:
+    def state_of(session: Session) -> ModelConversation | None:
+        conv = session.data.get("moshi")
+        return conv if isinstance(conv, ModelConversation) else None
+
+    async def handle(session: Session, conv: ModelConversation, data: str | bytes) -> None:
         session.touch()
         if isinstance(data, bytes) and data[:1] != b"{":
             if len(data) < 2 or data[0] != AUDIO_FRAME:
@@ -289,7 +293,7 @@ def mount(m: Mount) -> None:
             if len(data) - 1 > MAX_FRAME_BYTES:
                 raise ClientError(f"An audio frame may carry at most {MAX_FRAME_BYTES} bytes.", code="invalid_frame")
             conv.audio_in(data[1:])
-            return None
+            return
         ev = load_json(data)
         if not isinstance(ev, dict) or not isinstance(ev.get("type"), str):
             raise ClientError("Each event is a JSON object with a string 'type'.", param="type")
@@ -310,113 +314,33 @@ def mount(m: Mount) -> None:
             pass
         elif kind == "session.close":
             await sessions.end(session, "client_closed")
-        elif kind == "session.resume":
-            if not first:
-                raise ClientError("session.resume must be the first event on a new connection.", param="type")
-            return await resume(ev.get("session_id"), ev.get("resume_token"), principal_of(sock.request).name)
+        elif kind == "session.resume":  # (as the first event, the lifecycle takes it)
+            raise ClientError("session.resume must be the first event on a new connection.", param="type")
         else:
             raise ClientError(
                 f"Unknown event type {kind!r}; known: input_audio_buffer.append, session.update, heartbeat, session.close, session.resume.",
                 code="invalid_event", param="type",
             )
-        return None
 
-    async def resume(sid: Any, token: Any, principal: str) -> tuple[Session, ModelConversation]:
-        if not isinstance(sid, str) or not sid:
-            raise ClientError("Missing required parameter: 'session_id'.", code="missing_required_parameter", param="session_id")
-        s = await sessions.resume(sid, token if isinstance(token, str) else None, principal)
-        conv = s.data.get("moshi")
-        if not isinstance(conv, ModelConversation):
-            raise ClientError(f"Session {sid} is not a full-duplex model session.", param="session_id")
-        return s, conv
+    async def created(session: Session, conv: ModelConversation) -> None:
+        session.emit("session.created", {"session": conv.wire(caps()), "resume_token": await sessions.issue_resume_token(session)})
 
-    async def attach(sock: Socket, session: Session, conv: ModelConversation, first: bool) -> tuple[Session, ModelConversation] | None:
-        gen = session.attachment
-        loop = asyncio.get_running_loop()
-        writer = loop.create_task(write_events(sock, session, lambda ev: conv.render(ev.type, ev.data)))
-        ended = asyncio.ensure_future(session.closed.wait())
+    async def resumed(sock: Socket, session: Session, conv: ModelConversation) -> None:
+        conv.out_seq += 1
+        await sock.send(json.dumps({
+            "type": "session.resumed", "event_id": f"event_{conv.out_seq:06d}", "server_event_seq": conv.out_seq,
+            "session": conv.wire(caps()), "resume_token": await sessions.issue_resume_token(session), "replayed_events": session.queued_events,
+        }))
 
-        async def heartbeat() -> None:
-            while True:
-                await asyncio.sleep(HEARTBEAT_S)
-                if session.attached_as(gen):
-                    session.emit("heartbeat", {"interval_s": HEARTBEAT_S})
+    wire: ResumableWire[ModelConversation] = ResumableWire(
+        sessions, "full-duplex model", "/v1/duplex", open=open_session, state_of=state_of, handle=handle,
+        error=lambda session, _c, err: session.emit("error", {"error": {**err.wire(), "event_id": None}}),
+        writer=lambda sock, session, conv: write_events(sock, session, lambda ev: conv.render(ev.type, ev.data)),
+        created=created, resumed=resumed, heartbeat_s=lambda _c: HEARTBEAT_S,
+    )
 
-        beat = loop.create_task(heartbeat())
-        switch = None
-        try:
-            while (data := await sock.receive(writer, ended)) is not None:
-                try:
-                    switch = await handle(sock, session, conv, data, first)
-                except ClientError as err:
-                    session.emit("error", {"error": {**err.wire(), "event_id": None}})
-                except SessionError as exc:
-                    if not first:
-                        raise
-                    refusal = {"type": "session.expired", "session_id": "", "reason": exc.reason} if isinstance(exc, SessionGone) else error_event(exc)
-                    session.emit(refusal.pop("type"), refusal)
-                first = False
-                if switch is not None:
-                    break
-        finally:
-            beat.cancel()
-            ended.cancel()
-            await asyncio.wait({writer}, timeout=0.5)
-            writer.cancel()
-            await asyncio.gather(writer, beat, return_exceptions=True)
-            if switch is None and session.attached_as(gen):
-                await sessions.detach(session.id)
-        return switch
-
-    async def duplex(request: Any) -> Any:
-        if request.headers.get("upgrade", "").lower() != "websocket":
-            raise ClientError("/v1/duplex is a WebSocket: connect with 'Upgrade: websocket'.", code="websocket_required")
-        principal = principal_of(request).name
-        model = request.query.get("model") or model_names[0]
-        sock: Socket | None = None
-        session: Session | None = None
-        try:
-            if request.query.get("session_id"):
-                sock = await accept(request)
-                sid = request.query["session_id"]
-                try:
-                    session, conv = await resume(sid, request.query.get("resume_token"), principal)
-                except (SessionError, ClientError) as exc:
-                    msg = {"type": "session.expired", "session_id": sid, "reason": exc.reason} if isinstance(exc, SessionGone) else error_event(exc)
-                    await sock.send_json(msg)
-                    await sock.close(WS_POLICY_VIOLATION, "resume refused")
-                    return sock.ws
-                first, resumed = False, True
-            else:
-                try:
-                    session, conv = await open_session(principal, model)
-                except SessionError as exc:
-                    return await reject(request, exc)
-                sock = await accept(request)
-                session.emit("session.created", {"session": conv.wire(caps()), "resume_token": await sessions.issue_resume_token(session)})
-                first, resumed = True, False
-            while True:
-                if resumed:
-                    conv.out_seq += 1
-                    await sock.send(json.dumps({
-                        "type": "session.resumed", "event_id": f"event_{conv.out_seq:06d}", "server_event_seq": conv.out_seq,
-                        "session": conv.wire(caps()), "resume_token": await sessions.issue_resume_token(session), "replayed_events": session.queued_events,
-                    }))
-                nxt = await attach(sock, session, conv, first)
-                if nxt is None:
-                    break
-                fresh = session
-                session, conv = nxt
-                await sessions.end(fresh, "replaced_by_resume")
-                resumed, first = True, False
-        except DISCONNECTED:
-            if session is not None and session.is_open and session.attached_as(session.attachment):
-                await sessions.detach(session.id)
-        except Exception as exc:  # noqa: BLE001 - a fault: tell the client, end the session, close 1011
-            return await fail_socket(sock, sessions, session, exc, f"duplex session {session.id if session else '-'}")
-        assert sock is not None and session is not None
-        await close_attachment(sock, session, "ended")
-        return sock.ws
+    async def duplex(request: web.Request) -> web.StreamResponse:
+        return await wire.serve(request, request.query.get("model") or model_names[0])
 
     for name in model_names:
         m.websocket("/v1/duplex", duplex, f"full-duplex speech ({name}, ?model={name})" if name == model_names[0] else None, model=name)

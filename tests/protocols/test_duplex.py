@@ -68,6 +68,12 @@ async def test_session_created_declares_capabilities_a_resume_token_and_sequence
     await c.close()
 
 
+async def test_a_plain_http_request_is_told_the_wire_is_a_websocket_and_takes_no_session(h):
+    r = await h.client.get("/v1/duplex")
+    assert r.status == 400 and (await r.json())["error"]["code"] == "websocket_required"
+    assert not h.sessions.sessions()
+
+
 async def test_binary_audio_both_ways_at_declared_rates_with_server_vad(h):
     c = await connect(h)
     u = await c.update(max_output_tokens=4, audio={"input": {"format": {"type": "audio/pcm", "rate": 16000}},
