@@ -49,13 +49,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 from transformers.image_processing_backends import PilBackend
 from transformers.image_utils import IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD, PILImageResampling
 
 from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
-from omni_rt.stage import StageContext, StageError, StageProcessor
+from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
 
 ARCHITECTURE = "PI0ForConditionalGeneration"
@@ -328,6 +329,30 @@ def check_policy_dir(model_dir: str, processor_dir: str | None = None) -> dict[s
 # ---- layouts (per-embodiment input/output transforms) ----------------------------------
 
 
+class LayoutArgs(ProcessorArgs):
+    """One embodiment's layout (`processor_args.layouts.<name>`): which observation keys
+    are its cameras and state, how many dims each state key has, its action dims and
+    horizon (the checkpoint's bounds are checked when the layout meets the policy)."""
+
+    images: tuple[str, ...] = Field(default=(), description="the observation keys of its cameras (at least one)")
+    state: tuple[str, ...] = Field(default=(), description="the observation keys of its state vectors")
+    state_dims: tuple[int, ...] = Field(default=(), description="the dims of each state key, in order")
+    action_dim: int = Field(description="action dims (1..the policy's max_action_dim)")
+    action_horizon: int | None = Field(default=None, description="actions per chunk (1..the policy's chunk_size; default: chunk_size)")
+    prompt: str = Field(default="prompt", description="the observation key of the instruction")
+    default_prompt: str = Field(default="", description="the instruction when an observation has none")
+
+
+class PolicyArgs(ProcessorArgs):
+    layouts: dict[str, LayoutArgs] = Field(default={}, description="embodiment name -> its layout (at least one)")
+    default_layout: str | None = Field(default=None, description="the layout of a robot that names none (default: the first)")
+    num_steps: int | None = Field(default=None, ge=1, description="denoising steps (default: the checkpoint's num_inference_steps)")
+    smoothing: float = Field(default=0.5, ge=0.0, lt=1.0, description="how much of the previous chunk's last action the next one keeps")
+    seed: int = Field(default=0, description="a robot's noise seed when its episode names none")
+    processor: str | None = Field(default=None, description="a directory with the tokenizer and image settings, when the policy's has none")
+    max_prompt_tokens: int | None = Field(default=None, ge=2, description="prompt tokens (default: the checkpoint's tokenizer_max_length)")
+
+
 @dataclass(frozen=True)
 class Layout:
     name: str
@@ -340,25 +365,11 @@ class Layout:
     default_prompt: str = ""
 
     @classmethod
-    def parse(cls, name: str, raw: Mapping[str, Any], config: Any) -> Layout:
-        known = {"images", "state", "state_dims", "action_dim", "action_horizon", "prompt", "default_prompt"}
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"layouts.{name}: a layout is a mapping of {sorted(known)}")
-        bad = set(raw) - known
-        if bad:
-            raise ValueError(f"layouts.{name}: unknown keys {sorted(bad)}; known: {sorted(known)}")
-        if "action_dim" not in raw:
-            raise ValueError(f"layouts.{name}: action_dim missing")
-        lay = cls(
-            name=name,
-            images=tuple(raw.get("images", ())),
-            state=tuple(raw.get("state", ())),
-            state_dims=tuple(int(d) for d in raw.get("state_dims", ())),
-            action_dim=int(raw["action_dim"]),
-            action_horizon=int(raw.get("action_horizon", config.chunk_size)),
-            prompt=str(raw.get("prompt", "prompt")),
-            default_prompt=str(raw.get("default_prompt", "")),
-        )
+    def of(cls, name: str, args: LayoutArgs, config: Any) -> Layout:
+        """A layout's args against the policy's bounds."""
+        lay = cls(name=name, images=args.images, state=args.state, state_dims=args.state_dims, action_dim=args.action_dim,
+                  action_horizon=config.chunk_size if args.action_horizon is None else args.action_horizon,
+                  prompt=args.prompt, default_prompt=args.default_prompt)
         if not lay.images:
             raise ValueError(f"layouts.{name}: at least one camera (images) is needed")
         if len(lay.state) != len(lay.state_dims) or any(d < 1 for d in lay.state_dims):
@@ -393,8 +404,6 @@ def _image(name: str, arr: np.ndarray) -> np.ndarray:
 class PolicyProcessor(StageProcessor):
     """Entry stage: one OBSERVATION payload in, one ACTIONS payload out per request."""
 
-    ARGS = {"layouts", "default_layout", "num_steps", "smoothing", "seed", "processor", "max_prompt_tokens"}
-
     @staticmethod
     def torch_module(model_dir: str, role: str) -> Callable[[], torch.nn.Module]:
         return lambda: Pi0Steps.load(model_dir)
@@ -402,8 +411,8 @@ class PolicyProcessor(StageProcessor):
     @classmethod
     def check_spec(cls, spec: StageSpec) -> None:
         assert spec.model is not None
-        proc = spec.processor_args.get("processor")
-        check_policy_dir(spec.model, str(proc) if proc else None)
+        args = PolicyArgs.parse(spec.processor_args, "policy processor_args")
+        check_policy_dir(spec.model, args.processor)
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:
         from transformers import PI0Config
@@ -411,11 +420,8 @@ class PolicyProcessor(StageProcessor):
         super().__init__(spec, engine, aux)
         self.steps = self.engine_as(StepEngine)
         assert spec.model is not None
-        args = dict(spec.processor_args)
-        bad = set(args) - self.ARGS
-        if bad:
-            raise ValueError(f"unknown policy processor_args {sorted(bad)}; known: {sorted(self.ARGS)}")
-        processor_dir = str(args.get("processor") or spec.model)
+        args = PolicyArgs.parse(spec.processor_args, "policy processor_args")
+        processor_dir = args.processor or spec.model
         raw = pi0_config(spec.model)  # the loads below refuse missing processor and statistics files
         self.config = PI0Config.from_pretrained(spec.model)
         self.name = str(raw.get("name") or raw.get("_name_or_path") or Path(spec.model).name)
@@ -428,20 +434,21 @@ class PolicyProcessor(StageProcessor):
             )
         check_embeddable(self.processor.tokenizer, int(vlm.text_config.vocab_size), {int(vlm.image_token_id)}, f"policy processor {processor_dir}")
         self.state_norm, self.action_norm = load_normalization(spec.model, checkpoint.config(processor_dir, "processor_config.json"))
-        self.layouts = {n: Layout.parse(n, raw_l, self.config) for n, raw_l in (args.get("layouts") or {}).items()}
+        self.layouts = {n: Layout.of(n, la, self.config) for n, la in args.layouts.items()}
         if not self.layouts:
             raise ValueError("policy processor_args.layouts: at least one layout is needed")
         for lay in self.layouts.values():
             self._check_against_stats(lay)
-        self.default_layout = str(args.get("default_layout") or next(iter(self.layouts)))
+        self.default_layout = args.default_layout or next(iter(self.layouts))
         if self.default_layout not in self.layouts:
             raise ValueError(f"default_layout {self.default_layout!r} is not one of {sorted(self.layouts)}")
-        self.num_steps = int(args.get("num_steps", self.config.num_inference_steps))
-        self.smoothing = float(args.get("smoothing", 0.5))
-        self.seed = int(args.get("seed", 0))
-        self.max_prompt_tokens = int(args.get("max_prompt_tokens", raw.get("tokenizer_max_length", DEFAULT_PROMPT_TOKENS)))
-        if self.num_steps < 1 or not 0.0 <= self.smoothing < 1.0 or self.max_prompt_tokens < 2:
-            raise ValueError("policy processor_args: num_steps >= 1, 0 <= smoothing < 1 and max_prompt_tokens >= 2")
+        self.num_steps = args.num_steps or int(self.config.num_inference_steps)
+        self.smoothing = args.smoothing
+        self.seed = args.seed
+        self.max_prompt_tokens = args.max_prompt_tokens or int(raw.get("tokenizer_max_length", DEFAULT_PROMPT_TOKENS))
+        if self.num_steps < 1 or self.max_prompt_tokens < 2:
+            raise ValueError(f"policy {spec.model}: the checkpoint's num_inference_steps ({self.num_steps}) must be >= 1 and its "
+                             f"tokenizer_max_length ({self.max_prompt_tokens}) >= 2")
         self.size = (int(self.processor.height), int(self.processor.width))
         self.image_tokens = int(self.processor.image_seq_length)
         vision = vlm.vision_config

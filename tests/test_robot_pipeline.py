@@ -227,12 +227,14 @@ def test_a_prompt_over_the_token_limit_is_refused_naming_the_limit(pi0_dir):
         ({"layouts": {"arm": {"images": ["c"], "action_dim": 40}}}, "action_dim must be in 1..32"),
         ({"layouts": {"arm": {"images": ["c"], "action_dim": 4, "action_horizon": 99}}}, "action_horizon must be in 1..16"),
         ({"layouts": {"arm": {"action_dim": 4}}}, "at least one camera"),
-        ({"layouts": {"arm": {"images": ["c"]}}}, "action_dim missing"),
-        ({"layouts": {"arm": {"images": ["c"], "action_dim": 4, "cams": []}}}, "unknown keys"),
+        ({"layouts": {"arm": {"images": ["c"]}}}, "layouts.arm.action_dim: Field required"),
+        ({"layouts": {"arm": {"images": ["c"], "action_dim": 4, "cams": []}}}, "layouts.arm.cams: Extra inputs are not permitted"),
+        ({"layouts": {"arm": {"images": ["c"], "action_dim": "four"}}}, "layouts.arm.action_dim: Input should be a valid integer"),
+        ({"num_steps": 0}, "num_steps: Input should be greater than or equal to 1"),
         ({"layouts": {"arm": {"images": ["c"], "action_dim": 4, "state": ["s"], "state_dims": [40]}}}, "exceeds the policy's max_state_dim 32"),
         ({"default_layout": "hexapod"}, "default_layout"),
-        ({"smoothing": 1.0}, "smoothing"),
-        ({"temperature": 1.0}, "unknown policy processor_args"),
+        ({"smoothing": 1.0}, "smoothing: Input should be less than 1"),
+        ({"temperature": 1.0}, "policy processor_args: temperature: Extra inputs are not permitted"),
     ],
 )
 @pytest.mark.integration
