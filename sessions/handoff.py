@@ -37,12 +37,12 @@ async def drain(m: SessionManager, timeout_s: float) -> dict[str, Any]:
     m.draining = True
     t0 = time.monotonic()
     deadline = t0 + max(0.0, timeout_s)
-    log.info("draining: %d session(s) to hand off within %.0f s", len(m._sessions), timeout_s)
-    outcomes = await asyncio.gather(*(_hand_off(m, s, deadline) for s in list(m._sessions.values())))
+    log.info("draining: %d session(s) to hand off within %.0f s", len(m.sessions()), timeout_s)
+    outcomes = await asyncio.gather(*(_hand_off(m, s, deadline) for s in m.sessions()))
     report: dict[str, Any] = {"node": m.node_id, "moved": [], "ended": [], "failed": []}
     for sid, outcome, why in outcomes:
         report[outcome].append({"session_id": sid, **({"reason": why} if why else {})})
-    report["remaining"] = len(m._sessions)
+    report["remaining"] = len(m.sessions())
     report["seconds"] = round(time.monotonic() - t0, 3)
     m.drain_report = report
     log.info("drained in %.2f s: %d moved, %d ended, %d failed", report["seconds"], len(report["moved"]), len(report["ended"]), len(report["failed"]))
@@ -67,8 +67,8 @@ async def _hand_off(m: SessionManager, s: Session, deadline: float) -> tuple[str
         # after its clean point: what the client has not read goes with it (a
         # detached session's events, replayed where it resumes)
         # up to migration_max_bytes of msgpack: packed in a thread, off the loop that paces audio
-        blob = await asyncio.to_thread(migration.encode, _core_state(m, s), state, m.spec.migration_max_bytes)
-        await m.store.put_state(s.id, blob, m.spec.migration_ttl_s, {**m._record(s), "state": "migrated", "node": None,
+        blob = await asyncio.to_thread(migration.encode, s.snapshot(m.node_id), state, m.spec.migration_max_bytes)
+        await m.store.put_state(s.id, blob, m.spec.migration_ttl_s, {**m.record(s), "state": "migrated", "node": None,
                                                                      "from_node": m.node_id, "url": m.spec.resume_url})
         await m.end(s, "migrated")
         m.stats["moved_out"] += 1
@@ -101,18 +101,6 @@ async def _quiesce(s: Session, deadline: float) -> None:
             pass
 
 
-def _core_state(m: SessionManager, s: Session) -> dict[str, Any]:
-    detached = s.state == SessionState.DETACHED
-    return {
-        "id": s.id, "kind": s.kind, "pipeline": s.pipeline, "params": s.params, "principal": s.principal,
-        "token_hash": s.token_hash, "epoch": s.epoch, "turn": s.turn, "seq": s._seq, "created_at": s.created_at,
-        "from_node": m.node_id,
-        # an attached client reads what is queued before it hears it moved
-        "events": migration.events_state(list(s._events)) if detached else [],
-        "dropped_events": s.dropped_events,
-    }
-
-
 async def adopt(m: SessionManager, session_id: str, blob: bytes, token: str | None, principal: str | None) -> Session:
     """Take over a session another node moved: its token is checked, a slot taken,
     the wire's state restored; on any failure nothing is kept (the state stays in
@@ -134,31 +122,23 @@ async def adopt(m: SessionManager, session_id: str, blob: bytes, token: str | No
     restore = m.restorers.get((kind, pipeline))
     if restore is None:
         raise migration.MigrationError(f"Session '{session_id}' ({kind}) was moved, but this node cannot restore {kind} sessions of pipeline '{pipeline}'.")
-    s = Session(m, session_id, kind, pipeline, core.get("params") or {}, str(core["principal"]), m.spec.replay_buffer_events, m.spec.max_pending_events)
-    s._token_hash = str(core["token_hash"])
-    s.epoch, s.turn, s._seq = int(core["epoch"]), int(core["turn"]), int(core["seq"])
-    s.created_at = float(core.get("created_at") or s.created_at)
-    s.dropped_events = int(core.get("dropped_events") or 0)
+    s = Session.from_snapshot(m, core)
     slot = Slot(session_id, kind, s.principal)
     s.weighed = m.admission.applies(kind, None)
     if s.weighed:
         m.weigh(kind, s.principal, pipeline, what="moved")
-    m._admitting += int(s.weighed)
+    with m.admitting(s):
+        try:
+            await m.store.acquire(slot, m.limits, {**m.record(s), "state": SessionState.ACTIVE.value})
+        except ValueError:
+            raise IllegalTransition(session_id, "being resumed on another node", "resume") from None
     try:
-        await m.store.acquire(slot, m.limits, {**m._record(s), "state": SessionState.ACTIVE.value})
-    except ValueError:
-        raise IllegalTransition(session_id, "being resumed on another node", "resume") from None
-    finally:
-        m._admitting -= int(s.weighed)
-    try:
-        s._events.extend(migration.events_of(session_id, list(core.get("events") or [])))
         restore(s, state)
     except Exception as exc:
         await m.store.release(slot)
         log.exception("session %s: its moved state could not be restored", session_id)
         raise migration.MigrationFailed(f"Session '{session_id}' was moved, but restoring it failed ({type(exc).__name__}: {exc}).") from None
-    m._sessions[session_id] = s
-    s._transition(SessionState.ACTIVE, "resume")
+    m.adopt(s)
     try:
         await m.store.drop_state(session_id)
     except StoreUnavailable as exc:

@@ -19,13 +19,14 @@ one-shot HTTP request. The manager is the one place that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from omni_rt import metrics
@@ -175,17 +176,14 @@ class SessionManager:
         slot = Slot(sid, kind, principal)
         session = Session(self, sid, kind, pipeline, params or {}, principal, self.spec.replay_buffer_events, self.spec.max_pending_events)
         # The directory entry is written with the slot, in the same atomic step.
-        record = {**self._record(session), "state": SessionState.ACTIVE.value}
+        record = {**self.record(session), "state": SessionState.ACTIVE.value}
         session.weighed = admit is None and self.admission.applies(kind, control_hz)
         if session.weighed or admit is not None:
             self.weigh(kind, principal, pipeline, admit)
         # From the decision until the session is registered it counts as new: the store
         # (Redis) is awaited in between, and concurrent opens must see this one.
-        self._admitting += int(session.weighed)
-        try:
+        with self.admitting(session):
             await self._acquire(session, slot, record)
-        finally:
-            self._admitting -= int(session.weighed)
         self._sessions[sid] = session
         session._transition(SessionState.ACTIVE, "open")
         self.stats["admitted"] += 1
@@ -275,6 +273,21 @@ class SessionManager:
                 raise SessionGone(session_id, self._gone[session_id])
             raise SessionNotFound(session_id)
         return s
+
+    @contextlib.contextmanager
+    def admitting(self, session: Session) -> Iterator[None]:
+        """While a weighed session is being admitted (the store is awaited between the
+        decision and its registration) it counts as new: concurrent opens see it."""
+        self._admitting += int(session.weighed)
+        try:
+            yield
+        finally:
+            self._admitting -= int(session.weighed)
+
+    def adopt(self, session: Session) -> None:
+        """Register a session restored here from another node (`sessions.handoff.adopt`)."""
+        self._sessions[session.id] = session
+        session.moved_in()
 
     def sessions(self, principal: str | None = None) -> list[Session]:
         return [s for s in self._sessions.values() if principal is None or s.principal == principal]
@@ -422,7 +435,7 @@ class SessionManager:
         live = [s for s in self._sessions.values() if s.is_open]
         try:
             lapsed = await self.store.renew([Slot(s.id, s.kind, s.principal) for s in live])
-            await self.store.publish_many([self._record(s) for s in live if s.is_open])
+            await self.store.publish_many([self.record(s) for s in live if s.is_open])
             # A session that ended while these were in flight may have had its released
             # slot (and directory entry) written back: give them back again.
             for s in live:
@@ -452,11 +465,12 @@ class SessionManager:
 
     async def _publish(self, s: Session) -> None:
         try:
-            await self.store.publish(self._record(s))
+            await self.store.publish(self.record(s))
         except StoreUnavailable as exc:
             log.warning("session %s: directory not updated: %s", s.id, exc)
 
-    def _record(self, s: Session) -> dict[str, Any]:
+    def record(self, s: Session) -> dict[str, Any]:
+        """The directory entry of a session of this node."""
         if s.state == SessionState.DETACHED and s.detached_at is not None:
             lease_left = self.spec.disconnect_grace_s - (self.clock() - s.detached_at)
         else:

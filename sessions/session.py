@@ -127,6 +127,40 @@ class Session:
         # (sessions.migration); None: it finishes or ends here
         self.exporter: Exporter | None = None
 
+    # ---- moving to another node (sessions.handoff) -------------------------------------
+    def snapshot(self, node: str) -> dict[str, Any]:
+        """What moves with this session besides its wire's state: who it is, its token's
+        hash, its counters and, when no client is attached, the events it still holds
+        (an attached client reads what is queued before it hears the session moved)."""
+        from sessions import migration
+
+        return {
+            "id": self.id, "kind": self.kind, "pipeline": self.pipeline, "params": self.params, "principal": self.principal,
+            "token_hash": self.token_hash, "epoch": self.epoch, "turn": self.turn, "seq": self._seq, "created_at": self.created_at,
+            "from_node": node,
+            "events": migration.events_state(list(self._events)) if self.state == SessionState.DETACHED else [],
+            "dropped_events": self.dropped_events,
+        }
+
+    @classmethod
+    def from_snapshot(cls, manager: SessionManager, core: Mapping[str, Any]) -> Session:
+        """A moved session as `snapshot` left it, not yet active (`moved_in`)."""
+        from sessions import migration
+
+        sid = str(core["id"])
+        s = cls(manager, sid, str(core["kind"]), core.get("pipeline"), core.get("params") or {}, str(core["principal"]),
+                manager.spec.replay_buffer_events, manager.spec.max_pending_events)
+        s._token_hash = str(core["token_hash"])
+        s.epoch, s.turn, s._seq = int(core["epoch"]), int(core["turn"]), int(core["seq"])
+        s.created_at = float(core.get("created_at") or s.created_at)
+        s.dropped_events = int(core.get("dropped_events") or 0)
+        s._events.extend(migration.events_of(sid, list(core.get("events") or [])))
+        return s
+
+    def moved_in(self) -> None:
+        """A session restored from another node's snapshot becomes active here."""
+        self._transition(SessionState.ACTIVE, "resume")
+
     # ---- state machine ---------------------------------------------------------------
     def _transition(self, to: SessionState, action: str) -> None:
         if to not in TRANSITIONS[self.state]:
