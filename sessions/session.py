@@ -20,11 +20,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from omni_rt import metrics
 from omni_rt.payloads import SPEECH_STAGES, Fence, Payload
 from sessions.errors import IllegalTransition, StaleFence
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from omni_rt.request import RequestStream
@@ -110,6 +112,7 @@ class Session:
         self.close_reason: str | None = None
         # State that outlives a request: history, KV-prefix handles, latents, episode.
         self.data: dict[str, Any] = {}
+        self._kept: dict[type, Any] = {}  # the wire's own state objects, one per type (`keep`)
         self._finalizers: list[Finalizer] = []
         self._requests: dict[str, RequestStream] = {}
         self._open_ended: set[str] = set()  # requests that do not hold the idle lease (submit)
@@ -126,6 +129,18 @@ class Session:
         # how this session's wire moves it to another node when this one drains
         # (sessions.migration); None: it finishes or ends here
         self.exporter: Exporter | None = None
+
+    # ---- the wire's state ---------------------------------------------------------------
+    def keep(self, value: T) -> T:
+        """Keep `value` as this session's state of its type (a wire's conversation, a
+        call): it lives as long as the session, across reconnects. One per type."""
+        self._kept[type(value)] = value
+        return value
+
+    def kept(self, cls: type[T]) -> T | None:
+        """This session's state of type `cls`, or None (a session of another wire)."""
+        value = self._kept.get(cls)
+        return value if isinstance(value, cls) else None
 
     # ---- moving to another node (sessions.handoff) -------------------------------------
     def snapshot(self, node: str) -> dict[str, Any]:

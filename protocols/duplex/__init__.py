@@ -117,7 +117,7 @@ class Duplex:
         transport = DuplexTransport(conv.emit, m.sessions, timing)
         conv.transport = transport
         self = cls(conv, transport)
-        session.data["duplex"] = self
+        session.keep(self)
         session.exporter = self.export
 
         async def stop() -> None:
@@ -139,10 +139,6 @@ def mount(m: Mount) -> None:
         session = await sessions.open("duplex", pipeline.name, principal=principal)
         return session, Duplex.create(session, m, model)
 
-    def state_of(session: Session) -> Duplex | None:
-        d = session.data.get("duplex")
-        return d if isinstance(d, Duplex) else None
-
     async def handle(session: Session, d: Duplex, data: str | bytes) -> None:
         if isinstance(data, bytes) and data[:1] != b"{":
             session.touch()
@@ -162,7 +158,7 @@ def mount(m: Mount) -> None:
         ))
 
     wire: ResumableWire[Duplex] = ResumableWire(
-        sessions, "duplex", "/v1/duplex", open=open_session, state_of=state_of, handle=handle,
+        sessions, "duplex", "/v1/duplex", open=open_session, state_of=lambda s: s.kept(Duplex), handle=handle,
         error=lambda _s, d, err: d.conv.error(err),
         writer=lambda sock, session, d: write(d.transport, sock, session, sessions),
         created=created, resumed=resumed, heartbeat_s=lambda d: d.transport.timing.heartbeat_s, paused=lambda d: d.moving,

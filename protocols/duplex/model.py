@@ -106,7 +106,7 @@ class ModelConversation:
         self.first_audio: float | None = None
         self.stream = session.submit({"reservation": reservation}, open_ended=True)
         self.pump = asyncio.get_running_loop().create_task(self._pump(), name=f"moshi-pump-{session.id}")
-        session.data["moshi"] = self
+        session.keep(self)
 
         async def stop() -> None:
             self.pump.cancel()
@@ -280,10 +280,6 @@ def mount(m: Mount) -> None:
     async def open_session(principal: str, model: str) -> tuple[Session, ModelConversation]:
         return await open_conversation(sessions, pipeline.name, pool, "duplex", principal, model)
 
-    def state_of(session: Session) -> ModelConversation | None:
-        conv = session.data.get("moshi")
-        return conv if isinstance(conv, ModelConversation) else None
-
     async def handle(session: Session, conv: ModelConversation, data: str | bytes) -> None:
         session.touch()
         if isinstance(data, bytes) and data[:1] != b"{":
@@ -333,7 +329,7 @@ def mount(m: Mount) -> None:
         }))
 
     wire: ResumableWire[ModelConversation] = ResumableWire(
-        sessions, "full-duplex model", "/v1/duplex", open=open_session, state_of=state_of, handle=handle,
+        sessions, "full-duplex model", "/v1/duplex", open=open_session, state_of=lambda s: s.kept(ModelConversation), handle=handle,
         error=lambda session, _c, err: session.emit("error", {"error": {**err.wire(), "event_id": None}}),
         writer=lambda sock, session, conv: write_events(sock, session, lambda ev: conv.render(ev.type, ev.data)),
         created=created, resumed=resumed, heartbeat_s=lambda _c: HEARTBEAT_S,

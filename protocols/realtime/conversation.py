@@ -127,7 +127,7 @@ class Conversation:
         self.items: dict[str, Item] = session.data.setdefault("items", {})
         self.input = InputAudio(self)
         self.responses = Responses(self)
-        session.data["conversation"] = self
+        session.keep(self)
 
     # ---- output --------------------------------------------------------------------------
     def emit(self, type: str, fence: Any = None, **data: Any) -> None:

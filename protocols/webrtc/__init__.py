@@ -106,9 +106,9 @@ async def answer_call(sessions: Any, session: Session, call: Any, pc: Any, sdp: 
     full-duplex model's): `outbound` (the model's voice) onto it, the caller's audio
     track into `call.pump_in`, the caller's first data channel to `on_channel`, a failed
     or closed connection ends the session; then the offer answered and `started` run
-    (it says `session.created`). The session owns the call (`session.data["call"]`,
+    (it says `session.created`). The session owns the call (`session.keep`,
     closed with it); a failure on the way ends it as `offer_failed`. Returns the answer."""
-    session.data["call"] = call
+    session.keep(call)
     session.add_finalizer(call.close)
     try:
         pc.addTrack(outbound)

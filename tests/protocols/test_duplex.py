@@ -13,7 +13,7 @@ import pytest
 from clients.duplex import DuplexClient, audio_of
 from clients.realtime import RealtimeError
 from omni_rt.errors import ConnectorError
-from protocols.duplex import DuplexTiming
+from protocols.duplex import Duplex, DuplexTiming
 from testkit import serve
 from tests.protocols.helpers import quiet, tone
 
@@ -332,7 +332,7 @@ async def test_a_paced_answer_cut_off_by_a_dropped_socket_is_replayed_without_a_
     before = b"".join(e["audio"] for e in got)
     received = len(before) + len(audio_of(rest))
     rid = done["response"]["id"]
-    produced = h.sessions.sessions()[0].data["duplex"].transport.output.answers[rid].samples * 2
+    produced = h.sessions.sessions()[0].kept(Duplex).transport.output.answers[rid].samples * 2
     assert received == produced, (received, produced)
     await c2.close()
 

@@ -15,6 +15,7 @@ import pytest
 
 from clients.openpi import OpenPIError, PolicyClient, droid_observation
 from clients.world import WorldClient
+from protocols.realtime import Conversation
 from testkit import Speeds, serve
 from tests.protocols.helpers import connect, drop
 
@@ -389,7 +390,7 @@ async def test_a_json_offer_gets_an_answer_and_hangs_up(h):
                                             "session": {"type": "realtime", "max_output_tokens": 8}})
     body = await r.json()
     assert r.status == 200 and body["type"] == "answer" and "m=audio" in body["sdp"]
-    conv = next(s for s in h.sessions.sessions() if s.id == body["call_id"]).data["conversation"]
+    conv = next(s for s in h.sessions.sessions() if s.id == body["call_id"]).kept(Conversation)
     assert conv.cfg.max_output_tokens == 8  # the offer's session config applies
     assert (await h.client.post(f"/v1/realtime/calls/{body['call_id']}/hangup")).status == 204
     assert (await h.client.delete(f"/v1/realtime/calls/{body['call_id']}")).status == 404

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from omni_rt.errors import ConnectorError
-from protocols.realtime import AUDIO_PLACEHOLDER
+from protocols.realtime import AUDIO_PLACEHOLDER, Conversation
 from testkit import serve
 from tests.protocols.helpers import Events, b64, barge_in, connect, quiet, tone
 
@@ -317,7 +317,7 @@ async def test_encoder_tasks_do_not_pile_up_over_a_long_session(h):
         await ws.send("input_audio_buffer.append", audio=b64(tone(0.2)))
         await ws.send("input_audio_buffer.commit")
         await ws.until("conversation.item.done")
-    conv = h.sessions.sessions()[0].data["conversation"]
+    conv = h.sessions.sessions()[0].kept(Conversation)
     for _ in range(100):
         if not conv.input.collecting:
             break

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from protocols.realtime import Conversation
 from testkit import serve
 from tests.protocols.helpers import Events, connect
 
@@ -35,7 +36,7 @@ async def text_item(ws: Events, text: str) -> None:
 
 def conversation_of(h):
     (s,) = [s for s in h.sessions.sessions() if s.kind == "realtime"]
-    return s.data["conversation"]
+    return s.kept(Conversation)
 
 
 @pytest.mark.parametrize("beta", [False, True])
