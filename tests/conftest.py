@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit.harness import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -18,14 +20,6 @@ def models_dir() -> Path:
 
     build_tiny(path)
     return path
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(overlay: dict, tmp: Path, models_dir: Path, tls_ca: Path | None = None):
@@ -49,7 +43,7 @@ def start_server(overlay: dict, tmp: Path, models_dir: Path, tls_ca: Path | None
         # the port is free when picked but another process may take it before the
         # server binds; the server then exits at once and another port is tried
         log.unlink(missing_ok=True)
-        proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=log, cwd=REPO, env=env, tls_ca=tls_ca)
+        proc = ServerProcess(port=free_port(), deploy=deploy, log_path=log, cwd=REPO, env=env, tls_ca=tls_ca)
         proc.start()
         try:
             proc.wait_ready(timeout_s=300)
@@ -68,8 +62,8 @@ def start_server(overlay: dict, tmp: Path, models_dir: Path, tls_ca: Path | None
 @pytest.fixture(scope="session")
 def server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """One real omni-rt server (tiny checkpoints, vLLM talker) shared by all integration tests;
-    API keys on (tests.harness.SERVER_OVERLAY)."""
-    from tests.harness import SERVER_OVERLAY
+    API keys on (testkit.harness.SERVER_OVERLAY)."""
+    from testkit.harness import SERVER_OVERLAY
 
     proc = start_server(SERVER_OVERLAY, tmp_path_factory.mktemp("server"), models_dir)
     yield proc

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import pytest
 
-from tests.harness import ALICE_KEY
+from testkit.harness import ALICE_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import ADMIN_KEY, SERVER_OVERLAY, silence, speech_pcm16
+from testkit.harness import ADMIN_KEY, SERVER_OVERLAY, silence, speech_pcm16
 from tests.tls import self_signed
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -206,7 +206,7 @@ def test_world_page_key_presses_drive_the_rollout_and_the_dashboard_shows_it(htt
 
 
 def test_dashboard_refuses_a_key_that_is_not_admin(https_server, browser):
-    from tests.harness import ALICE_KEY
+    from testkit.harness import ALICE_KEY
 
     ctx, board, _ = open_page(browser, https_server, "/dashboard")
     board.fill("#key", ALICE_KEY)

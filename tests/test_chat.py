@@ -9,7 +9,7 @@ import wave
 import httpx
 import pytest
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY
 from tests.test_realtime import speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

@@ -1,6 +1,6 @@
 """/v1/duplex on the shared server: capabilities, binary audio both ways at declared
 rates, barge-in with playback acks, detach/resume, grace expiry, bad input, slow
-consumers. Answers run to their token limit (tests.harness.SERVER_OVERLAY)."""
+consumers. Answers run to their token limit (testkit.harness.SERVER_OVERLAY)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from clients.duplex import DuplexClient
-from tests.harness import ADMIN_KEY, silence, speech_pcm16
+from testkit.harness import ADMIN_KEY, silence, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -5,7 +5,7 @@ would use.
 The directories the overlays name are laid out as their hub repos are: the
 Qwen2.5-Omni (7B, 3B), Qwen3-Omni and hf-moshiko ones by `tests.hub` (transformers'
 own classes, the repos' files, config keys, dtypes, token ids and speakers, shrunk),
-π0 and PaliGemma's by `tests.pi0_hub`; the rest (Whisper, Orpheus, SNAC, the chat LM,
+π0 and PaliGemma's by `testkit.pi0_hub`; the rest (Whisper, Orpheus, SNAC, the chat LM,
 Wan, LTX, SkyReels-V2) are the tiny checkpoints. The dtypes are the overlay's and the
 checkpoint's own (bfloat16 where they say so; a real-time torch stage on this CPU
 computes in float32, as the server says when it starts). Pipelines the overlay does
@@ -36,8 +36,8 @@ import numpy as np
 import pytest
 import yaml
 
+from testkit.harness import silence, speech_pcm16
 from tests.conftest import start_server
-from tests.harness import silence, speech_pcm16
 from tests.test_realtime import append, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
@@ -59,8 +59,8 @@ def hub_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def model_dir(name: str, root: Path, models_dir: Path) -> Path:
+    from testkit.pi0_hub import paligemma_processor, pi0_dir
     from tests import hub
-    from tests.pi0_hub import paligemma_processor, pi0_dir
 
     if name in hub.NAMES:
         return hub.build(name, root)

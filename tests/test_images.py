@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from clients.images import ImageClient, ImageError
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -1,5 +1,5 @@
 """Tests for clients.tts and latency_bench, against a tiny fake speech server
-(`tests/fake_speech_server.py`: in a thread for most tests, a subprocess for the
+(`testkit/fake_speech_server.py`: in a thread for most tests, a subprocess for the
 --compare ones)."""
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from latency_bench.tts import TtsOptions, run_closed_loop, run_compare  # noqa: 
 from latency_bench.tts_report import compute_ratios  # noqa: E402
 from omni_rt.specs import ChunkingSpec  # noqa: E402
 from pipelines.codec import SAMPLES_PER_FRAME  # noqa: E402
-from tests.fake_speech_server import AUDIO_S, CHUNK_SAMPLES, N_CHUNKS, FakeState, ThreadServer, pcm_chunk  # noqa: E402
+from testkit.fake_speech_server import AUDIO_S, CHUNK_SAMPLES, N_CHUNKS, FakeState, ThreadServer, pcm_chunk  # noqa: E402
 
-FAKE_SERVER = ROOT / "tests" / "fake_speech_server.py"
+FAKE_SERVER = ROOT / "testkit" / "fake_speech_server.py"
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from omni_rt.lifeline import PID_ENV, START_ENV, leftover_engines, server_env, start_time, watch_server
+from testkit.harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration  # watcher processes and servers of their own
@@ -114,14 +115,6 @@ def _pipelines() -> list[str]:
 # ---- a real server -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 CRASH = textwrap.dedent(
     """
     import sys
@@ -147,7 +140,7 @@ CRASH = textwrap.dedent(
 def _serve(tmp_path: Path, models_dir: Path, crash: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
     cfg = tmp_path / "tts.yaml"
     cfg.write_text("pipelines: {" + ", ".join(f"{n}: {{enabled: false}}" for n in _pipelines() if n != "tts") + "}\n")
-    port = _free_port()
+    port = free_port()
     args = ["serve", "--port", str(port), "--deploy", str(cfg)]
     cmd = [sys.executable, "-c", CRASH, *args] if crash else [sys.executable, "-m", "omni_server.cli", *args]
     log = tmp_path / "server.log"

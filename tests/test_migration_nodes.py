@@ -17,8 +17,8 @@ import pytest
 
 from clients.duplex import DuplexClient
 from clients.world import WorldClient
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
 from tests.conftest import REPO, start_server
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
 
 pytestmark = [pytest.mark.integration]
 

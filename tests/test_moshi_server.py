@@ -13,7 +13,7 @@ import pytest
 
 from clients.duplex import DuplexClient
 from clients.webrtc import CallClient, use_host_addresses
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, silence, speech_pcm16
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, silence, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

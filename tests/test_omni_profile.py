@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import silence, speech_pcm16, voice_profile_server
+from testkit.harness import silence, speech_pcm16, voice_profile_server
 from tests.test_realtime import append, until
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from omni_rt.specs import load_pipeline
 from pipelines import PIPELINE_DIR
 from pipelines.chat_templates import OMNI3_SPANS, OMNI25_SPANS
 from pipelines.voice import NATIVE_RATE, ThinkerProcessor
-from tests.harness import speech_pcm16
+from testkit.harness import speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 

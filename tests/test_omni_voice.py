@@ -31,7 +31,7 @@ from omni_rt.payloads import TALKER_PROMPT, Fence, Payload, PayloadKind
 from omni_rt.runtime import Runtime
 from omni_rt.specs import ChunkingSpec, ProfileSpec, parse_overlay
 from omni_rt.specs import apply_overlay as apply
-from tests.harness import speech_pcm16
+from testkit.harness import speech_pcm16
 
 pytestmark = [pytest.mark.integration]
 

@@ -22,8 +22,8 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from clients.openpi import PolicyClient, aloha_observation, droid_observation
 from pipelines.tiny.pi0 import IMAGE_SIZE
 from protocols.openpi import ProtocolError, flatten, packb, unpackb
+from testkit.harness import ADMIN_HEADERS, ALICE_KEY, http_client
 from tests.conftest import REPO
-from tests.harness import ADMIN_HEADERS, ALICE_KEY, http_client
 
 
 def ws_url(server, path: str = "") -> str:
@@ -367,8 +367,8 @@ def test_the_pi0_overlays_check_and_serve_with_a_hub_shaped_paligemma_processor(
     at 257152) pass `omni-rt check`, serve, and answer openpi-client's `infer`."""
     import yaml
 
+    from testkit.pi0_hub import paligemma_processor, pi0_dir
     from tests.conftest import start_server
-    from tests.pi0_hub import paligemma_processor, pi0_dir
 
     models = tmp_path / "models"
     policy = pi0_dir(models / ("pi0_base" if layout == "transformers" else "pi0-droid"), models_dir / "tiny-pi0", layout)

@@ -12,7 +12,7 @@ from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.request import RequestAborted
 from omni_rt.specs import ProfileSpec
 from omni_rt.stage import StageError
-from tests.harness import Double, EmitN, Fail, make_orchestrator, profile
+from testkit.harness import Double, EmitN, Fail, make_orchestrator, profile
 
 
 def two_stage(mode: str = "chunk", finals: list[str] | None = None):
@@ -340,7 +340,7 @@ def diamond(mode: str) -> ProfileSpec:
 
 
 async def test_a_stage_with_two_batch_inputs_starts_when_both_have_finished():
-    from tests.harness import Merge
+    from testkit.harness import Merge
 
     Double.delay = 0.0
     orch, _, conn = make_orchestrator(diamond("batch"), {"a": EmitN, "b": Double, "c": Double, "d": Merge}, step_ms=1)

@@ -27,7 +27,7 @@ from omni_rt import placement
 from omni_rt.placement import RemoteStage
 from omni_rt.specs import SpecError
 from testkit import Speeds, serve
-from tests.protocols.helpers import barge_in, connect
+from testkit.wire import barge_in, connect
 
 pytestmark = pytest.mark.integration  # a Ray cluster and stage processes of their own
 

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client, silence, speech_pcm16
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, http_client, silence, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -158,7 +158,7 @@ async def test_disconnect_mid_response_frees_all_engine_work(server):
     ws = await raw_ws(server)
     await recv_json(ws)
     await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
-    # answers run to their token limit (tests.harness.SERVER_OVERLAY)
+    # answers run to their token limit (testkit.harness.SERVER_OVERLAY)
     item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]}
     await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
     await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 120}}))
@@ -222,7 +222,7 @@ async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
         await conn.session.update(session={"type": "realtime", "max_output_tokens": 120})
         assert (await conn.recv()).type == "session.updated"
         await append(conn, silence(0.3) + speech + silence(1.0), chunk=4800)
-        # answers run to their token limit (tests.harness.SERVER_OVERLAY)
+        # answers run to their token limit (testkit.harness.SERVER_OVERLAY)
         seen: list = []
         assert (await until(conn, {n["audio"], "response.done"}, seen)).type == n["audio"], [e.type for e in seen]
         # the agent is speaking

@@ -539,7 +539,7 @@ async def test_a_real_cpu_burner_beside_the_server_refuses_new_voice_sessions_un
     import time
 
     from testkit import serve
-    from tests.protocols.helpers import connect
+    from testkit.wire import connect
 
     # nothing calibrated here (fake stages): a session costs the prior, 0.25; two fit under
     # the default 0.65 (and under 0.6 once refusing) on an idle machine, not with half its

@@ -23,9 +23,9 @@ from omni_rt.engines.torch_engine import TorchEngine
 from omni_rt.payloads import Fence, Payload, PayloadKind
 from omni_rt.stage import StageError
 from pipelines.tiny.pi0 import IMAGE_SIZE
+from testkit.pi0_hub import IMAGE_TOKEN, VOCAB, lerobot_keys, paligemma_processor
+from testkit.pi0_hub import pi0_dir as hub_pi0_dir
 from tests.conftest import REPO
-from tests.pi0_hub import IMAGE_TOKEN, VOCAB, lerobot_keys, paligemma_processor
-from tests.pi0_hub import pi0_dir as hub_pi0_dir
 
 
 class TwoOps(torch.nn.Module):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
-from tests.diffusion_helpers import output_of, staggered
+from testkit.diffusion import output_of, staggered
 
 pytestmark = pytest.mark.integration  # diffusers pipelines on the tiny checkpoints
 

@@ -25,7 +25,7 @@ from sessions import (
     StoreUnavailable,
 )
 from sessions.redis_store import RedisStore
-from tests.harness import LateEmitter, make_orchestrator, profile
+from testkit.harness import LateEmitter, make_orchestrator, profile
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import SessionsSpec
 from sessions import IllegalTransition, InvalidResumeToken, SessionError, SessionLimit, SessionManager, SessionState
-from tests.harness import LateEmitter, make_orchestrator, profile
+from testkit.harness import LateEmitter, make_orchestrator, profile
 
 KINDS = ["oneshot", "realtime", "duplex"]
 PRINCIPALS = ["alice", "bob", "carol"]

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from pydantic import TypeAdapter
 
-from tests.harness import ADMIN_KEY
+from testkit.harness import ADMIN_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

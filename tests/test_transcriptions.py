@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from media.audio_formats import StreamingEncoder
-from tests.harness import ADMIN_KEY, speech_pcm16
+from testkit.harness import ADMIN_KEY, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -14,7 +14,7 @@ import torch
 
 from omni_rt.engines.base import EngineError
 from omni_rt.engines.diffusers_engine import DiffusersEngine, DiffusionJob
-from tests.diffusion_helpers import staggered
+from testkit.diffusion import staggered
 
 pytestmark = pytest.mark.integration  # diffusers pipelines on the tiny checkpoints
 

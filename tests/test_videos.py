@@ -14,7 +14,7 @@ import openai
 import pytest
 from websockets.asyncio.client import connect
 
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
 
 # (the openai SDK marks its Sora client deprecated; the wire API is what is tested)
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]

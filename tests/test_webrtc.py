@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from clients.webrtc import CallClient, use_host_addresses
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client, silence, speech_pcm16
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, http_client, silence, speech_pcm16
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

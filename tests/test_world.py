@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from clients.world import WorldClient
-from tests.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
-from tests.protocols.helpers import drop
+from testkit.harness import ADMIN_HEADERS, ADMIN_KEY, http_client
+from testkit.wire import drop
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

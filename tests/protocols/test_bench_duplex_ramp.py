@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from latency_bench.duplex import run_ramp
 from testkit import serve
-from tests.protocols.helpers import quiet, tone
+from testkit.wire import quiet, tone
 
 
 async def test_a_ramp_records_admitted_and_refused_sessions_and_the_servers_rtf():

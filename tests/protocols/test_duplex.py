@@ -15,7 +15,7 @@ from clients.realtime import RealtimeError
 from omni_rt.errors import ConnectorError
 from protocols.duplex import Duplex, DuplexTiming
 from testkit import serve
-from tests.protocols.helpers import quiet, tone
+from testkit.wire import quiet, tone
 
 GRACE_S = 30
 

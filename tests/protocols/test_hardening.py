@@ -13,7 +13,7 @@ import pytest
 from clients.openpi import PolicyClient, droid_observation, packb
 from clients.world import WorldClient
 from testkit import Speeds, serve
-from tests.protocols.helpers import Events, connect
+from testkit.wire import Events, connect
 
 DEEP = "[" * 1000 + "]" * 1000
 BIG_INT = '{"n": ' + "9" * 5000 + "}"

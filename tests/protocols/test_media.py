@@ -17,7 +17,7 @@ from clients.openpi import OpenPIError, PolicyClient, droid_observation
 from clients.world import WorldClient
 from protocols.realtime import Conversation
 from testkit import Speeds, serve
-from tests.protocols.helpers import connect, drop
+from testkit.wire import connect, drop
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 

@@ -13,7 +13,7 @@ import pytest
 from omni_rt.errors import ConnectorError
 from protocols.realtime import AUDIO_PLACEHOLDER, Conversation
 from testkit import serve
-from tests.protocols.helpers import Events, b64, barge_in, connect, quiet, tone
+from testkit.wire import Events, b64, barge_in, connect, quiet, tone
 
 BETA = {"openai-beta": "realtime=v1"}
 BETA_ONLY = {"response.audio.delta", "response.audio.done", "response.audio_transcript.delta",

@@ -9,7 +9,7 @@ import pytest
 
 from protocols.realtime import Conversation
 from testkit import serve
-from tests.protocols.helpers import Events, connect
+from testkit.wire import Events, connect
 
 KEY = "sk-compat-0001"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -272,7 +272,7 @@ async def test_with_keys_off_a_client_secret_is_a_usable_value(h):
 
 @pytest.mark.parametrize("beta", [False, True])
 async def test_input_transcription_events_follow_the_commit_and_history_keeps_the_transcript(h, beta):
-    from tests.protocols.helpers import b64, tone
+    from testkit.wire import b64, tone
 
     ws = await session(h, beta)
     tr = {"model": "gpt-4o-mini-transcribe", "language": "en"}
@@ -307,7 +307,7 @@ async def test_input_transcription_events_follow_the_commit_and_history_keeps_th
 
 
 async def test_a_transcription_that_fails_says_so_and_bad_settings_name_their_field(h):
-    from tests.protocols.helpers import b64, tone
+    from testkit.wire import b64, tone
 
     ws = await session(h)
     await ws.send("session.update", session={"audio": {"input": {"transcription": {"language": 5}}}})
@@ -327,7 +327,7 @@ async def test_a_transcription_that_fails_says_so_and_bad_settings_name_their_fi
 
 @pytest.mark.parametrize("beta", [False, True])
 async def test_a_transcription_session_transcribes_turns_and_never_answers(h, beta):
-    from tests.protocols.helpers import b64, quiet, tone
+    from testkit.wire import b64, quiet, tone
 
     if beta:
         ws = await connect(h, "/v1/realtime?intent=transcription", {"openai-beta": "realtime=v1"})

@@ -15,7 +15,7 @@ from pydantic import TypeAdapter
 
 from protocols.tools import MAX_SCHEMA_CHARS, MAX_TOOLS
 from testkit import Speeds, serve
-from tests.protocols.helpers import Events, b64, connect, quiet, tone
+from testkit.wire import Events, b64, connect, quiet, tone
 
 WEATHER = {
     "type": "object",

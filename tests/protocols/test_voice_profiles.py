@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from testkit import serve
-from tests.protocols.helpers import b64, connect, tone
+from testkit.wire import b64, connect, tone
 
 
 async def _turn(h, seconds: float = 1.0):

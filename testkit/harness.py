@@ -147,7 +147,7 @@ def profile(stages: list[tuple[str, str]], edges: list[dict[str, Any]], finals: 
         {
             "entry": stages[0][0],
             "stages": [
-                {"name": n, "kind": "ar", "engine": "fake", "processor": f"tests.harness:{proc}"} for n, proc in stages
+                {"name": n, "kind": "ar", "engine": "fake", "processor": f"testkit.harness:{proc}"} for n, proc in stages
             ],
             "edges": [{"payload": "tokens", **e} for e in edges],
             "final_outputs": finals,
@@ -229,6 +229,15 @@ class Merge(StageProcessor):
         await ctx.emit(Payload(PayloadKind.TOKENS, ctx.fence, arrays={"t": np.concatenate(parts)}))
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def voice_profile_server(models_dir: Path, tmp: Path, profile: str) -> Iterator[Any]:
     """A real server of its own serving the voice pipeline under `profile` (the other
     pipelines off), for a module-scoped fixture: yields the running `ServerProcess`."""
@@ -237,11 +246,10 @@ def voice_profile_server(models_dir: Path, tmp: Path, profile: str) -> Iterator[
     import yaml
 
     from latency_bench.server import ServerProcess, voice_only_overlay
-    from tests.conftest import _free_port
 
     deploy = tmp / "deploy.yaml"
     deploy.write_text(yaml.safe_dump(voice_only_overlay(profile)))
-    proc = ServerProcess(port=_free_port(), deploy=deploy, log_path=tmp / "server.log", cwd=Path(__file__).resolve().parent.parent,
+    proc = ServerProcess(port=free_port(), deploy=deploy, log_path=tmp / "server.log", cwd=Path(__file__).resolve().parent.parent,
                          env=dict(os.environ, OMNI_RT_MODELS_DIR=str(models_dir)))
     proc.start()
     try:

@@ -2,7 +2,7 @@
 
 It streams PCM in small chunks with short sleeps and records how many requests it is
 serving at once. It runs in a thread for most tests; the --compare tests start it as
-a subprocess (``python tests/fake_speech_server.py --port P --deploy FILE``).
+a subprocess (``python testkit/fake_speech_server.py --port P --deploy FILE``).
 """
 
 from __future__ import annotations
