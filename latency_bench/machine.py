@@ -143,8 +143,10 @@ class HealthPoller:
 async def admission_view(base: str, key: str | None, since: float | None = None) -> dict[str, Any] | None:
     """What load-aware admission weighed with (`/v1/dashboard`; None where it cannot be
     read): each pipeline's cost and start-up calibration, and the figures behind every
-    refusal since `since` (wall-clock seconds), oldest first, and behind every session
-    admitted although its prediction refused it (`min_sessions`)."""
+    refusal since `since` (the server's wall clock: this one's, on the same machine),
+    oldest first, and behind every session admitted although its prediction refused it
+    (`min_sessions`). The dashboard keeps the last 20 decisions: a level of more sessions
+    sees its newest 20 (`decisions` says how many were read)."""
     import httpx
 
     try:
@@ -160,8 +162,8 @@ async def admission_view(base: str, key: str | None, since: float | None = None)
     level = [d for d in reversed(adm.get("recent") or []) if d.get("load") and (since is None or d.get("time", 0) >= since)]
     refused = [{k: d["load"].get(k) for k in keep} for d in level if not d.get("admitted")]
     past = [{k: d["load"].get(k) for k in (*keep, "admitted_past_target")} for d in level if d.get("admitted") and d["load"].get("admitted_past_target")]
-    return {"target_rtf": adm.get("target_rtf"), "costs": adm.get("costs"), "calibration": adm.get("calibration"), "refused": refused,
-            "admitted_past_target": past}
+    return {"target_rtf": adm.get("target_rtf"), "costs": adm.get("costs"), "calibration": adm.get("calibration"), "decisions": len(level),
+            "refused": refused, "admitted_past_target": past}
 
 
 async def metrics_text(base: str, key: str | None) -> str | None:

@@ -91,6 +91,11 @@ class StreamRtf:
         return (self.last_t - self.first_t) / after_first
 
 
+# A stream that reported this recently is taken as still generating (a decoder reports
+# every chunk, a fraction of a second of audio apart).
+IN_FLIGHT_S = 1.0
+
+
 class RtfMeter:
     def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.window_s = window_s
@@ -138,6 +143,14 @@ class RtfMeter:
             self._expire(self.clock() if now is None else now)
             return [r for s in self._streams.values() if (r := s.rtf) is not None] + [max(r for _, r in q) for q in self._samples.values()]
 
+    def in_flight(self, within_s: float = IN_FLIGHT_S, now: float | None = None) -> bool:
+        """Whether a stream reported within `within_s`: one still generating (a stream
+        that ended stays in the window, but stopped reporting)."""
+        t = self.clock() if now is None else now
+        with self._lock:
+            return any(t - s.last_t <= within_s for s in self._streams.values()) or any(
+                q and t - q[-1][0] <= within_s for q in self._samples.values())
+
     def worst(self, now: float | None = None) -> float | None:
         r = self.rtfs(now)
         return max(r) if r else None
@@ -164,6 +177,14 @@ class HoleMeter:
     def hole(self, seconds: float, now: float | None = None) -> None:
         with self._lock:
             self._holes.append((self.clock() if now is None else now, seconds))
+
+    def in_flight(self, within_s: float = IN_FLIGHT_S, now: float | None = None) -> bool:
+        """Whether a stream reported within `within_s`: one still generating (a stream
+        that ended stays in the window, but stopped reporting)."""
+        t = self.clock() if now is None else now
+        with self._lock:
+            return any(t - s.last_t <= within_s for s in self._streams.values()) or any(
+                q and t - q[-1][0] <= within_s for q in self._samples.values())
 
     def worst(self, now: float | None = None) -> float | None:
         """The longest hole of the window (None: none)."""

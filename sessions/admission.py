@@ -22,10 +22,12 @@ they cannot say whether the next voice session will still hear an unbroken answe
 - **the live prediction**: the worst RTF among the streams that emitted audio in the last
   `window_s` (the load as it is now, a finished level forgotten within the window),
   plus `per_session` for this and every session younger than `new_session_s` (it has
-  not shown its load yet). With no established session, the measured stream (a new
-  session's own, or one that has ended) stands for one of the N answers: `per_session`
-  is added for the N − 1 others (counting it on top of them charged one answer twice,
-  and a burst at an idle server was refused on the warm-up's stream).
+  not shown its load yet). With no established session and no stream still generating
+  (the measured one ended: a caller who left), the measured stream stands for one of the
+  N answers: `per_session` is added for the N − 1 others (counting it on top of them
+  charged one answer twice, and a burst at an idle server was refused on the warm-up's
+  stream); a stream still generating (a detached session's answer, a speech request)
+  is load beside the N.
 - **load from outside**: the calibration ran on the machine as it was at start-up. The
   share of the server's CPUs other processes take now (the whole machine's busy
   fraction on its cores, a container's quota fill, less the server's own and its placed
@@ -192,8 +194,9 @@ class RealtimeAdmission:
         cold_front = cold / (1.0 - min(front_share, OUTSIDE_MAX))
         stretched = cold / (1.0 - min(front_share + outside, OUTSIDE_MAX))
         # the measured streams stand for the established sessions' answers, or (none
-        # established) for one answer of the n
-        live = rtf + cost.per_session * (n - max(sessions, 1)) if rtf is not None else None
+        # established, and none still generating: a caller who left) for one answer of the n
+        covered = sessions if sessions > 0 else int(rtf is not None and not self.meters.generation.in_flight())
+        live = rtf + cost.per_session * (n - covered) if rtf is not None else None
         predicted = max(stretched, live if live is not None else 0.0)
         margin = spec.hysteresis if self.refusing else 0.0
         bound = spec.target_rtf - margin + 1e-9

@@ -122,7 +122,10 @@ async def adopt(m: SessionManager, session_id: str, blob: bytes, token: str | No
     restore = m.restorers.get((kind, pipeline))
     if restore is None:
         raise migration.MigrationError(f"Session '{session_id}' ({kind}) was moved, but this node cannot restore {kind} sessions of pipeline '{pipeline}'.")
-    s = Session.from_snapshot(m, core)
+    try:
+        s = Session.from_snapshot(m, core)
+    except Exception as exc:
+        raise migration.MigrationFailed(f"Session '{session_id}' was moved, but its state could not be read ({type(exc).__name__}: {exc}).") from None
     slot = Slot(session_id, kind, s.principal)
     s.weighed = m.admission.applies(kind, None)
     if s.weighed:

@@ -178,8 +178,7 @@ class SessionManager:
         # The directory entry is written with the slot, in the same atomic step.
         record = {**self.record(session), "state": SessionState.ACTIVE.value}
         session.weighed = admit is None and self.admission.applies(kind, control_hz)
-        if session.weighed or admit is not None:
-            self.weigh(kind, principal, pipeline, admit)
+        load = self.weigh(kind, principal, pipeline, admit) if session.weighed or admit is not None else None
         # From the decision until the session is registered it counts as new: the store
         # (Redis) is awaited in between, and concurrent opens must see this one.
         with self.admitting(session):
@@ -187,7 +186,7 @@ class SessionManager:
         self._sessions[sid] = session
         session._transition(SessionState.ACTIVE, "open")
         self.stats["admitted"] += 1
-        self._decided(kind, principal, sid, None, None, weighed=session.weighed)
+        self._decided(kind, principal, sid, None, None, load=load)
         metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
         metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
         metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
@@ -218,14 +217,18 @@ class SessionManager:
                 self._decided(kind, principal, None, "store_unavailable", exc.message)
                 raise
 
-    def weigh(self, kind: str, principal: str, pipeline: str | None, admit: Callable[[], None] | None = None, what: str = "new") -> None:
+    def weigh(self, kind: str, principal: str, pipeline: str | None, admit: Callable[[], None] | None = None,
+              what: str = "new") -> dict[str, Any] | None:
         """Load-aware admission of one more real-time session (`admit`: a pipeline's own
-        check instead); a refusal is counted and recorded, and raised (CapacityLimit)."""
+        check instead); a refusal is counted and recorded, and raised (CapacityLimit).
+        Returns what the load-aware check measured and predicted for this session (taken
+        now: concurrent opens decide while this one awaits the store)."""
         try:
             if admit is not None:
                 admit()
-            else:
-                self.admission.check(kind, *self._realtime_split(), pipeline=pipeline)
+                return None
+            self.admission.check(kind, *self._realtime_split(), pipeline=pipeline)
+            return dict(self.admission.last)
         except CapacityLimit as exc:
             self.stats["rejected"] += 1
             metrics.SESSIONS_REJECTED.labels(kind=kind, reason="capacity").inc()
@@ -502,14 +505,19 @@ class SessionManager:
     async def counts(self) -> dict[str, Any]:
         return await self.store.counts()
 
-    def _decided(self, kind: str, principal: str, session_id: str | None, refused: str | None, why: str | None, weighed: bool = True) -> None:
+    def _decided(self, kind: str, principal: str, session_id: str | None, refused: str | None, why: str | None, weighed: bool = True,
+                 load: Mapping[str, Any] | None = None) -> None:
+        """Record a decision; `load`: what the load-aware check measured and predicted
+        for it (a capacity refusal's is the check just made)."""
         entry: dict[str, Any] = {"time": time.time(), "kind": kind, "principal": principal, "admitted": refused is None}
         if session_id is not None:
             entry["session_id"] = session_id
         if refused is not None:
             entry.update(reason=refused, message=why)
-        if weighed and refused in (None, "capacity") and self.admission.last:
-            entry["load"] = dict(self.admission.last)  # what the load-aware check measured and predicted
+        if load is None and weighed and refused == "capacity" and self.admission.last:
+            load = self.admission.last
+        if load:
+            entry["load"] = dict(load)
         self.decisions.append(entry)
 
     def health(self) -> dict[str, Any]:

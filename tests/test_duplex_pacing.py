@@ -147,6 +147,7 @@ def test_four_paced_sessions_keep_real_time_idle_and_beside_a_cpu_burner(models_
         assert all(r.get("code") == "capacity" and "retry in" in (r.get("message") or "") for r in lvl["refusals"]), summary
         # a session admitted within the target plays without a hole; one admitted past it
         # (the first, always admitted, beside a burner on a slow start) was told so
+        assert lvl["admission"] is not None, summary
         stalled = [s for s in lvl["per_session"] if s["stalls_over_100ms"]]
         assert all(s["turns"] == 4 for s in lvl["per_session"]), summary
         assert len(stalled) <= len(lvl["admission"]["admitted_past_target"]), (stalled, summary)

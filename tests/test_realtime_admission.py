@@ -218,11 +218,23 @@ async def test_a_burst_after_one_answer_at_an_idle_server_is_not_charged_that_an
     w = World(base=0.3, per=0.1, target_rtf=0.65, hysteresis=0.0)
     w.m.admission.calibrated("voice", {1: 0.3, 4: 0.6})
     w.speak(1)
+    w.t[0] += 1.0  # its answer finished 1.7 s ago; its stream is still in the window
     admitted, refused = await _burst(w.m, 6)
     assert len(admitted) == 4 and len(refused) == 2
     last = w.m.admission.last
     assert last["rtf_now"] == pytest.approx(0.3) and last["new_sessions"] == 4 and last["predicted_rtf_live"] == pytest.approx(0.7)
     assert refused[0].why == ["rtf"]
+    await w.m.stop()
+    # a stream still generating (a speech request, a detached session's answer) is load
+    # beside the burst: 0.3 + 0.1 x n
+    w = World(base=0.3, per=0.1, target_rtf=0.65, hysteresis=0.0)
+    w.m.admission.calibrated("voice", {1: 0.3, 4: 0.6})
+    key = w.meter.new_stream()
+    w.meter.chunk(key, 0.1, 0.0)
+    w.meter.chunk(key, 1.0, 0.3)
+    w.t[0] = 0.5
+    admitted, _ = await _burst(w.m, 6)
+    assert len(admitted) == 3 and w.m.admission.last["predicted_rtf_live"] == pytest.approx(0.7)
     await w.m.stop()
 
 

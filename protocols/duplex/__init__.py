@@ -137,7 +137,11 @@ def mount(m: Mount) -> None:
 
     async def open_session(principal: str, model: str) -> tuple[Session, Duplex]:
         session = await sessions.open("duplex", pipeline.name, principal=principal)
-        return session, Duplex.create(session, m, model)
+        try:
+            return session, Duplex.create(session, m, model)
+        except BaseException:
+            await sessions.end(session, "server_error")  # (the socket was never accepted: the HTTP error says why)
+            raise
 
     async def handle(session: Session, d: Duplex, data: str | bytes) -> None:
         if isinstance(data, bytes) and data[:1] != b"{":

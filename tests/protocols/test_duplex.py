@@ -74,6 +74,26 @@ async def test_a_plain_http_request_is_told_the_wire_is_a_websocket_and_takes_no
     assert not h.sessions.sessions()
 
 
+async def test_a_fault_setting_up_the_conversation_ends_the_session_it_opened(h, monkeypatch):
+    """The session is admitted, then its conversation cannot be set up (a VAD that does
+    not load, say): the client gets the HTTP error and the session does not stay open,
+    holding a slot until its idle lease runs out."""
+    import aiohttp
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the VAD did not load")
+
+    monkeypatch.setattr(Duplex, "create", broken)
+    with pytest.raises(aiohttp.WSServerHandshakeError) as exc:
+        await h.client.ws_connect("/v1/duplex")
+    assert exc.value.status == 500
+    assert not [s for s in h.sessions.sessions() if s.is_open]
+    monkeypatch.undo()
+    c = await connect(h)  # and the server goes on
+    assert c.first["type"] == "session.created"
+    await c.close()
+
+
 async def test_binary_audio_both_ways_at_declared_rates_with_server_vad(h):
     c = await connect(h)
     u = await c.update(max_output_tokens=4, audio={"input": {"format": {"type": "audio/pcm", "rate": 16000}},
