@@ -178,14 +178,6 @@ class HoleMeter:
         with self._lock:
             self._holes.append((self.clock() if now is None else now, seconds))
 
-    def in_flight(self, within_s: float = IN_FLIGHT_S, now: float | None = None) -> bool:
-        """Whether a stream reported within `within_s`: one still generating (a stream
-        that ended stays in the window, but stopped reporting)."""
-        t = self.clock() if now is None else now
-        with self._lock:
-            return any(t - s.last_t <= within_s for s in self._streams.values()) or any(
-                q and t - q[-1][0] <= within_s for q in self._samples.values())
-
     def worst(self, now: float | None = None) -> float | None:
         """The longest hole of the window (None: none)."""
         t = self.clock() if now is None else now
