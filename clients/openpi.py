@@ -23,12 +23,12 @@ import time
 from typing import Any
 from urllib.parse import urlencode
 
-import msgpack
 import numpy as np
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from clients.closing import close
+from media.msgpack_numpy import packb, unpackb
 
 
 class OpenPIError(RuntimeError):
@@ -37,30 +37,6 @@ class OpenPIError(RuntimeError):
     def __init__(self, message: str, code: int | None = None) -> None:
         super().__init__(message)
         self.code = code
-
-
-def _default(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray):
-        return {b"__ndarray__": True, b"data": np.ascontiguousarray(obj).tobytes(), b"dtype": obj.dtype.str, b"shape": obj.shape}
-    if isinstance(obj, np.generic):
-        return {b"__npgeneric__": True, b"data": obj.item(), b"dtype": obj.dtype.str}
-    raise TypeError(f"cannot encode {type(obj).__name__}")
-
-
-def _hook(obj: dict[Any, Any]) -> Any:
-    if b"__ndarray__" in obj:
-        return np.frombuffer(obj[b"data"], dtype=np.dtype(obj[b"dtype"])).reshape(obj[b"shape"])
-    if b"__npgeneric__" in obj:
-        return np.dtype(obj[b"dtype"]).type(obj[b"data"])
-    return obj
-
-
-def packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_default)
-
-
-def unpackb(data: bytes) -> Any:
-    return msgpack.unpackb(data, object_hook=_hook)
 
 
 def droid_observation(seed: int = 0, prompt: str = "pick up the red cup", size: int = 224) -> dict[str, Any]:

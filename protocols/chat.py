@@ -29,7 +29,7 @@ from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TOOL_CALL, Payloa
 from omni_rt.specs import PipelineSpec
 from protocols.auth import principal_of
 from protocols.errors import error_body
-from protocols.http import Streamed, json_response, prepend, read_json, send_streamed, validate_body
+from protocols.http import Streamed, json_response, prepend, read_json, send_streamed, sse, validate_body
 from protocols.registry import Mount
 from protocols.tools import parse_tool_choice, parse_tools
 from sessions import SessionManager
@@ -296,7 +296,7 @@ class ChatService:
             if usage is not None:
                 body["choices"] = []
                 body["usage"] = usage
-            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+            return sse(body)
 
         def text_chunk(delta: dict[str, Any]) -> Callable[[str], bytes]:
             # One chunk per token: the JSON around the text is made once, and only
@@ -335,7 +335,7 @@ class ChatService:
             yield chunk({}, finish=answer.finish)
             if include_usage:
                 yield chunk({}, usage=self._usage(stream.done.usage if stream.done else None))
-            yield b"data: [DONE]\n\n"
+            yield sse("[DONE]")
             outcome = "completed"
             metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)
         except OmniError as exc:
@@ -344,7 +344,7 @@ class ChatService:
                 err = error_body(exc)["error"]
             else:
                 err = {"message": f"generation stopped: {exc.public_message()}", "type": "server_error", "param": None, "code": "generation_failed"}
-            yield f"data: {json.dumps({'error': err})}\n\n".encode()
+            yield sse({"error": err})
         finally:
             await asyncio.shield(self.sessions.end(session, outcome))
 

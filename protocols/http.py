@@ -189,6 +189,15 @@ def validate_body(model: type[M], raw: Any) -> M:
         raise validation_error(list(err.errors())) from None
 
 
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One Server-Sent Events message (`text/event-stream`): an optional `event:` line
+    and one `data:` line of compact JSON (a str is sent as is, e.g. `[DONE]`). JSON
+    never holds a raw newline, so one data line carries the whole message."""
+    body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {body}\n\n".encode()
+
+
 @dataclass
 class Streamed:
     """A body that streams as the pipeline produces it. `close` runs however the

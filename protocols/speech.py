@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from aiohttp import web
@@ -25,7 +24,7 @@ from omni_rt.request import RequestStream
 from omni_rt.specs import PipelineSpec
 from protocols.auth import principal_of
 from protocols.errors import error_body
-from protocols.http import Streamed, read_json, send_streamed, validate_body
+from protocols.http import Streamed, read_json, send_streamed, sse, validate_body
 from protocols.registry import Mount
 from sessions import Session, SessionManager
 
@@ -44,9 +43,6 @@ class SpeechRequest(BaseModel):
     stream_format: Literal["audio", "sse"] = "audio"
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1, description="omni-rt extension: sampling seed")
 
-
-def sse(obj: Mapping[str, Any]) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
 class SpeechService:

@@ -12,9 +12,8 @@ segment they belong to (`segment`, `start`, `end`: seconds into the audio).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
 from aiohttp import web
@@ -26,7 +25,7 @@ from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import PipelineSpec
 from protocols.auth import principal_of
 from protocols.errors import error_body
-from protocols.http import Streamed, check_length, json_response, prepend, read_form, send_streamed
+from protocols.http import Streamed, check_length, json_response, prepend, read_form, send_streamed, sse
 from protocols.registry import Mount
 from sessions import SessionManager
 
@@ -44,9 +43,6 @@ class Transcriber(Protocol):
 
     def languages(self) -> list[str]: ...
 
-
-def sse(obj: Mapping[str, Any]) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
 def _stamp(t: float, sep: str) -> str:

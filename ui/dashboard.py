@@ -19,7 +19,6 @@ stage pools (in flight, queue depth) and the Prometheus metrics this process kee
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import time
@@ -31,7 +30,7 @@ from aiohttp import web
 from omni_rt import metrics
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
-from protocols.http import json_response
+from protocols.http import json_response, sse
 from protocols.registry import Routes
 from sessions import SessionManager
 from ui.pages import page
@@ -226,8 +225,6 @@ def _interval(request: web.Request) -> float:
     return value
 
 
-def sse(event: str, data: Any) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 def add_routes(routes: Routes, manager: SessionManager, runtime: Any) -> None:
@@ -248,7 +245,7 @@ def add_routes(routes: Routes, manager: SessionManager, runtime: Any) -> None:
         window = Window()
         try:
             while request.transport is not None and not request.transport.is_closing():
-                await resp.write(sse("snapshot", board.snapshot(window)))
+                await resp.write(sse(board.snapshot(window), "snapshot"))
                 await asyncio.sleep(interval)
         except (ConnectionResetError, ConnectionError):
             pass  # the viewer left
