@@ -167,34 +167,6 @@ def pcm16_bytes(x: np.ndarray) -> bytes:
     return _to_s16(np.asarray(x, dtype=np.float32).reshape(-1)).tobytes()
 
 
-class Pcm16Resampler:
-    """PCM16 chunks of consecutive streams resampled `src` -> `dst` Hz. soxr keeps its
-    filter state between the chunks of one stream; a new `key` (e.g. a response id)
-    starts a new stream."""
-
-    def __init__(self, src: int, dst: int) -> None:
-        self.src, self.dst = src, dst
-        self._key: Any = None
-        self._rs: Any = None
-
-    def convert(self, key: Any, pcm16: bytes) -> bytes:
-        if self.src == self.dst:
-            return pcm16
-        if self._rs is None or key != self._key:
-            import soxr
-
-            self._key, self._rs = key, soxr.ResampleStream(self.src, self.dst, 1, dtype="float32")
-        return pcm16_bytes(self._rs.resample_chunk(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0))
-
-    def finish(self, key: Any) -> bytes:
-        """The end of stream `key`: what the filter still holds (its last few ms)."""
-        if self._rs is None or key != self._key:
-            return b""
-        tail = pcm16_bytes(self._rs.resample_chunk(np.zeros(0, np.float32), last=True))
-        self._key, self._rs = None, None
-        return tail
-
-
 def _wav_header(sample_rate: int) -> bytes:
     return (
         b"RIFF"

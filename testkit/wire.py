@@ -94,3 +94,36 @@ async def barge_in(ws: Events) -> tuple[str, dict[str, Any], dict[str, Any], lis
     await ws.send("input_audio_buffer.append", audio=b64(quiet(0.6)))
     second = await ws.until("response.done")
     return rid, done, second, [e for e in ws.seen[mark:] if e.get("response_id") == rid]
+
+
+def g711(pcm16: bytes, law: str = "ulaw", rate: int = RATE) -> bytes:
+    """PCM16 at `rate` as G.711 bytes at 8 kHz, encoded by FFmpeg (PyAV's pcm_mulaw /
+    pcm_alaw, resampled by its swresample): a codec apart from the server's."""
+    import av
+
+    x = np.frombuffer(pcm16, "<i2").reshape(1, -1)
+    frame = av.AudioFrame.from_ndarray(x, format="s16", layout="mono")
+    frame.sample_rate = rate
+    out = b""
+    if rate != 8000:
+        rs = av.AudioResampler(format="s16", layout="mono", rate=8000)
+        frames = [*rs.resample(frame), *rs.resample(None)]
+    else:
+        frames = [frame]
+    ctx = av.CodecContext.create("pcm_mulaw" if law == "ulaw" else "pcm_alaw", "w")
+    ctx.sample_rate, ctx.layout, ctx.format = 8000, "mono", "s16"
+    for f in [*frames, None]:
+        out += b"".join(bytes(p) for p in ctx.encode(f))
+    return out
+
+
+def from_g711(data: bytes, law: str = "ulaw") -> np.ndarray:
+    """G.711 bytes as int16 samples at 8 kHz, decoded by FFmpeg (PyAV)."""
+    import io
+
+    import av
+
+    if not data:
+        return np.zeros(0, np.int16)
+    with av.open(io.BytesIO(data), format="mulaw" if law == "ulaw" else "alaw", options={"sample_rate": "8000", "ch_layout": "mono"}) as c:
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)]).astype(np.int16)

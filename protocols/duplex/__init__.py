@@ -43,14 +43,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from media.audio_formats import Pcm16Resampler
+from media.wire_audio import G711_RATE, WireFormat
 from protocols.duplex.transport import RATES, DuplexTiming, DuplexTransport
 from protocols.duplex.writer import write
-from protocols.realtime import RATE, Conversation, vad_of
+from protocols.realtime import Conversation, vad_of
 from protocols.realtime.state import config_of, conversation_state, items_of
 from protocols.registry import Mount
 from protocols.resumable import ResumableWire
@@ -90,7 +91,8 @@ class Duplex:
             await conv.responses.cancel("migrated")
         return {
             "conversation": conversation_state(conv),
-            "transport": {"in_rate": t.in_rate, "out_rate": t.out_rate, "binary_out": t.binary_out, "paced": t.paced,
+            "transport": {"in_rate": t.in_rate, "out_rate": t.out_rate, "in_encoding": t.in_fmt.encoding, "out_encoding": t.out_fmt.encoding,
+                          "binary_out": t.binary_out, "paced": t.paced,
                           # + session.migrated, the last event this node sends
                           "out_seq": t.out_seq + 1},
         }
@@ -101,13 +103,17 @@ class Duplex:
         conv, tr = state["conversation"], state["transport"]
         cfg = config_of(conv["config"])
         session.data["items"] = items_of(conv["items"])
-        if tr["in_rate"] not in RATES or tr["out_rate"] not in RATES:
-            raise ValueError(f"audio rates {tr['in_rate']}/{tr['out_rate']} are not served here")
+        formats = []
+        for side in ("in", "out"):
+            enc, rate = tr.get(f"{side}_encoding", "pcm16"), tr[f"{side}_rate"]
+            if not ((enc == "pcm16" and rate in RATES) or (enc in ("pcmu", "pcma") and rate == G711_RATE)):
+                raise ValueError(f"audio format {enc}/{rate} is not served here")
+            formats.append(WireFormat(enc, int(rate)))
         self = cls.create(session, m, cfg.model)
-        self.conv.cfg = cfg
+        self.conv.cfg = replace(cfg, input_format=formats[0], output_format=formats[1])
         t = self.transport
-        t.in_rate, t.out_rate, t.binary_out, t.paced, t.out_seq = int(tr["in_rate"]), int(tr["out_rate"]), bool(tr["binary_out"]), bool(tr["paced"]), int(tr["out_seq"])
-        t._out = Pcm16Resampler(RATE, t.out_rate)
+        t.set_formats(formats[0], formats[1])
+        t.binary_out, t.paced, t.out_seq = bool(tr["binary_out"]), bool(tr["paced"]), int(tr["out_seq"])
         return self
 
     @classmethod

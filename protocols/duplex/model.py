@@ -48,13 +48,13 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
-import soxr
 from aiohttp import web
 
+from media.audio_formats import pcm16_bytes
+from media.wire_audio import InputDecoder, OutputEncoder, WireFormat, WireFormatError
 from omni_rt.errors import CapacityExceeded, ClientError, InternalError, OmniError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
-from protocols.duplex.transport import AUDIO_FRAME, MAX_FRAME_BYTES, RATES
+from protocols.duplex.transport import AUDIO_FRAME, INPUT_FORMATS, MAX_FRAME_BYTES, OUTPUT_FORMATS, RATES
 from protocols.registry import Mount
 from protocols.resumable import ResumableWire
 from protocols.wire_json import load_json
@@ -83,10 +83,6 @@ class DuplexModel(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def _pcm16(x: np.ndarray) -> bytes:
-    return (np.clip(x, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
-
-
 class ModelConversation:
     """A session's conversation with the model: the request, the audio both ways, the
     wire settings. It lives in the session (it survives reconnects)."""
@@ -96,11 +92,10 @@ class ModelConversation:
         self.sessions = sessions
         self.model = model
         self.frame_ms = frame_ms
-        self.in_rate = RATE
-        self.out_rate = RATE
+        self.in_fmt = self.out_fmt = WireFormat("pcm16", RATE)
         self.binary_out = True
-        self._in_rs: Any = None
-        self._out_rs: Any = None
+        self._dec = InputDecoder(self.in_fmt, RATE)
+        self._enc = OutputEncoder(self.out_fmt, RATE)
         self.out_seq = 0
         self.received_s = 0.0  # audio taken from the user, seconds at 24 kHz
         self.first_audio: float | None = None
@@ -119,8 +114,8 @@ class ModelConversation:
         return {
             "id": self.session.id, "object": "realtime.session", "type": "duplex", "model": self.model,
             "audio": {
-                "input": {"format": {"type": "audio/pcm", "rate": self.in_rate}},
-                "output": {"format": {"type": "audio/pcm", "rate": self.out_rate}, "transport": "binary" if self.binary_out else "json"},
+                "input": {"format": self.in_fmt.ga()},
+                "output": {"format": self.out_fmt.ga(), "transport": "binary" if self.binary_out else "json"},
             },
             "capabilities": dict(caps),
         }
@@ -135,25 +130,29 @@ class ModelConversation:
         if not isinstance(audio, dict) or set(audio) - {"input", "output"}:
             raise ClientError("session.audio takes 'input' and 'output'.", param="session.audio")
         inp, out = audio.get("input") or {}, audio.get("output") or {}
-        in_rate = _rate(inp.get("format"), "session.audio.input.format") if "format" in inp else self.in_rate
-        out_rate = _rate(out.get("format"), "session.audio.output.format") if "format" in out else self.out_rate
+        in_fmt = _format(inp.get("format"), "session.audio.input.format") if "format" in inp else self.in_fmt
+        out_fmt = _format(out.get("format"), "session.audio.output.format") if "format" in out else self.out_fmt
         transport = out.get("transport", "binary" if self.binary_out else "json")
         if transport not in ("binary", "json"):
             raise ClientError("session.audio.output.transport is 'binary' or 'json'.", param="session.audio.output.transport")
-        if in_rate != self.in_rate:
-            self.in_rate, self._in_rs = in_rate, None
-        if out_rate != self.out_rate:
-            self.out_rate, self._out_rs = out_rate, None
+        self.set_formats(in_fmt, out_fmt)
         self.binary_out = transport == "binary"
 
+    def set_formats(self, in_fmt: WireFormat, out_fmt: WireFormat) -> None:
+        if in_fmt != self.in_fmt:
+            self.in_fmt, self._dec = in_fmt, InputDecoder(in_fmt, RATE)
+        if out_fmt != self.out_fmt:
+            self.out_fmt, self._enc = out_fmt, OutputEncoder(out_fmt, RATE)
+
     # ---- audio in ---------------------------------------------------------------------------
-    def audio_in(self, pcm16: bytes) -> None:
-        """PCM16 at the input rate: resampled and sent to the model, unless it is too far
-        ahead of real time (then refused: nothing of it is played in)."""
-        if len(pcm16) % 2:
+    def audio_in(self, data: bytes) -> None:
+        """Audio in the input format (PCM16 at its rate, or G.711 at 8 kHz): resampled
+        and sent to the model, unless it is too far ahead of real time (then refused:
+        nothing of it is played in)."""
+        if len(data) % self.in_fmt.bytes_per_sample:
             raise ClientError("Audio frames carry 16-bit PCM: an even number of bytes.", code="invalid_frame")
         now = time.monotonic()
-        seconds = len(pcm16) / 2 / self.in_rate
+        seconds = len(data) / self.in_fmt.bytes_per_sample / self.in_fmt.rate
         if self.first_audio is None:
             self.first_audio = now
         ahead = self.received_s + seconds - (now - self.first_audio)
@@ -163,11 +162,7 @@ class ModelConversation:
                 "This frame was not played in.",
                 code="input_too_fast",
             )
-        x = np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0
-        if self.in_rate != RATE:
-            if self._in_rs is None:
-                self._in_rs = soxr.ResampleStream(self.in_rate, RATE, 1, dtype="float32")
-            x = self._in_rs.resample_chunk(x)
+        x = self._dec.decode(data)
         self.received_s += seconds
         if not self.session.send_input(self.stream, Payload(PayloadKind.AUDIO, self.session.fence, arrays={"pcm": x}, meta={"sample_rate": RATE})):
             raise ClientError("The conversation has ended; open a new session.", code="session_gone")
@@ -178,12 +173,7 @@ class ModelConversation:
         try:
             async for _, p, _ in self.stream.payloads():
                 frame = int(p.meta.get("frame", 0))
-                pcm = p.arrays["pcm"]
-                if self.out_rate != RATE:
-                    if self._out_rs is None:
-                        self._out_rs = soxr.ResampleStream(RATE, self.out_rate, 1, dtype="float32")
-                    pcm = self._out_rs.resample_chunk(pcm)
-                s.emit(AUDIO_DELTA, {"frame": frame, "delta": _pcm16(pcm)})
+                s.emit(AUDIO_DELTA, {"frame": frame, "delta": self._enc.encode(s.id, pcm16_bytes(p.arrays["pcm"]))})
                 if p.meta.get("text"):
                     s.emit(TEXT_DELTA, {"frame": frame, "delta": p.meta["text"]})
                 if p.meta.get("late"):
@@ -252,13 +242,14 @@ async def open_conversation(sessions: SessionManager, pipeline: str, pool: Repli
         raise
 
 
-def _rate(v: Any, param: str) -> int:
-    if not isinstance(v, Mapping) or v.get("type", "audio/pcm") != "audio/pcm":
-        raise ClientError("Must be {type: audio/pcm, rate: N}.", param=param)
-    rate = v.get("rate", RATE)
-    if not isinstance(rate, int) or isinstance(rate, bool) or rate not in RATES:
-        raise ClientError(f"Unsupported sample rate {rate!r}; use one of {', '.join(map(str, RATES))}.", param=f"{param}.rate")
-    return rate
+def _format(v: Any, param: str) -> WireFormat:
+    """`{type: audio/pcm, rate}` (one of RATES), `{type: audio/pcmu}` or `{type: audio/pcma}`."""
+    if not isinstance(v, Mapping):
+        raise ClientError("Must be {type: audio/pcm, rate: N}, {type: audio/pcmu} or {type: audio/pcma}.", param=param)
+    try:
+        return WireFormat.parse_realtime(v, (RATE, *(r for r in RATES if r != RATE)))
+    except WireFormatError as exc:
+        raise ClientError(str(exc), param=f"{param}.rate" if v.get("type", "audio/pcm") == "audio/pcm" else param) from None
 
 
 def mount(m: Mount) -> None:
@@ -271,8 +262,8 @@ def mount(m: Mount) -> None:
         d = proc.describe()
         return {
             "full_duplex": True, "frame_ms": d["frame_ms"], "supports_barge_in": False, "supports_session_resume": True,
-            "input_formats": [{"type": "audio/pcm", "rates": list(RATES), "binary_frame_type": AUDIO_FRAME}],
-            "output_formats": [{"type": "audio/pcm", "rates": list(RATES)}], "output_transports": ["binary", "json"],
+            "input_formats": INPUT_FORMATS,
+            "output_formats": OUTPUT_FORMATS, "output_transports": ["binary", "json"],
             "heartbeat_s": HEARTBEAT_S, "max_input_ahead_s": MAX_INPUT_AHEAD_S,
             "replay_buffer_events": sessions.spec.replay_buffer_events, "disconnect_grace_s": sessions.spec.disconnect_grace_s,
         }

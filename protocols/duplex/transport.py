@@ -11,15 +11,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import numpy as np
-import soxr
 from pydantic import AfterValidator
 from pydantic_core import PydanticCustomError
 
-from media.audio_formats import Pcm16Resampler
+from media.audio_formats import pcm16_bytes
+from media.wire_audio import G711_RATE, OutputEncoder, WireFormat, WireFormatError, decode_clip, encode_clip
 from omni_rt.errors import ClientError
 from protocols.realtime import RATE, Config, EventOutput, wire_data
-from protocols.realtime.models import AudioIn, AudioInputIn, AudioOutputIn, SessionUpdate, apply_update, parse
+from protocols.realtime.models import PCM24, AudioIn, AudioInputIn, AudioOutputIn, SessionUpdate, apply_update, parse
 from sessions import SessionEvent, SessionManager
 
 if TYPE_CHECKING:
@@ -31,9 +30,19 @@ CHUNK_PERIOD_MS = 20  # the input frame period the server is tuned for (any leng
 MAX_FRAME_BYTES = 1 << 20
 AUDIO_DELTA = "response.output_audio.delta"
 AUDIO_DONE = "response.output_audio.done"
-# An audio event whose PCM is already at the output rate: the unsent rest of an answer
-# a paced writer was cut off in (it is not resampled a second time on replay).
-RENDERED_RATE = "_out_rate"
+# An audio event already in the output format ("pcm16/24000", "pcmu/8000"): the unsent
+# rest of an answer a paced writer was cut off in (not converted a second time on replay).
+RENDERED = "_out_format"
+
+
+def format_tag(fmt: WireFormat) -> str:
+    return f"{fmt.encoding}/{fmt.rate}"
+
+
+# what both /v1/duplex flavours take and send (session.capabilities)
+INPUT_FORMATS = [{"type": t, "rates": list(RATES) if t == "audio/pcm" else [G711_RATE], "binary_frame_type": AUDIO_FRAME}
+                 for t in ("audio/pcm", "audio/pcmu", "audio/pcma")]
+OUTPUT_FORMATS = [{"type": t, "rates": list(RATES) if t == "audio/pcm" else [G711_RATE]} for t in ("audio/pcm", "audio/pcmu", "audio/pcma")]
 
 
 @dataclass(frozen=True)
@@ -43,24 +52,26 @@ class DuplexTiming:
     send_timeout_s: float = 10.0  # a paced send blocked this long: the client is not reading
 
 
-def _pcm_rate(v: Any) -> int:
-    if not isinstance(v, Mapping) or v.get("type", "audio/pcm") != "audio/pcm":
-        raise PydanticCustomError("invalid_value", "Must be {type: audio/pcm, rate: N}.")
-    rate = v.get("rate", RATE)
-    if not isinstance(rate, int) or isinstance(rate, bool) or rate not in RATES:
-        raise PydanticCustomError("invalid_value", f"Unsupported sample rate {rate!r}; use one of {', '.join(map(str, RATES))}.")
-    return rate
+def _duplex_format(v: Any) -> WireFormat:
+    """`{type: audio/pcm, rate}` (one of RATES; 24 kHz by default), `{type: audio/pcmu}` or
+    `{type: audio/pcma}` (G.711 at 8 kHz): the GA shape only."""
+    if not isinstance(v, Mapping):
+        raise PydanticCustomError("invalid_value", "Must be {type: audio/pcm, rate: N}, {type: audio/pcmu} or {type: audio/pcma}.")
+    try:
+        return WireFormat.parse_realtime(v, (RATE, *(r for r in RATES if r != RATE)))
+    except WireFormatError as exc:
+        raise PydanticCustomError("invalid_value", str(exc)) from None
 
 
-PcmRate = Annotated[Any, AfterValidator(_pcm_rate)]
+DuplexFormat = Annotated[Any, AfterValidator(_duplex_format)]
 
 
 class DuplexInput(AudioInputIn):
-    format: PcmRate | None = None
+    format: DuplexFormat | None = None
 
 
 class DuplexOutput(AudioOutputIn):
-    format: PcmRate | None = None
+    format: DuplexFormat | None = None
     transport: Literal["json", "binary"] | None = None
     pacing: Literal["none", "realtime"] | None = None
 
@@ -81,12 +92,11 @@ class DuplexTransport:
         self.output = EventOutput(conv_emit, acks=True)
         self.sessions = sessions
         self.timing = timing
-        self.in_rate = RATE
-        self.out_rate = RATE
+        self.in_fmt = PCM24  # as the conversation's config says (its input decodes it)
+        self.out_fmt = PCM24
         self.binary_out = False
         self.paced = False  # session.audio.output.pacing: "realtime" sends audio as 20 ms frames in real time
-        self._in_rs: soxr.ResampleStream | None = None
-        self._out = Pcm16Resampler(RATE, self.out_rate)
+        self._out = OutputEncoder(self.out_fmt, RATE)
         self.out_seq = 0  # server_event_seq: monotonic across attachments
         self.outbox: deque[SessionEvent] | None = None  # the attached writer's events not yet sent
         self.sending_audio = False  # the paced writer is sending one audio event's frames
@@ -97,8 +107,8 @@ class DuplexTransport:
             "supports_barge_in": True,
             "supports_session_resume": True,
             "chunk_period_ms": CHUNK_PERIOD_MS,
-            "input_formats": [{"type": "audio/pcm", "rates": list(RATES), "binary_frame_type": AUDIO_FRAME}],
-            "output_formats": [{"type": "audio/pcm", "rates": list(RATES)}],
+            "input_formats": INPUT_FORMATS,
+            "output_formats": OUTPUT_FORMATS,
             "output_transports": ["json", "binary"],
             "output_pacing": ["none", "realtime"],
             "heartbeat_s": self.timing.heartbeat_s,
@@ -108,8 +118,8 @@ class DuplexTransport:
 
     def session_wire(self, conv: Conversation) -> dict[str, Any]:
         s = conv.cfg.wire(True, conv.session.id)
-        s["audio"]["input"]["format"] = {"type": "audio/pcm", "rate": self.in_rate}
-        s["audio"]["output"]["format"] = {"type": "audio/pcm", "rate": self.out_rate}
+        s["audio"]["input"]["format"] = self.in_fmt.ga()
+        s["audio"]["output"]["format"] = self.out_fmt.ga()
         s["audio"]["output"]["transport"] = "binary" if self.binary_out else "json"
         s["audio"]["output"]["pacing"] = "realtime" if self.paced else "none"
         s["capabilities"] = self.capabilities()
@@ -124,18 +134,27 @@ class DuplexTransport:
         update = parse(DuplexSessionUpdate, body, "session")
         cfg = apply_update(conv.cfg, update, conv.pipeline.voices)
         audio = update.audio
-        inp = audio.input if audio is not None else None
         out = audio.output if audio is not None else None
-        if inp is not None and inp.format is not None and inp.format != self.in_rate:
-            self.in_rate, self._in_rs = inp.format, None
+        self.set_formats(cfg.input_format, cfg.output_format)
         if out is not None:
-            if out.format is not None and out.format != self.out_rate:
-                self.out_rate, self._out = out.format, Pcm16Resampler(RATE, out.format)
             if out.transport is not None:
                 self.binary_out = out.transport == "binary"
             if out.pacing is not None:
                 self.paced = out.pacing == "realtime"
         return cfg
+
+    def set_formats(self, in_fmt: WireFormat, out_fmt: WireFormat) -> None:
+        self.in_fmt = in_fmt
+        if out_fmt != self.out_fmt:
+            self.out_fmt, self._out = out_fmt, OutputEncoder(out_fmt, RATE)
+
+    @property
+    def in_rate(self) -> int:
+        return self.in_fmt.rate
+
+    @property
+    def out_rate(self) -> int:
+        return self.out_fmt.rate
 
     async def on_event(self, conv: Conversation, type: str, ev: dict[str, Any], event_id: str | None) -> bool:
         if type == "playback.ack":
@@ -152,34 +171,29 @@ class DuplexTransport:
 
     # ---- audio in ------------------------------------------------------------------------
     async def audio_frame(self, conv: Conversation, frame: bytes) -> None:
-        """A binary frame `[0x01][PCM16 LE mono]` at the declared input rate."""
+        """A binary frame `[0x01][audio]` in the declared input format (PCM16 LE mono at
+        its rate, or G.711 bytes at 8 kHz)."""
         if len(frame) < 2 or frame[0] != AUDIO_FRAME:
             kind = f"0x{frame[0]:02x}" if frame else "empty"
-            raise ClientError(f"Binary frames are [0x01][PCM16 audio]; got a {kind} frame of {len(frame)} bytes.", code="invalid_frame")
+            raise ClientError(f"Binary frames are [0x01][audio]; got a {kind} frame of {len(frame)} bytes.", code="invalid_frame")
         if len(frame) - 1 > MAX_FRAME_BYTES:
             raise ClientError(f"An audio frame may carry at most {MAX_FRAME_BYTES} bytes.", code="invalid_frame")
-        if (len(frame) - 1) % 2:
-            raise ClientError("Audio frames carry 16-bit PCM: an even number of bytes after the type byte.", code="invalid_frame")
-        pcm = np.frombuffer(frame, "<i2", offset=1).astype(np.float32) / 32768.0
-        if self.in_rate != RATE:
-            if self._in_rs is None:
-                self._in_rs = soxr.ResampleStream(self.in_rate, RATE, 1, dtype="float32")
-            pcm = self._in_rs.resample_chunk(pcm)
-        await conv.input.append_pcm(pcm)
+        await conv.input.append_bytes(frame[1:])
 
     # ---- events out ----------------------------------------------------------------------
     def out_audio(self, ev: SessionEvent) -> bytes:
-        """An audio event's PCM at the output rate."""
+        """An audio event's audio in the output format."""
         data = ev.data
-        rendered = data.get(RENDERED_RATE)
+        rendered = data.get(RENDERED)
         pcm: bytes = data["delta"]
         if rendered is None:
-            return self._out.convert(data["response_id"], pcm)
-        if rendered == self.out_rate:
+            return self._out.encode(data["response_id"], pcm)
+        if rendered == format_tag(self.out_fmt):
             return pcm
-        x = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0  # the rate changed since: one-off
-        y = soxr.resample(x, rendered, self.out_rate)
-        return (np.clip(y, -1, 1) * 32767).astype("<i2").tobytes()
+        # the format changed since it was rendered: once more from what it was rendered in
+        enc, rate = str(rendered).split("/")
+        was = WireFormat(enc, int(rate))  # type: ignore[arg-type]
+        return encode_clip(self.out_fmt, pcm16_bytes(decode_clip(was, pcm, RATE)), RATE)
 
     def tail(self, ev: SessionEvent) -> SessionEvent | None:
         """Before an answer's `response.output_audio.done`: the last few ms the output
@@ -190,7 +204,7 @@ class DuplexTransport:
         if not rest:
             return None
         ids = {k: ev.data[k] for k in ("response_id", "item_id", "output_index", "content_index", "epoch") if k in ev.data}
-        return SessionEvent(AUDIO_DELTA, {**ids, "delta": rest, RENDERED_RATE: self.out_rate}, ev.fence, ev.seq)
+        return SessionEvent(AUDIO_DELTA, {**ids, "delta": rest, RENDERED: format_tag(self.out_fmt)}, ev.fence, ev.seq)
 
     def frame(self, ev: SessionEvent) -> str | bytes:
         if ev.type == AUDIO_DELTA:
@@ -202,7 +216,7 @@ class DuplexTransport:
         self.out_seq += 1
         if type == AUDIO_DELTA and self.binary_out:
             return bytes([AUDIO_FRAME]) + data["delta"]
-        fields = wire_data({k: v for k, v in data.items() if k != RENDERED_RATE})
+        fields = wire_data({k: v for k, v in data.items() if k != RENDERED})
         return json.dumps({"type": type, "event_id": f"event_{self.out_seq:06d}", "server_event_seq": self.out_seq, **fields})
 
     def direct(self, type: str, **data: Any) -> str:

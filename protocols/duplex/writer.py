@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import replace
 
 from omni_rt import metrics
-from protocols.duplex.transport import AUDIO_DELTA, RENDERED_RATE, DuplexTransport
+from protocols.duplex.transport import AUDIO_DELTA, RENDERED, DuplexTransport, format_tag
 from protocols.ws import Socket
 from sessions import END_EVENTS, Session, SessionEvent, SessionManager
 
@@ -107,7 +107,7 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
             taken()
             if (this := (ev.fence, ev.data.get("response_id"))) != answer:  # another answer: the silence before it is no hole
                 answer, clock, ahead = this, 0.0, 0.0
-            step = t.out_rate * 2 // 50  # 20 ms
+            step = t.out_fmt.bytes_per_sample * t.out_rate // 50  # 20 ms
             i = 0
             t.sending_audio = True
             try:
@@ -131,10 +131,10 @@ async def write(t: DuplexTransport, sock: Socket, session: Session, sessions: Se
                     part = pcm[i : i + step]
                     await send(t.render(ev.type, {**ev.data, "delta": part}))
                     i += len(part)
-                    ahead += len(part) / 2 / t.out_rate
+                    ahead += len(part) / t.out_fmt.bytes_per_sample / t.out_rate
             except BaseException:
                 if i < len(pcm):  # the socket went away mid-answer: keep what it did not get
-                    pending.appendleft(replace(ev, data={**ev.data, "delta": pcm[i:], RENDERED_RATE: t.out_rate}))
+                    pending.appendleft(replace(ev, data={**ev.data, "delta": pcm[i:], RENDERED: format_tag(t.out_fmt)}))
                 raise
             finally:
                 t.sending_audio = False

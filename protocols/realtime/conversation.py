@@ -11,18 +11,19 @@ own client events and session keys; it never subclasses the conversation.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import Field
 
+from media.wire_audio import WireFormat
 from omni_rt.errors import ClientError, OmniError
 from omni_rt.payloads import Payload
 from omni_rt.specs import PipelineSpec
 from protocols.errors import error_event
-from protocols.realtime.inputs import InputAudio, decode_pcm16
+from protocols.realtime.inputs import InputAudio, decode_audio
 from protocols.realtime.items import GA_NAMES, Item, new_id
 from protocols.realtime.models import DEFAULT_TRANSCRIPTION, Config, WireModel, apply_session_update, parse
 from protocols.realtime.output import AudioOutput, EventOutput
@@ -59,8 +60,8 @@ class WebSocketTransport:
 
     tag_epochs = False
 
-    def __init__(self, conv_emit: Any) -> None:
-        self.output: AudioOutput = EventOutput(conv_emit)
+    def __init__(self, conv_emit: Any, fmt: Callable[[], WireFormat] | None = None) -> None:
+        self.output: AudioOutput = EventOutput(conv_emit, fmt=fmt)
 
     def update_session(self, conv: Conversation, body: Any) -> Config:
         return apply_session_update(conv.cfg, body, conv.pipeline.voices)
@@ -123,7 +124,7 @@ class Conversation:
         self.ga = ga
         self.cfg = Config(model=model)
         self.vad = vad
-        self.transport: Transport = transport if transport is not None else WebSocketTransport(self.emit)
+        self.transport: Transport = transport if transport is not None else WebSocketTransport(self.emit, lambda: self.cfg.output_format)
         self.items: dict[str, Item] = session.data.setdefault("items", {})
         self.input = InputAudio(self)
         self.responses = Responses(self)
@@ -310,7 +311,7 @@ class Conversation:
                     raise ClientError(f"'item.content[{i}].text' must be a string.", code="invalid_type", param=f"item.content[{i}].text")
                 parts.append({"type": c.type, "text": c.text})
             elif c.type == "input_audio" and item.role == "user":
-                audio = decode_pcm16(c.audio, f"item.content[{i}].audio")
+                audio = decode_audio(c.audio, f"item.content[{i}].audio", self.cfg.input_format)
                 parts.append({"type": "input_audio", "transcript": c.transcript})
             else:
                 raise ClientError(f"Content type {c.type!r} is not supported for a {item.role} item.", param=f"item.content[{i}].type")

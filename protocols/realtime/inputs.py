@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from media.wire_audio import InputDecoder, WireFormat, WireFormatError, decode_clip
 from omni_rt import metrics
 from omni_rt.errors import ClientError
 from omni_rt.payloads import Payload, PayloadKind
@@ -39,19 +40,24 @@ MIN_COMMIT_MS = 100
 MAX_KEPT_MS = 300_000
 
 
-def decode_pcm16(b64: Any, param: str, limit: int = MAX_APPEND_BYTES) -> np.ndarray:
-    """Base64 PCM16 LE mono as float32, or the Realtime error for what is wrong with it."""
+def decode_base64(b64: Any, param: str, limit: int = MAX_APPEND_BYTES) -> bytes:
+    """The bytes of a base64 audio field, or the Realtime error for what is wrong with it."""
     if not isinstance(b64, str):
         raise ClientError(f"'{param}' must be a base64 string.", code="invalid_type", param=param)
     if len(b64) > limit * 4 // 3 + 4:
         raise ClientError(f"An append may carry at most {limit} bytes of audio.", param=param)
     try:
-        raw = base64.b64decode(b64, validate=True)
+        return base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):
         raise ClientError(f"'{param}' is not valid base64.", param=param) from None
-    if len(raw) % 2:
-        raise ClientError(f"'{param}' must be 16-bit PCM: an even number of bytes.", param=param)
-    return np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
+
+
+def decode_audio(b64: Any, param: str, fmt: WireFormat) -> np.ndarray:
+    """A whole base64 clip in `fmt` (an item's audio) as float32 at the model rate."""
+    try:
+        return decode_clip(fmt, decode_base64(b64, param), RATE)
+    except WireFormatError as exc:
+        raise ClientError(f"'{param}' is not {fmt.beta()} audio: {exc}", param=param) from None
 
 
 class InputAudio:
@@ -67,6 +73,7 @@ class InputAudio:
         self.vad: VoiceActivity | None = None
         self.collecting: set[asyncio.Task[None]] = set()
         self.heard: list[np.ndarray] = []  # the utterance's audio, kept for its transcription
+        self._decoder: InputDecoder | None = None  # the session's input format -> the model rate (a stream)
 
     # ---- the utterance ----------------------------------------------------------------
     def _front_params(self) -> dict[str, Any]:
@@ -156,7 +163,18 @@ class InputAudio:
 
     # ---- client events -----------------------------------------------------------------
     async def append(self, b64: Any) -> None:
-        pcm = decode_pcm16(b64, "audio")
+        await self.append_bytes(decode_base64(b64, "audio"), "audio")
+
+    async def append_bytes(self, data: bytes, param: str | None = None) -> None:
+        """Append audio in the session's input format (`input_audio_format` /
+        `audio.input.format`: PCM16 at its rate or G.711 at 8 kHz)."""
+        fmt = self.conv.cfg.input_format
+        if self._decoder is None or self._decoder.fmt != fmt:
+            self._decoder = InputDecoder(fmt, RATE)
+        try:
+            pcm = self._decoder.decode(data)
+        except WireFormatError as exc:
+            raise ClientError(f"Audio is not {fmt.beta()}: {exc}", param=param, code="invalid_frame" if param is None else "invalid_value") from None
         if len(pcm):
             await self.append_pcm(pcm)
 

@@ -11,7 +11,6 @@ as the reference server does for fields it does not act on.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal, TypeVar
@@ -19,11 +18,13 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
+from media.wire_audio import WireFormat, WireFormatError
 from omni_rt.errors import ClientError
 from protocols.http import validation_error
 from protocols.tools import parse_tool_choice, parse_tools, realtime_choice_wire, realtime_tools_wire
 
 RATE = 24000
+PCM24 = WireFormat("pcm16", RATE)  # the model rate, and the Realtime API's default format
 
 
 # ---- what a session runs with --------------------------------------------------------------
@@ -74,20 +75,20 @@ class Config:
     transcription_only: bool = False  # a transcription session: utterances are transcribed, never answered
     tools: tuple[dict[str, Any], ...] = ()  # function tools, in the chat shape (protocols.tools)
     tool_choice: Any = "auto"  # auto | none | required | {"type": "function", "function": {"name"}}
+    input_format: WireFormat = PCM24  # what the client's audio is in (decoded to the model rate)
+    output_format: WireFormat = PCM24  # what the answer's audio goes out in
 
     def wire(self, ga: bool, session_id: str) -> dict[str, Any]:
         td = self.turn_detection.wire() if self.turn_detection else None
         limit: Any = self.max_output_tokens if self.max_output_tokens is not None else "inf"
         if self.transcription_only:
             if ga:
-                fmt = {"type": "audio/pcm", "rate": RATE}
                 return {"type": "transcription", "object": "realtime.transcription_session", "id": session_id,
-                        "audio": {"input": {"format": fmt, "transcription": self.transcription, "noise_reduction": None, "turn_detection": td}},
+                        "audio": {"input": {"format": self.input_format.ga(), "transcription": self.transcription, "noise_reduction": None, "turn_detection": td}},
                         "include": None}
-            return {"id": session_id, "object": "realtime.transcription_session", "modalities": ["text"], "input_audio_format": "pcm16",
+            return {"id": session_id, "object": "realtime.transcription_session", "modalities": ["text"], "input_audio_format": self.input_format.beta(),
                     "input_audio_transcription": self.transcription, "turn_detection": td, "input_audio_noise_reduction": None}
         if ga:
-            fmt = {"type": "audio/pcm", "rate": RATE}
             return {
                 "type": "realtime",
                 "object": "realtime.session",
@@ -96,8 +97,8 @@ class Config:
                 "output_modalities": ["audio"] if self.audio_out else ["text"],
                 "instructions": self.instructions,
                 "audio": {
-                    "input": {"format": fmt, "transcription": self.transcription, "noise_reduction": None, "turn_detection": td},
-                    "output": {"format": fmt, "voice": self.voice, "speed": self.speed},
+                    "input": {"format": self.input_format.ga(), "transcription": self.transcription, "noise_reduction": None, "turn_detection": td},
+                    "output": {"format": self.output_format.ga(), "voice": self.voice, "speed": self.speed},
                 },
                 "tools": realtime_tools_wire(self.tools),
                 "tool_choice": realtime_choice_wire(self.tool_choice),
@@ -114,8 +115,8 @@ class Config:
             "modalities": ["text", "audio"] if self.audio_out else ["text"],
             "instructions": self.instructions,
             "voice": self.voice,
-            "input_audio_format": "pcm16",
-            "output_audio_format": "pcm16",
+            "input_audio_format": self.input_format.beta(),
+            "output_audio_format": self.output_format.beta(),
             "input_audio_transcription": self.transcription,
             "turn_detection": td,
             "tools": realtime_tools_wire(self.tools),
@@ -133,10 +134,12 @@ def _invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
 
 
-def _pcm24(v: Any) -> Any:
-    if v == "pcm16" or (isinstance(v, Mapping) and v.get("type") == "audio/pcm" and v.get("rate", RATE) == RATE):
-        return v
-    raise _invalid(f"Unsupported audio format {json.dumps(v)}; use pcm16 (audio/pcm at {RATE} Hz).")
+def _audio_format(v: Any) -> WireFormat:
+    """A Realtime audio format: PCM16 at 24 kHz, or G.711 μ-law / A-law at 8 kHz."""
+    try:
+        return WireFormat.parse_realtime(v, (RATE,))
+    except WireFormatError as exc:
+        raise _invalid(str(exc)) from None
 
 
 def _modalities(v: Any) -> bool:
@@ -188,7 +191,7 @@ def _metadata(v: Any) -> dict[str, str] | None:
     return dict(v)
 
 
-PcmFormat = Annotated[Any, AfterValidator(_pcm24)]
+AudioFormat = Annotated[Any, AfterValidator(_audio_format)]  # -> WireFormat
 Metadata = Annotated[Any, BeforeValidator(_metadata)]
 AudioOut = Annotated[Any, BeforeValidator(_modalities)]  # modalities -> "audio is among them"
 Temperature = Annotated[Any, BeforeValidator(_temperature)]
@@ -243,13 +246,13 @@ class TranscriptionIn(WireModel):
 
 
 class AudioInputIn(WireModel):
-    format: PcmFormat | None = None
+    format: AudioFormat | None = None
     transcription: TranscriptionIn | None = None
     turn_detection: dict[str, Any] | None = None  # merged into the current settings; null: manual commits
 
 
 class AudioOutputIn(WireModel):
-    format: PcmFormat | None = None
+    format: AudioFormat | None = None
     voice: str | None = None
     speed: Number | None = None
 
@@ -268,8 +271,8 @@ class SessionUpdate(WireModel):
     instructions: str | None = None
     modalities: AudioOut | None = None
     output_modalities: AudioOut | None = None
-    input_audio_format: PcmFormat | None = None
-    output_audio_format: PcmFormat | None = None
+    input_audio_format: AudioFormat | None = None
+    output_audio_format: AudioFormat | None = None
     turn_detection: dict[str, Any] | None = None
     input_audio_transcription: TranscriptionIn | None = None
     temperature: Temperature | None = None
@@ -358,11 +361,19 @@ def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Co
         changes["transcription"] = s.input_audio_transcription.settings() if s.input_audio_transcription is not None else None
     if s.temperature is not None:
         changes["temperature"] = s.temperature
+    if s.input_audio_format is not None:
+        changes["input_format"] = s.input_audio_format
+    if s.output_audio_format is not None:
+        changes["output_format"] = s.output_audio_format
     for key in ("max_response_output_tokens", "max_output_tokens"):
         if _given(s, key):
             changes["max_output_tokens"] = getattr(s, key)
     if s.audio is not None:
         inp, out = s.audio.input, s.audio.output
+        if inp is not None and inp.format is not None:
+            changes["input_format"] = inp.format
+        if out is not None and out.format is not None:
+            changes["output_format"] = out.format
         if inp is not None and _given(inp, "transcription"):
             changes["transcription"] = inp.transcription.settings() if inp.transcription is not None else None
         if inp is not None and _given(inp, "turn_detection"):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from media.wire_audio import OutputEncoder, WireFormat
 from omni_rt.errors import ClientError
 from omni_rt.payloads import Fence
 from protocols.realtime.items import Response
@@ -59,12 +60,25 @@ class _Answer:
 
 
 class EventOutput:
-    """Audio as session events. `emit` is the conversation's (dialect names, fences)."""
+    """Audio as session events. `emit` is the conversation's (dialect names, fences).
+    With `fmt` (the session's output format, read at each chunk) the events carry the
+    audio in that format (G.711 at 8 kHz: resampled per answer, its tail flushed at
+    `end`); without it they carry PCM16 at the model rate and the transport converts."""
 
-    def __init__(self, emit: Callable[..., None], acks: bool = False) -> None:
+    def __init__(self, emit: Callable[..., None], acks: bool = False, fmt: Callable[[], WireFormat] | None = None) -> None:
         self.emit = emit
         self.acks = acks
+        self.fmt = fmt
+        self._enc: OutputEncoder | None = None
         self.answers: OrderedDict[str, _Answer] = OrderedDict()  # response id -> what was produced / heard
+
+    def _encoded(self, resp: Response, pcm16: bytes) -> bytes:
+        fmt = self.fmt() if self.fmt is not None else None
+        if fmt is None or (fmt.encoding == "pcm16" and fmt.rate == RATE):
+            return pcm16
+        if self._enc is None or self._enc.fmt != fmt:
+            self._enc = OutputEncoder(fmt, RATE)
+        return self._enc.encode(resp.id, pcm16)
 
     def push(self, resp: Response, fence: Fence, pcm16: bytes) -> None:
         if self.acks:
@@ -74,10 +88,14 @@ class EventOutput:
                 while len(self.answers) > RECENT_ANSWERS:
                     self.answers.popitem(last=False)
             a.samples += len(pcm16) // 2
-        self.emit("response.audio.delta", fence, delta=pcm16, **resp.ids)
+        self.emit("response.audio.delta", fence, delta=self._encoded(resp, pcm16), **resp.ids)
 
     def end(self, resp: Response, fence: Fence) -> None:
-        pass  # audio leaves at the model rate; a transport that resamples flushes at audio.done
+        # an encoding output's resampler holds the answer's last few ms (a transport
+        # that converts itself flushes at audio.done)
+        tail = self._enc.finish(resp.id) if self._enc is not None else b""
+        if tail:
+            self.emit("response.audio.delta", fence, delta=tail, **resp.ids)
 
     def ack(self, response_id: Any, played_ms: Any) -> None:
         """`playback.ack`: the client has played `played_ms` of that answer."""

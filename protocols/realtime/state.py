@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import TYPE_CHECKING, Any
 
+from media.wire_audio import WireFormat
 from protocols.realtime.items import Item
 from protocols.realtime.models import Config, TurnDetection
 
@@ -34,7 +35,14 @@ def config_of(raw: Any) -> Config:
     td = raw.get("turn_detection")
     if td is not None and (not isinstance(td, dict) or set(td) - _TD_FIELDS):
         raise ValueError("turn_detection does not match this release")
-    return Config(**{**raw, "turn_detection": TurnDetection(**td) if td is not None else None, "tools": tuple(raw.get("tools") or ())})
+    formats = {}
+    for key in ("input_format", "output_format"):
+        f = raw.get(key)
+        if f is not None:
+            if not isinstance(f, dict) or f.get("encoding") not in ("pcm16", "pcmu", "pcma") or not isinstance(f.get("rate"), int):
+                raise ValueError(f"{key} {f!r} does not match this release")
+            formats[key] = WireFormat(f["encoding"], f["rate"])
+    return Config(**{**raw, "turn_detection": TurnDetection(**td) if td is not None else None, "tools": tuple(raw.get("tools") or ()), **formats})
 
 
 def items_of(raw: Any) -> dict[str, Item]:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from media.wire_audio import WireFormat
 from omni_rt.errors import ClientError
 from protocols.auth import principal_of
 from protocols.duplex.model import AUDIO_DELTA, DuplexModel, ModelConversation, open_conversation
@@ -50,7 +51,7 @@ class MoshiCall:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.pending: list[str] = []
         # RTP both ways at 48 kHz: the conversation resamples to and from the model's rate
-        conv.in_rate = conv.out_rate = RTP_RATE
+        conv.set_formats(WireFormat("pcm16", RTP_RATE), WireFormat("pcm16", RTP_RATE))
         conv.binary_out = True
 
     def spawn(self, coro: Any) -> None:

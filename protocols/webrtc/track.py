@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from media.audio_formats import Pcm16Resampler
+from media.wire_audio import OutputEncoder, WireFormat
 from omni_rt import metrics
 from omni_rt.payloads import Fence
 from protocols.realtime import RATE, Response
@@ -143,7 +143,7 @@ class TrackOutput:
         self.session = session
         self.sessions = sessions
         self.track = PacedAudioTrack(session, self._playback_state)
-        self._rs = Pcm16Resampler(RATE, RTP_RATE)
+        self._rs = OutputEncoder(WireFormat("pcm16", RTP_RATE), RATE)
         self.items: dict[str, str] = {}  # response id -> its item id (recent answers)
 
     def _playback_state(self, type: str, response_id: str | None) -> None:
@@ -156,7 +156,7 @@ class TrackOutput:
                 old = next(iter(self.items))
                 self.items.pop(old)
                 self.track.played.pop(old, None)
-        if not self.track.push(fence, resp.id, np.frombuffer(self._rs.convert(resp.id, pcm16), "<i2")):
+        if not self.track.push(fence, resp.id, np.frombuffer(self._rs.encode(resp.id, pcm16), "<i2")):
             log.warning("call %s: more than %.0f s of audio waiting to play; ending it", self.session.id, MAX_BUFFERED_S)
             self.sessions.end_soon(self.session, "slow_consumer")
 

@@ -224,7 +224,7 @@ async def test_a_user_who_stops_sending_is_heard_as_silence_until_the_idle_ttl()
         await created(other)
         # oversized frames and other formats: the protocol's errors
         await a.send_bytes(b"\x01" + bytes((1 << 20) + 2))
-        await a.send_str(json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu", "rate": 8000}}}}}))
+        await a.send_str(json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/opus", "rate": 48000}}}}}))
         errors: list[dict[str, Any]] = []
         while len(errors) < 2:
             msg = await a.receive(timeout=5)

@@ -163,7 +163,7 @@ BAD = [
     (json.dumps({"type": "conversation.item.retrieve", "item_id": "nope", "event_id": "e9"}), "item_retrieve_invalid_item_id", "item_id"),
     (json.dumps({"type": "response.create", "response": {"metadata": {"k": 5}}}), "invalid_type", "response.metadata"),
     (json.dumps({"type": "response.create", "response": {"metadata": {str(i): "v" for i in range(17)}}}), "invalid_value", "response.metadata"),
-    (json.dumps({"type": "session.update", "session": {"input_audio_format": "g711_ulaw"}}), "invalid_value", "session.input_audio_format"),
+    (json.dumps({"type": "session.update", "session": {"input_audio_format": "opus"}}), "invalid_value", "session.input_audio_format"),
     (json.dumps({"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}}), "invalid_value",
      "session.audio.output.format"),
     (json.dumps({"type": "session.update", "session": {"temperature": 0.2}}), "invalid_value", "session.temperature"),
