@@ -23,7 +23,7 @@ from omni_rt.runtime import Runtime
 from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileSpec, ServerSpec, SessionsSpec, SpecError, apply_overlay
 from protocols import models as models_api
 from protocols import sessions_api
-from protocols.auth import CLIENT_SECRETS, ClientSecrets, KeyRing, auth_middleware
+from protocols.auth import CLIENT_SECRETS, KEYS, ClientSecrets, KeyRing, auth_middleware
 from protocols.http import LIMITS, Limits, error_middleware, json_response
 from protocols.registry import Mount, Routes, mount
 from sessions import SessionManager
@@ -291,6 +291,7 @@ def create_app(
     app = web.Application(middlewares=[error_middleware, auth_middleware(keys, client_secrets)], client_max_size=srv.max_upload_bytes)
     app[LIMITS] = Limits(srv.max_body_bytes, srv.max_upload_bytes, srv.send_timeout_s)
     app[CLIENT_SECRETS] = client_secrets
+    app[KEYS] = keys
     app[RUNTIME] = runtime
     app[SESSIONS] = sessions
     app.cleanup_ctx.append(lifespan)

@@ -29,7 +29,9 @@ from omni_rt.errors import ClientError
 from protocols.http import error_response
 
 ANONYMOUS = "anonymous"
-OPEN_PATHS = frozenset({"/health", "/healthz"})
+# /v1/telephony/twilio: Twilio strips query strings and sends no headers; the call
+# authenticates in its stream's start message (protocols.telephony.twilio)
+OPEN_PATHS = frozenset({"/health", "/healthz", "/v1/telephony/twilio"})
 # Pages anyone may load with a plain GET (they hold no data; what they call needs a key).
 OPEN_PAGES = frozenset({"/", "/demo", "/demo/world", "/demo/video", "/dashboard"})
 OPEN_PREFIX = "/static/"
@@ -132,6 +134,9 @@ class KeyRing:
         if scheme.lower() not in ("bearer", "api-key") or not key.strip():
             return None
         return self._keys.get(_digest(key.strip()))
+
+
+KEYS = web.AppKey("keys", KeyRing)  # the server's API keys (wires that authenticate in-band read them)
 
 
 def _unauthorized(message: str) -> ClientError:

@@ -27,6 +27,7 @@ WIRES: dict[str, str] = {
     "realtime": "protocols.realtime:mount",
     "duplex": "protocols.duplex:mount",
     "webrtc": "protocols.webrtc:mount",
+    "twilio": "protocols.telephony.twilio:mount",
     "images": "protocols.images:mount",
     "world": "protocols.world:mount",
     "videos": "protocols.videos:mount",

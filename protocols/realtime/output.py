@@ -80,7 +80,8 @@ class EventOutput:
             self._enc = OutputEncoder(fmt, RATE)
         return self._enc.encode(resp.id, pcm16)
 
-    def push(self, resp: Response, fence: Fence, pcm16: bytes) -> None:
+    def produced(self, resp: Response, pcm16: bytes) -> None:
+        """Count a chunk of the answer (PCM16 at the model rate) as produced."""
         if self.acks:
             a = self.answers.get(resp.id)
             if a is None:
@@ -88,6 +89,9 @@ class EventOutput:
                 while len(self.answers) > RECENT_ANSWERS:
                     self.answers.popitem(last=False)
             a.samples += len(pcm16) // 2
+
+    def push(self, resp: Response, fence: Fence, pcm16: bytes) -> None:
+        self.produced(resp, pcm16)
         self.emit("response.audio.delta", fence, delta=self._encoded(resp, pcm16), **resp.ids)
 
     def end(self, resp: Response, fence: Fence) -> None:

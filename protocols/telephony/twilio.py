@@ -1,0 +1,310 @@
+"""`/v1/telephony/twilio`: a Twilio Media Streams WebSocket (`<Connect><Stream>`, the
+bidirectional stream) onto a voice conversation.
+
+Twilio's messages, as its documentation describes them:
+
+- in: `connected`; `start {streamSid, start: {callSid, tracks, customParameters,
+  mediaFormat: {encoding: audio/x-mulaw, sampleRate: 8000, channels: 1}}}`; `media
+  {media: {track, chunk, timestamp, payload}}` (base64 μ-law, 20 ms); `dtmf {dtmf:
+  {digit}}`; `mark {mark: {name}}` (a mark this server sent, echoed once the audio
+  before it has played, or when a `clear` dropped it); `stop`.
+- out: `media {streamSid, media: {payload}}` (base64 μ-law at 8 kHz, no header),
+  `mark {streamSid, mark: {name}}` after each piece of an answer, `clear {streamSid}`
+  when the caller talks over the agent.
+
+The conversation is the Realtime one (server VAD, barge-in, history, tools), in μ-law
+both ways. What the caller heard is what the marks say: each mark names the answer and
+how many milliseconds of it had been sent before it; when the caller cuts in, the
+answer is kept in history up to the last mark Twilio echoed before the `clear`.
+A `dtmf` digit is an `input_audio_buffer.dtmf_event_received {event, received_at}`
+session event, and with the parameter `dtmf: "message"` also a user message
+(`DTMF <digit>`) in the conversation.
+
+Twilio strips query strings from the stream URL: the call's settings come as
+`<Parameter>` nouns (`start.customParameters`): `authorization` (`Bearer <key>`, or
+`api_key`) where the server has API keys, `model`, `voice`, `instructions`,
+`max_output_tokens`. The
+handshake itself is open; a call that does not authenticate in its `start` is closed
+(1008) before a session is opened. A call is a `realtime` session (caps, leases,
+load-aware admission, drain). Closing the socket ends the `<Connect>` and so the
+call; a session the server ends (idle, drain, shutdown) closes the socket.
+
+Bad input: a `media` before `start`, a `start` with another media format, or no
+`start` within 10 s closes the stream with 1008 and the reason (no session was opened);
+once the call runs, a message that is not JSON or a payload that is not base64 is
+dropped with a warning (`omni_rt_telephony_bad_frames_total`) and the call goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from media.wire_audio import PCMU
+from omni_rt.errors import ClientError
+from omni_rt.payloads import Fence
+from protocols.auth import KEYS, KeyRing
+from protocols.realtime import Config, Conversation, EventOutput, Response, vad_of
+from protocols.realtime.models import apply_session_update
+from protocols.registry import Mount
+from protocols.wire_json import load_json
+from protocols.ws import DISCONNECTED, Socket, accept, serve_events
+from sessions import SessionError, SessionEvent
+
+log = logging.getLogger("protocols.telephony.twilio")
+
+PATH = "/v1/telephony/twilio"
+MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
+START_TIMEOUT_S = 10.0  # Twilio sends connected and start at once
+BAD_FRAMES = Counter("omni_rt_telephony_bad_frames_total", "Telephony stream messages dropped as malformed", ["provider", "why"])
+MARK = "twilio.mark"
+CLEAR = "twilio.clear"
+
+
+class StreamError(ClientError):
+    """The stream broke Twilio's protocol: closed with 1008 and this reason."""
+
+
+class MarkedOutput(EventOutput):
+    """The answer's audio as μ-law events, each followed by a mark naming the answer
+    and the milliseconds sent so far; Twilio's echo of a mark is what was heard."""
+
+    def __init__(self, conv_emit: Any, session_emit: Any) -> None:
+        super().__init__(conv_emit, acks=True, fmt=lambda: PCMU)
+        self.session_emit = session_emit
+        self.sent: dict[str, int] = {}  # response id -> μ-law bytes sent
+        self.outstanding = 0  # marks sent and not echoed yet: audio Twilio may still play
+
+    def push(self, resp: Response, fence: Fence, pcm16: bytes) -> None:
+        self.produced(resp, pcm16)
+        self._send(resp, fence, self._encoded(resp, pcm16))
+
+    def end(self, resp: Response, fence: Fence) -> None:
+        self._send(resp, fence, self._enc.finish(resp.id) if self._enc is not None else b"")
+
+    def _send(self, resp: Response, fence: Fence, data: bytes) -> None:
+        if not data:
+            return
+        a = self.answers.get(resp.id)
+        if a is not None and a.heard_ms is None:
+            a.heard_ms = 0  # marks are reliable: nothing echoed yet is nothing heard yet
+        self.emit("response.audio.delta", fence, delta=data, **resp.ids)
+        sent = self.sent[resp.id] = self.sent.get(resp.id, 0) + len(data)
+        while len(self.sent) > 16:
+            self.sent.pop(next(iter(self.sent)))
+        self.outstanding += 1
+        self.session_emit(MARK, {"name": f"{resp.id}:{sent * 1000 // PCMU.rate}"}, fence=fence)
+
+    def echoed(self, name: Any) -> None:
+        """Twilio played (or cleared) the audio before this mark."""
+        self.outstanding = max(0, self.outstanding - 1)
+        rid, _, ms = str(name).rpartition(":")
+        if rid in self.answers and ms.isdigit():
+            self.ack(rid, int(ms))
+
+    def clear(self) -> dict[str, int]:
+        cut = super().clear()
+        if self.outstanding:
+            self.session_emit(CLEAR, {})  # unfenced: it goes out before the next answer
+            self.outstanding = 0
+        return cut
+
+
+class TwilioTransport:
+    tag_epochs = False
+
+    def __init__(self, output: MarkedOutput) -> None:
+        self.output = output
+
+    def update_session(self, conv: Conversation, body: Any) -> Config:
+        return apply_session_update(conv.cfg, body, conv.pipeline.voices)
+
+    def session_wire(self, conv: Conversation) -> dict[str, Any]:
+        return conv.cfg.wire(True, conv.session.id)
+
+    async def on_event(self, conv: Conversation, type: str, ev: dict[str, Any], event_id: str | None) -> bool:
+        return False
+
+
+def _authorized(keys: KeyRing | None, params: Mapping[str, Any]) -> str | None:
+    """The principal a call's parameters authenticate, or None."""
+    if keys is None or not keys.enabled:
+        return "anonymous"
+    auth = params.get("authorization")
+    if not isinstance(auth, str) and isinstance(params.get("api_key"), str):
+        auth = f"Bearer {params['api_key']}"
+    principal = keys.principal_for(auth if isinstance(auth, str) else None)
+    return principal.name if principal is not None else None
+
+
+def _message(data: str | bytes) -> dict[str, Any]:
+    try:
+        msg = load_json(data)
+    except ClientError as exc:
+        raise StreamError(f"not a Twilio stream message: {exc.message}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
+        raise StreamError("each message is a JSON object with a string 'event'")
+    return msg
+
+
+def mount(m: Mount) -> None:
+    sessions, pipeline = m.sessions, m.pipeline
+    vad = vad_of(m)
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        sock = await accept(request, heartbeat=None)
+        try:
+            start = await _await_start(sock)
+        except StreamError as exc:
+            await sock.close(1008, exc.message[:120])
+            return sock.ws
+        if start is None:
+            return sock.ws
+        stream_sid = str(start.get("streamSid") or start["start"].get("streamSid") or "")
+        info = start["start"]
+        params = info.get("customParameters") or {}
+        if not isinstance(params, dict):
+            params = {}
+        keys = request.app.get(KEYS)
+        principal = _authorized(keys, params)
+        if principal is None:
+            await sock.close(1008, "unauthorized: pass the API key as <Parameter name=\"authorization\" value=\"Bearer ...\"/>")
+            return sock.ws
+        try:
+            cfg = _config(pipeline, params)
+            session = await sessions.open("realtime", pipeline.name, principal=principal)
+        except (SessionError, ClientError) as exc:
+            await sock.close(exc.ws_close, exc.message[:120])
+            return sock.ws
+        conv = Conversation(session, sessions, pipeline, ga=True, model=cfg.model, vad=vad)
+        conv.cfg = cfg
+        output = MarkedOutput(conv.emit, session.emit)
+        conv.transport = TwilioTransport(output)
+        session.params.update({"call_sid": info.get("callSid"), "stream_sid": stream_sid})
+        dtmf_message = params.get("dtmf") == "message"
+        log.info("twilio call %s (stream %s) is session %s", info.get("callSid"), stream_sid, session.id)
+
+        def frame(ev: SessionEvent) -> str | None:
+            if ev.type == "response.output_audio.delta":
+                return json.dumps({"event": "media", "streamSid": stream_sid, "media": {"payload": base64.b64encode(ev.data["delta"]).decode()}})
+            if ev.type == MARK:
+                return json.dumps({"event": "mark", "streamSid": stream_sid, "mark": {"name": ev.data["name"]}})
+            if ev.type == CLEAR:
+                return json.dumps({"event": "clear", "streamSid": stream_sid})
+            if ev.type == "error":
+                log.warning("twilio call %s: %s", info.get("callSid"), ev.data.get("error"))
+            return None  # the rest of the conversation's events have no place on this wire
+
+        async def on_message(data: str | bytes) -> bool:
+            try:
+                msg = _message(data)
+            except StreamError as exc:
+                BAD_FRAMES.labels("twilio", "message").inc()
+                log.warning("twilio call %s: %s; dropped", info.get("callSid"), exc.message)
+                return True
+            kind = msg["event"]
+            if kind == "media":
+                media = msg.get("media") or {}
+                if media.get("track", "inbound") not in ("inbound", "inbound_track"):
+                    return True
+                try:
+                    audio = base64.b64decode(media.get("payload") or "", validate=True)
+                except (binascii.Error, ValueError, TypeError):
+                    BAD_FRAMES.labels("twilio", "base64").inc()
+                    log.warning("twilio call %s: a media payload is not base64; dropped", info.get("callSid"))
+                    return True
+                session.touch()
+                try:
+                    await conv.input.append_bytes(audio)
+                except ClientError as exc:
+                    log.warning("twilio call %s: audio refused: %s", info.get("callSid"), exc.message)
+            elif kind == "mark":
+                output.echoed((msg.get("mark") or {}).get("name"))
+            elif kind == "dtmf":
+                digit = str((msg.get("dtmf") or {}).get("digit", ""))[:1]
+                if digit:
+                    session.emit("input_audio_buffer.dtmf_event_received", {"event": digit, "received_at": int(time.time())})
+                    if dtmf_message:
+                        await conv.handle(json.dumps({"type": "conversation.item.create", "item": {
+                            "type": "message", "role": "user", "content": [{"type": "input_text", "text": f"DTMF {digit}"}]}}))
+            elif kind == "stop":
+                return False  # the call ended
+            elif kind in ("connected", "start"):
+                pass
+            else:
+                BAD_FRAMES.labels("twilio", "event").inc()
+                log.info("twilio call %s: unknown event %r ignored", info.get("callSid"), kind)
+            return True
+
+        async def on_exit(why: str) -> None:
+            await conv.shutdown("call_ended")
+            await sessions.end(session, {"client_left": "client_disconnected", "client_closed": "call_ended"}.get(why, why))
+
+        why = await serve_events(sock, session, frame, on_message, on_exit)
+        await sock.close(1011 if why == "server_error" else 1000, "call ended")
+        return sock.ws
+
+    m.websocket(PATH, stream, "Twilio Media Streams (<Connect><Stream>): phone calls onto the voice agent")
+
+
+async def _await_start(sock: Socket) -> dict[str, Any] | None:
+    """Twilio's `connected`, then `start`: the start message, checked; None when the
+    stream closed first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + START_TIMEOUT_S
+    while True:
+        try:
+            data = await asyncio.wait_for(sock.receive(), max(0.01, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise StreamError(f"no 'start' message within {START_TIMEOUT_S:.0f} s") from None
+        except DISCONNECTED:
+            return None
+        if data is None:
+            return None
+        msg = _message(data)
+        kind = msg["event"]
+        if kind == "connected":
+            continue
+        if kind != "start":
+            raise StreamError(f"'{kind}' before 'start': a stream starts with connected, then start")
+        start = msg.get("start")
+        if not isinstance(start, dict):
+            raise StreamError("'start' carries a 'start' object")
+        fmt = start.get("mediaFormat") or {}
+        if not isinstance(fmt, dict) or fmt.get("encoding") != MEDIA_FORMAT["encoding"] or int(fmt.get("sampleRate") or 0) != 8000 \
+                or int(fmt.get("channels") or 1) != 1:
+            raise StreamError(f"mediaFormat {fmt!r} is not served; Twilio streams audio/x-mulaw at 8000 Hz, mono")
+        return msg
+
+
+def _config(pipeline: Any, params: Mapping[str, Any]) -> Config:
+    """The call's conversation: the deploy's default session, μ-law both ways, and the
+    call's `<Parameter>` settings (`model`, `voice`, `instructions`, `max_output_tokens`)."""
+    model = params.get("model")
+    if model is not None and model not in pipeline.models:
+        raise ClientError(f"model {model!r} is not served here", param="model")
+    cfg = replace(Config(model=model or pipeline.models[0]), input_format=PCMU, output_format=PCMU)
+    update: dict[str, Any] = {}
+    if isinstance(params.get("voice"), str):
+        update["voice"] = params["voice"]
+    if isinstance(params.get("instructions"), str):
+        update["instructions"] = params["instructions"]
+    limit = params.get("max_output_tokens")
+    if limit is not None:  # <Parameter> values are strings
+        if not (isinstance(limit, str) and limit.isdigit()) and limit != "inf":
+            raise ClientError("max_output_tokens is an integer or 'inf'", param="max_output_tokens")
+        update["max_output_tokens"] = limit if limit == "inf" else int(limit)
+    return apply_session_update(cfg, update, pipeline.voices) if update else cfg
+
+
+__all__ = ["PATH", "MarkedOutput", "mount"]

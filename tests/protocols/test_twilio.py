@@ -1,0 +1,124 @@
+"""`/v1/telephony/twilio` in process (testkit: the real app over fake engines,
+EnergyVad), driven by a peer that speaks Twilio Media Streams as Twilio documents it
+(`testkit.twilio`): μ-law both ways, marks as what the caller heard, barge-in → clear,
+DTMF, stop, and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+
+from protocols.realtime import Conversation
+from testkit import serve
+from testkit.twilio import TwilioStream
+from testkit.wire import from_g711, g711, quiet, tone
+
+PATH = "/v1/telephony/twilio"
+
+
+async def call(h, params=None, play_speed: float = 8.0, **kw) -> TwilioStream:
+    t = TwilioStream(await h.client.ws_connect(PATH), play_speed=play_speed)
+    await t.start(params, **kw)
+    return t
+
+
+def conversation(h) -> Conversation:
+    convs = [c for s in h.sessions.sessions() if (c := s.kept(Conversation)) is not None]
+    assert len(convs) == 1, convs
+    return convs[0]
+
+
+async def test_a_call_hears_the_caller_and_speaks_mulaw_with_marks():
+    async with serve(["voice"]) as h:
+        t = await call(h, {"voice": "alloy", "max_output_tokens": "6"})
+        await t.say(g711(quiet(0.4) + tone(0.8) + quiet(0.8)))
+        await t.wait_for(lambda: t.played_marks and not any(k == "media" for k, _ in t._queue) and len(t.audio) > 800)
+        await asyncio.sleep(0.3)
+        media = [m for m in t.received if m["event"] == "media"]
+        marks = [m["mark"]["name"] for m in t.received if m["event"] == "mark"]
+        assert media and marks and set(m["streamSid"] for m in t.received) == {t.stream_sid}
+        # every media message is plain base64 μ-law (no header); marks follow the audio they end
+        heard = from_g711(bytes(t.audio))
+        assert len(heard) == len(t.audio) and np.abs(heard).max() > 0
+        assert t.received[-1]["event"] == "mark"
+        rid, _, ms = marks[-1].rpartition(":")
+        assert rid.startswith("resp_") and int(ms) == len(t.audio) * 1000 // 8000
+        # the conversation heard the caller's speech and knows the call
+        conv = conversation(h)
+        assert conv.session.params["call_sid"] == t.call_sid and conv.cfg.voice == "alloy"
+        assert h.processor("thinker").seen[0]["audio_rows"] >= 25
+        # stop ends the call: the session closes and so does the socket
+        await t.stop()
+        await t.wait_for(lambda: t.closed is not None)
+        assert t.closed[0] == 1000 and not h.sessions.sessions()
+        await t.close()
+
+
+async def test_barge_in_sends_clear_and_history_keeps_only_what_played():
+    async with serve(["voice"]) as h:
+        t = await call(h, {"max_output_tokens": "400"}, play_speed=1.0)  # the caller hears in real time
+        await t.say(g711(quiet(0.2) + tone(0.6) + quiet(0.7)))
+        await t.wait_for(lambda: len(t.played_marks) >= 3, timeout=20)
+        conv = conversation(h)
+        # the caller talks over the agent: the server clears Twilio's buffer
+        await t.say(g711(tone(0.6)), real_time=True)
+        await t.wait_for(lambda: t.clears >= 1)
+        await asyncio.sleep(0.3)  # the marks of the dropped audio come back meanwhile
+        assert t.cleared_marks, "the clear dropped audio whose marks Twilio sent back"
+        answer = next(i for i in conv.items.values() if i.role == "assistant")
+        rid = t.played_at_clear[-1].rpartition(":")[0]
+        played = max(int(n.rpartition(":")[2]) for n in t.played_at_clear if n.startswith(rid + ":"))
+        assert answer.audio_ms > played and answer.transcript
+        # history keeps the answer up to the last mark played before the clear; the marks
+        # sent back for the cleared audio do not count as heard
+        kept = answer.content[0]["transcript"]
+        assert 0 < len(kept) <= round(len(answer.transcript) * played / answer.audio_ms) < len(answer.transcript)
+        await t.close()
+
+
+async def test_dtmf_reaches_the_conversation_and_the_call_goes_on_past_bad_frames():
+    async with serve(["voice"]) as h:
+        t = await call(h, {"dtmf": "message", "max_output_tokens": "4"})
+        await t.ws.send_str("this is not json")
+        await t.ws.send_str(json.dumps({"event": "media", "streamSid": t.stream_sid, "media": {"payload": "%%%not base64"}}))
+        await t.ws.send_str(json.dumps({"event": "something_new", "streamSid": t.stream_sid}))
+        await t.dtmf("5")
+        await t.say(g711(quiet(0.4) + tone(0.8) + quiet(0.8)))
+        await t.wait_for(lambda: t.played_marks)
+        prompt = h.processor("thinker").seen[0]["messages"]
+        assert any("DTMF 5" in str(m.get("content")) for m in prompt), prompt
+        assert t.closed is None
+        await t.close()
+
+
+async def test_a_stream_that_breaks_the_protocol_is_closed_before_a_session_opens():
+    async with serve(["voice"]) as h:
+        ws = await h.client.ws_connect(PATH)
+        await ws.send_str(json.dumps({"event": "media", "media": {"payload": ""}}))
+        msg = await ws.receive(timeout=5)
+        assert ws.close_code == 1008 and "before 'start'" in str(msg.extra)
+        t = await call(h, media_format={"encoding": "audio/x-l16", "sampleRate": 16000, "channels": 1})
+        await t.wait_for(lambda: t.closed is not None)
+        assert t.closed[0] == 1008 and "mediaFormat" in t.closed[1]
+        await t.close()
+        t = await call(h, {"model": "no-such-model"})
+        await t.wait_for(lambda: t.closed is not None)
+        assert "no-such-model" in t.closed[1]
+        await t.close()
+        assert not h.sessions.sessions()
+
+
+async def test_with_api_keys_the_call_authenticates_in_its_parameters():
+    overlay = {"server": {"api_keys": [{"key": "sk-phone", "principal": "phones"}]}}
+    async with serve(["voice"], overlay) as h:
+        t = await call(h)
+        await t.wait_for(lambda: t.closed is not None)
+        assert t.closed[0] == 1008 and "authorization" in t.closed[1]
+        await t.close()
+        t = await call(h, {"authorization": "Bearer sk-phone", "max_output_tokens": "4"})
+        await t.say(g711(quiet(0.4) + tone(0.8) + quiet(0.8)))
+        await t.wait_for(lambda: t.played_marks)
+        assert conversation(h).session.principal == "phones"
+        await t.close()
