@@ -276,6 +276,14 @@ class ServerSpec(_Strict):
         None, description="addresses WebRTC calls offer as host candidates (default: 127.0.0.1 when host is loopback, else every non-loopback address)"
     )
     webrtc_ice_servers: list[str] = Field(default=[], description="STUN/TURN URLs for WebRTC calls, e.g. stun:stun.example.org:3478")
+    call_webhook_url: str | None = Field(default=
+        None, pattern=r"^https?://", description="phone calls under call control: each new call is POSTed here as a "
+        "realtime.call.incoming webhook and waits for POST /v1/realtime/calls/{call_id}/accept (unset: calls are accepted at once)"
+    )
+    call_webhook_secret: str | None = Field(default=
+        None, pattern=r"^whsec_[A-Za-z0-9+/=]+$", description="the Standard Webhooks secret (whsec_<base64>) the call webhooks are signed with"
+    )
+    call_accept_timeout_s: float = Field(default=15.0, gt=0, le=300, description="a call not accepted within this long is rejected")
     max_body_bytes: int = Field(default=
         4 << 20, ge=1024, description="largest HTTP request body (JSON, SDP); a bigger one is refused with 413 before it is read"
     )
@@ -298,6 +306,8 @@ class ServerSpec(_Strict):
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             given, missing = ("ssl_certfile", "ssl_keyfile") if self.ssl_certfile is not None else ("ssl_keyfile", "ssl_certfile")
             raise ValueError(f"{given} is set but {missing} is not: TLS needs both the certificate and its key")
+        if self.call_webhook_url is not None and self.call_webhook_secret is None:
+            raise ValueError("call_webhook_url is set but call_webhook_secret is not: call webhooks are signed (whsec_<base64>)")
         return self
 
 

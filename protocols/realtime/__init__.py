@@ -21,9 +21,10 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import Field
 
-from omni_rt.errors import ClientError
+from omni_rt.errors import ClientError, NotFound
 from omni_rt.specs import PipelineSpec
 from protocols.auth import CLIENT_SECRETS, ClientSecret, client_secret_of, principal_of
+from protocols.calls import calls_of
 from protocols.http import json_response, read_json, validate_body
 from protocols.realtime.conversation import Conversation, Transport, WebSocketTransport
 from protocols.realtime.items import AUDIO_PLACEHOLDER, GA_NAMES, Item, Response, new_id, wire_data
@@ -130,6 +131,16 @@ def mount(m: Mount) -> None:
         return json_response({**cfg.wire(False, new_id("sess")), "client_secret": {"value": value, "expires_at": expires_at}})
 
     async def realtime(request: web.Request) -> web.StreamResponse:
+        call_id = request.query.get("call_id")
+        if call_id is not None:  # a phone call's sideband control socket (protocols.calls)
+            calls = calls_of(sessions)
+            try:
+                if calls is None:
+                    raise NotFound(f"No call '{call_id}'.", code="call_not_found")
+                call = calls.get(request, call_id)
+            except ClientError as exc:
+                return await reject(request, exc)
+            return await call.attach(request)
         ga = "realtime=v1" not in (request.headers.get("openai-beta") or "")
         try:
             cfg = start_config(pipeline, request.query.get("model"), client_secret_of(request))

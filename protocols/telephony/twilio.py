@@ -29,6 +29,12 @@ handshake itself is open; a call that does not authenticate in its `start` is cl
 load-aware admission, drain). Closing the socket ends the `<Connect>` and so the
 call; a session the server ends (idle, drain, shutdown) closes the socket.
 
+Call control (`protocols.calls`): the call's id is its session's; with
+`server.call_webhook_url` set the call rings (a signed `realtime.call.incoming`
+webhook) and is heard once the app accepts it (`POST /v1/realtime/calls/{id}/accept`);
+`/v1/realtime?call_id=` attaches a sideband control socket to it, which gets the
+conversation's events (this wire carries only audio, marks and clears).
+
 Bad input: a `media` before `start`, a `start` with another media format, or no
 `start` within 10 s closes the stream with 1008 and the reason (no session was opened);
 once the call runs, a message that is not JSON or a payload that is not base64 is
@@ -54,6 +60,7 @@ from media.wire_audio import PCMU
 from omni_rt.errors import ClientError
 from omni_rt.payloads import Fence
 from protocols.auth import KEYS, KeyRing
+from protocols.calls import PhoneCall, registry
 from protocols.realtime import Config, Conversation, EventOutput, Response, vad_of
 from protocols.realtime.models import apply_session_update
 from protocols.registry import Mount
@@ -160,6 +167,21 @@ def _message(data: str | bytes) -> dict[str, Any]:
 def mount(m: Mount) -> None:
     sessions, pipeline = m.sessions, m.pipeline
     vad = vad_of(m)
+    calls = registry(sessions, m.server)
+
+    def apply_config(call: PhoneCall, body: dict[str, Any]) -> None:
+        """An accept's session configuration on the call (the phone leg stays μ-law)."""
+        model = body.get("model")
+        if model is not None and model not in pipeline.models:
+            raise ClientError(f"The model {model!r} does not exist; available: {', '.join(pipeline.models)}.", code="model_not_found", param="model")
+        cfg = apply_session_update(call.conv.cfg, {k: v for k, v in body.items() if k != "model"}, pipeline.voices)
+        call.conv.cfg = replace(cfg, model=model or cfg.model, input_format=PCMU, output_format=PCMU)
+
+    calls.mount(m.route, apply_config)
+
+    async def _ring(call: PhoneCall) -> None:
+        if await calls.ring(call) is None:
+            await sessions.end(call.session, "call_rejected")
 
     async def stream(request: web.Request) -> web.StreamResponse:
         sock = await accept(request, heartbeat=None)
@@ -191,6 +213,15 @@ def mount(m: Mount) -> None:
         output = MarkedOutput(conv.emit, session.emit)
         conv.transport = TwilioTransport(output)
         session.params.update({"call_sid": info.get("callSid"), "stream_sid": stream_sid})
+        headers = [{"name": "X-Twilio-CallSid", "value": str(info.get("callSid") or "")}, {"name": "X-Twilio-StreamSid", "value": stream_sid}]
+        headers += [{"name": f"X-Twilio-Param-{k}", "value": str(v)} for k, v in params.items() if k not in ("authorization", "api_key")]
+        call = PhoneCall(session, conv, "twilio", headers)
+        calls.add(call)
+        if calls.webhook_url is None:
+            await calls.ring(call)  # answered at once with the deploy's session
+        else:
+            ringing = asyncio.get_running_loop().create_task(_ring(call))
+            session.add_finalizer(lambda: _cancel(ringing))
         dtmf_message = params.get("dtmf") == "message"
         log.info("twilio call %s (stream %s) is session %s", info.get("callSid"), stream_sid, session.id)
 
@@ -201,9 +232,10 @@ def mount(m: Mount) -> None:
                 return json.dumps({"event": "mark", "streamSid": stream_sid, "mark": {"name": ev.data["name"]}})
             if ev.type == CLEAR:
                 return json.dumps({"event": "clear", "streamSid": stream_sid})
-            if ev.type == "error":
-                log.warning("twilio call %s: %s", info.get("callSid"), ev.data.get("error"))
-            return None  # the rest of the conversation's events have no place on this wire
+            # the rest of the conversation's events have no place on this wire: they go to
+            # the call's sideband control socket, if one is attached
+            call.forward(ev)
+            return None
 
         async def on_message(data: str | bytes) -> bool:
             try:
@@ -215,8 +247,8 @@ def mount(m: Mount) -> None:
             kind = msg["event"]
             if kind == "media":
                 media = msg.get("media") or {}
-                if media.get("track", "inbound") not in ("inbound", "inbound_track"):
-                    return True
+                if media.get("track", "inbound") not in ("inbound", "inbound_track") or not call.accepted:
+                    return True  # (a ringing call is not heard yet)
                 try:
                     audio = base64.b64decode(media.get("payload") or "", validate=True)
                 except (binascii.Error, ValueError, TypeError):
@@ -255,6 +287,11 @@ def mount(m: Mount) -> None:
         return sock.ws
 
     m.websocket(PATH, stream, "Twilio Media Streams (<Connect><Stream>): phone calls onto the voice agent")
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _await_start(sock: Socket) -> dict[str, Any] | None:

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from omni_rt.errors import ClientError, NotFound
 from protocols.auth import client_secret_of, principal_of
+from protocols.calls import calls_of
 from protocols.http import check_length, json_response, limits_of, read_body, read_form, read_json
 from protocols.realtime import Conversation, apply_session_update, start_config, vad_of
 from protocols.registry import Mount
@@ -171,7 +172,9 @@ def hangup_handler(sessions: Any) -> Any:
             s: Session | None = sessions.get(call_id)
         except SessionError:
             s = None
-        if s is None or s.kind != "webrtc" or not (who.admin or who.name == s.principal):
+        calls = calls_of(sessions)
+        phone = calls is not None and call_id in calls.calls
+        if s is None or not (s.kind == "webrtc" or phone) or not (who.admin or who.name == s.principal):
             raise NotFound(f"No call '{call_id}'.", code="call_not_found")
         await sessions.end(s, "hangup")
         return web.Response(status=204)
