@@ -143,3 +143,57 @@ async def test_without_a_webhook_a_call_is_answered_at_once_and_its_sideband_can
         await t.stop()
         await t.wait_for(lambda: t.closed is not None)
         await t.close()
+
+
+async def test_openai_agents_sip_flow_runs_unchanged(hooks):
+    """openai-agents' SIP flow as its docs show it: the webhook verified with the SDK,
+    the call accepted with `OpenAIRealtimeSIPModel.build_initial_session_payload(agent)`,
+    the agent attached as the sideband (`OpenAIRealtimeSIPModel` with the `call_id`), a
+    tool round trip, and the SDK's hang-up ending the phone leg."""
+    from agents import function_tool
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+    from agents.realtime.model_inputs import RealtimeModelSendRawMessage
+    from agents.realtime.openai_realtime import OpenAIRealtimeSIPModel
+
+    ran: list[str] = []
+
+    @function_tool
+    def book_table(day: str) -> str:
+        """Book a table for a day."""
+        ran.append(day)
+        return f"Booked for {day}."
+
+    overlay = {"server": {"call_webhook_url": str(hooks.server.make_url("/hooks")), "call_webhook_secret": SECRET}}
+    async with serve(["voice"], overlay) as h:
+        client = sdk(h)
+        t = TwilioStream(await h.client.ws_connect("/v1/telephony/twilio"), play_speed=8.0)
+        await t.start()
+        event = await asyncio.wait_for(hooks.events.get(), 10)
+        call_id = event.data.call_id
+        agent = RealtimeAgent(name="Front desk", instructions="Book tables. Answer briefly.", tools=[book_table])
+        payload = await OpenAIRealtimeSIPModel.build_initial_session_payload(agent)
+        body = payload.model_dump(exclude_none=True)
+        await client.realtime.calls.accept(call_id, **body)
+        runner = RealtimeRunner(agent, model=OpenAIRealtimeSIPModel())
+        ws_url = str(h.client.make_url("/v1/realtime")).replace("http://", "ws://")
+        session = await runner.run(model_config={"call_id": call_id, "url": f"{ws_url}?call_id={call_id}", "api_key": "sk-unused"})
+        server_events: list[str] = []
+        async with session:
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "A table for Friday, please."}]}
+            await session.model.send_event(RealtimeModelSendRawMessage(message={"type": "conversation.item.create", "other_data": {"item": item}}))
+            await session.model.send_event(RealtimeModelSendRawMessage(message={"type": "response.create", "other_data": {"response": {"tool_choice": "required"}}}))
+
+            async def until_spoken_after_tool() -> None:
+                async for ev in session:
+                    if ev.type == "raw_model_event" and ev.data.type == "raw_server_event":
+                        server_events.append(ev.data.data.get("type"))
+                        assert ev.data.data.get("type") != "error", ev.data.data
+                    if ran and server_events.count("response.done") >= 2:
+                        return
+
+            await asyncio.wait_for(until_spoken_after_tool(), 20)
+        assert ran, server_events
+        await t.wait_for(lambda: t.played_marks)  # the answer after the tool was heard on the phone
+        await client.realtime.calls.hangup(call_id)
+        await t.wait_for(lambda: t.closed is not None)
+        await t.close()
