@@ -256,6 +256,17 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--leak-wait", type=float, default=40.0,
                    help="--url: seconds to wait for sessions to end after the run (the disconnect grace; default 40)")
     z.add_argument("--json", help="write results here (JSON)")
+    ph = sub.add_parser(
+        "telephony",
+        help="phone calls over Twilio Media Streams: end of speech -> first μ-law frame, barge-in -> clear",
+        description="N calls at once by Twilio-faithful peers, each speaking, hearing the answer in real time and cutting in.",
+    )
+    ph.add_argument("--calls", default="1,4,8", help="comma-separated concurrent call levels (default 1,4,8)")
+    ph.add_argument("--wav", help="utterance to speak (16-bit WAV); default: espeak-ng speech")
+    ph.add_argument("--max-output-tokens", type=int, default=48, help="thinker tokens per answer (default 48: long enough to cut in)")
+    ph.add_argument("--timeout", type=float, default=60.0, help="seconds a call may wait for each step (default 60)")
+    _server_target(ph, "ws://host:port/v1/telephony/twilio", 8600)
+
     return ap
 
 
@@ -263,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"capacity": "capacity", "tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
             "fuzz": "fuzz", "transcriptions": "transcriptions", "migrate": "migrate",
-            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps"}
+            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps", "telephony": "telephony"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,7 @@
 the official `openai` SDK on the app's side: the signed `realtime.call.incoming`
 webhook verified by `client.webhooks.unwrap`, `client.realtime.calls.accept / reject /
 refer / hangup`, and the sideband control socket (`/v1/realtime?call_id=`), while a
-Twilio-faithful peer (`testkit.twilio`) holds the phone leg."""
+Twilio-faithful peer (`clients.twilio`) holds the phone leg."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from clients.twilio import TwilioStream
 from testkit import serve
-from testkit.twilio import TwilioStream
 from testkit.wire import Events, g711, quiet, tone
 
 SECRET = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()

@@ -1,6 +1,6 @@
 """`/v1/telephony/twilio` in process (testkit: the real app over fake engines,
 EnergyVad), driven by a peer that speaks Twilio Media Streams as Twilio documents it
-(`testkit.twilio`): μ-law both ways, marks as what the caller heard, barge-in → clear,
+(`clients.twilio`): μ-law both ways, marks as what the caller heard, barge-in → clear,
 DTMF, stop, and bad input."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 
 import numpy as np
 
+from clients.twilio import TwilioStream
 from protocols.realtime import Conversation
 from testkit import serve
-from testkit.twilio import TwilioStream
 from testkit.wire import from_g711, g711, quiet, tone
 
 PATH = "/v1/telephony/twilio"
@@ -42,7 +42,7 @@ async def test_a_call_hears_the_caller_and_speaks_mulaw_with_marks():
         # every media message is plain base64 μ-law (no header); marks follow the audio they end
         heard = from_g711(bytes(t.audio))
         assert len(heard) == len(t.audio) and np.abs(heard).max() > 0
-        assert t.received[-1]["event"] == "mark"
+        assert t.received[-1]["event"] == "mark" and not t.errors
         rid, _, ms = marks[-1].rpartition(":")
         assert rid.startswith("resp_") and int(ms) == len(t.audio) * 1000 // 8000
         # the conversation heard the caller's speech and knows the call
@@ -122,3 +122,18 @@ async def test_with_api_keys_the_call_authenticates_in_its_parameters():
         await t.wait_for(lambda: t.played_marks)
         assert conversation(h).session.principal == "phones"
         await t.close()
+
+
+async def test_the_telephony_bench_measures_reply_and_barge_in_on_concurrent_calls():
+    """`latency_bench telephony`'s level against the in-process server: every call
+    completes with both figures measured (what they are on a real server is the bench's
+    business; here they must exist and be plausible)."""
+    from latency_bench.telephony import _level, _ulaw
+
+    async with serve(["voice"]) as h:
+        url = str(h.client.make_url("/v1/telephony/twilio")).replace("http://", "ws://")
+        level = await _level(url, None, 2, _ulaw(tone(0.8)), 400, 20.0)
+        assert level["completed"] == 2, level
+        reply, barge = level["reply_s"], level["barge_in_to_clear_s"]
+        assert reply["n"] == 2 and 0 < reply["p50"] < 5  # (server VAD waits out its silence first)
+        assert barge["n"] == 2 and 0 < barge["p50"] < 2

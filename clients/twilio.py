@@ -1,9 +1,13 @@
-"""A Twilio Media Streams peer, as Twilio's documentation describes the bidirectional
-`<Connect><Stream>` WebSocket: it sends `connected`, `start` (streamSid, callSid,
-tracks, customParameters, mediaFormat audio/x-mulaw 8000 mono), `media` (base64 μ-law,
-20 ms each, with sequenceNumber, chunk and timestamp), `dtmf`, `mark` (echoing the
-server's marks once the audio before them has played, and every pending one when a
-`clear` empties the buffer) and `stop`; it plays the server's `media` in real time."""
+"""A Twilio Media Streams peer: a phone call to omni-rt's `/v1/telephony/twilio` without
+Twilio, for tests and latency_bench.
+
+It speaks the bidirectional `<Connect><Stream>` WebSocket as Twilio's documentation
+describes it: it sends `connected`, `start` (streamSid, callSid, tracks,
+customParameters, mediaFormat audio/x-mulaw 8000 mono), `media` (base64 μ-law, 20 ms
+each, with sequenceNumber, chunk and timestamp), `dtmf`, `mark` (echoing the server's
+marks once the audio before them has played, and every pending one when a `clear`
+empties the buffer) and `stop`; it plays the server's `media` in real time (or
+`play_speed` times faster) and keeps when each message arrived (`received_at`)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import asyncio
 import base64
 import json
 import secrets
+import time
 from typing import Any
 
 import aiohttp
@@ -26,6 +31,8 @@ class TwilioStream:
         self.sent_ms = 0
         self.play_speed = play_speed  # 1.0: real time; larger plays faster (tests)
         self.received: list[dict[str, Any]] = []  # every message from the server
+        self.received_at: list[float] = []  # when each arrived (time.perf_counter)
+        self.errors: list[str] = []  # messages that broke Twilio's shapes
         self.audio = bytearray()  # μ-law played (or queued to play)
         self.played_marks: list[str] = []  # marks echoed because their audio played
         self.cleared_marks: list[str] = []  # marks echoed because a clear dropped their audio
@@ -74,7 +81,9 @@ class TwilioStream:
                 return
             m = json.loads(msg.data)
             self.received.append(m)
-            assert m.get("streamSid") == self.stream_sid, m
+            self.received_at.append(time.perf_counter())
+            if m.get("streamSid") != self.stream_sid or m.get("event") not in ("media", "mark", "clear"):
+                self.errors.append(f"unexpected message {str(m)[:200]}")
             if m["event"] == "media":
                 self._queue.append(("media", base64.b64decode(m["media"]["payload"])))
             elif m["event"] == "mark":
@@ -103,6 +112,10 @@ class TwilioStream:
             else:
                 self.played_marks.append(value)
                 await self.ws.send_str(self._msg("mark", mark={"name": value}))
+
+    def first_after(self, event: str, since: float) -> float | None:
+        """When the first `event` message after `since` (perf_counter) arrived, if one has."""
+        return next((at for m, at in zip(self.received, self.received_at, strict=True) if m["event"] == event and at > since), None)
 
     async def wait_for(self, predicate: Any, timeout: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
