@@ -197,3 +197,40 @@ async def test_openai_agents_sip_flow_runs_unchanged(hooks):
         await client.realtime.calls.hangup(call_id)
         await t.wait_for(lambda: t.closed is not None)
         await t.close()
+
+
+async def test_the_phone_agent_example_answers_a_call():
+    """examples/phone_agent.py as the app: it verifies the webhook, accepts the call with
+    its agent's session and attaches the agent; the caller hears the agent."""
+    import importlib.util
+    from pathlib import Path
+
+    from testkit.harness import free_port
+
+    spec = importlib.util.spec_from_file_location("phone_agent", Path(__file__).parents[2] / "examples" / "phone_agent.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    port = free_port()
+    overlay = {"server": {"call_webhook_url": f"http://127.0.0.1:{port}/hooks", "call_webhook_secret": SECRET}}
+    async with serve(["voice"], overlay) as h:
+        base = str(h.client.make_url("/")).rstrip("/")
+        app = TestServer(example.build_app(base, "sk-unused", SECRET), port=port)
+        await app.start_server()
+        try:
+            t = TwilioStream(await h.client.ws_connect("/v1/telephony/twilio"), play_speed=8.0)
+            await t.start()
+            await t.wait_for(lambda: h.sessions.sessions() and h.sessions.sessions()[0].data.get("items") is not None)
+            call_id = h.sessions.sessions()[0].id
+            from protocols.calls import calls_of
+
+            await t.wait_for(lambda: calls_of(h.sessions).calls[call_id].accepted, timeout=10)
+            conv = calls_of(h.sessions).calls[call_id].conv
+            assert "dental clinic" in conv.cfg.instructions and conv.cfg.tools  # the agent's session
+            await t.say(SPEECH)
+            await t.wait_for(lambda: t.played_marks, timeout=15)
+            await sdk(h).realtime.calls.hangup(call_id)
+            await t.wait_for(lambda: t.closed is not None)
+            await t.close()
+        finally:
+            await app.close()
