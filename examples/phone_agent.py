@@ -28,10 +28,10 @@ import logging
 from typing import Any
 
 import openai
-from aiohttp import web
 from agents import function_tool
 from agents.realtime import RealtimeAgent, RealtimeRunner
 from agents.realtime.openai_realtime import OpenAIRealtimeSIPModel
+from aiohttp import web
 
 log = logging.getLogger("phone_agent")
 OPENING_HOURS = {"monday": "9-17", "tuesday": "9-17", "wednesday": "9-17", "thursday": "9-19", "friday": "9-15"}

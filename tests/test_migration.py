@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from clients.duplex import DuplexClient
 from clients.realtime import RealtimeError
 from clients.world import WorldClient
+from protocols.duplex import Duplex
 from sessions import migration
 from sessions.errors import Draining, InvalidResumeToken, UnknownPipeline
 from testkit import serve
@@ -47,7 +48,7 @@ async def ask(c: DuplexClient, text: str, tokens: int = 4) -> dict:
 
 def items_of(h, sid: str) -> list[tuple[str, str, str]]:
     s = h.sessions.get(sid)
-    return [(it.id, it.role, it.text_for_prompt()) for it in s.data["items"].values()]
+    return [(it.id, it.role, it.text_for_prompt()) for it in s.kept(Duplex).conv.items.values()]
 
 
 async def test_a_duplex_conversation_moves_to_another_node_with_its_history(prefix):
@@ -191,7 +192,7 @@ async def test_bad_resumes_of_a_moved_session_are_refused_and_restore_nothing(pr
         with pytest.raises(InvalidResumeToken):
             await b.sessions.resume(sid, None)
         s = await b.sessions.resume(sid, token)
-        assert s.id == sid and len(s.data["items"]) == 2
+        assert s.id == sid and len(s.kept(Duplex).conv.items) == 2
 
 
 def test_a_state_over_its_bound_is_refused() -> None:

@@ -72,6 +72,7 @@ class Duplex:
         self.conv = conv
         self.transport = transport
         self.moving = False  # handed off (a drain): input is no longer taken here
+        self.dropped_seen = 0  # the session's dropped events already told to a resumed client
 
     async def export(self, left_s: float) -> dict[str, Any]:
         """The state that moves, at a clean point: the answer in progress has finished
@@ -102,7 +103,7 @@ class Duplex:
         """A moved duplex session, as its exporter left it."""
         conv, tr = state["conversation"], state["transport"]
         cfg = config_of(conv["config"])
-        session.data["items"] = items_of(conv["items"])
+        items = items_of(conv["items"])
         formats = []
         for side in ("in", "out"):
             enc, rate = tr.get(f"{side}_encoding", "pcm16"), tr[f"{side}_rate"]
@@ -110,6 +111,7 @@ class Duplex:
                 raise ValueError(f"audio format {enc}/{rate} is not served here")
             formats.append(WireFormat(enc, int(rate)))
         self = cls.create(session, m, cfg.model)
+        self.conv.items.update(items)
         self.conv.cfg = replace(cfg, input_format=formats[0], output_format=formats[1])
         t = self.transport
         t.set_formats(formats[0], formats[1])
@@ -160,8 +162,8 @@ def mount(m: Mount) -> None:
         d.conv.emit("session.created", session=d.transport.session_wire(d.conv), resume_token=await sessions.issue_resume_token(session))
 
     async def resumed(sock: Socket, session: Session, d: Duplex) -> None:
-        dropped = session.dropped_events - session.data.get("dropped_seen", 0)
-        session.data["dropped_seen"] = session.dropped_events
+        dropped = session.dropped_events - d.dropped_seen
+        d.dropped_seen = session.dropped_events
         await sock.send(d.transport.direct(
             "session.resumed", session=d.transport.session_wire(d.conv), resume_token=await sessions.issue_resume_token(session),
             replayed_events=session.queued_events, dropped_events=dropped,

@@ -125,7 +125,7 @@ class Conversation:
         self.cfg = Config(model=model)
         self.vad = vad
         self.transport: Transport = transport if transport is not None else WebSocketTransport(self.emit, lambda: self.cfg.output_format)
-        self.items: dict[str, Item] = session.data.setdefault("items", {})
+        self.items: dict[str, Item] = {}  # the conversation's history, in order
         self.input = InputAudio(self)
         self.responses = Responses(self)
         session.keep(self)

@@ -220,9 +220,10 @@ async def test_the_phone_agent_example_answers_a_call():
         try:
             t = TwilioStream(await h.client.ws_connect("/v1/telephony/twilio"), play_speed=8.0)
             await t.start()
-            await t.wait_for(lambda: h.sessions.sessions() and h.sessions.sessions()[0].data.get("items") is not None)
-            call_id = h.sessions.sessions()[0].id
             from protocols.calls import calls_of
+
+            await t.wait_for(lambda: bool(h.sessions.sessions()))
+            call_id = h.sessions.sessions()[0].id
 
             await t.wait_for(lambda: calls_of(h.sessions).calls[call_id].accepted, timeout=10)
             conv = calls_of(h.sessions).calls[call_id].conv
