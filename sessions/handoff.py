@@ -91,9 +91,10 @@ async def _hand_off(m: SessionManager, s: Session, deadline: float) -> tuple[str
 
 async def _quiesce(s: Session, deadline: float) -> None:
     """A session with nothing to move: a one-shot one finishes here (its handler ends
-    it); another finishes the turn it is generating."""
+    it), a pinned one (a phone call) until it ends; another finishes the turn it is
+    generating."""
     while s.is_open and time.monotonic() < deadline:
-        if s.kind != "oneshot" and not s.holds_lease():
+        if s.kind != "oneshot" and not s.pinned and not s.holds_lease():
             return
         try:
             await asyncio.wait_for(s.closed.wait(), timeout=min(0.05, max(0.0, deadline - time.monotonic())))

@@ -129,6 +129,9 @@ class Session:
         # how this session's wire moves it to another node when this one drains
         # (sessions.migration); None: it finishes or ends here
         self.exporter: Exporter | None = None
+        # a session that cannot move and should not be cut (a phone call, pinned to the
+        # provider's socket): a drain waits for it to end, up to its deadline
+        self.pinned = False
 
     # ---- the wire's state ---------------------------------------------------------------
     def keep(self, value: T) -> T:

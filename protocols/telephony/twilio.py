@@ -208,6 +208,7 @@ def mount(m: Mount) -> None:
         except (SessionError, ClientError) as exc:
             await sock.close(exc.ws_close, exc.message[:120])
             return sock.ws
+        session.pinned = True  # the phone leg cannot move: a drain waits for the call to end
         conv = Conversation(session, sessions, pipeline, ga=True, model=cfg.model, vad=vad)
         conv.cfg = cfg
         output = MarkedOutput(conv.emit, session.emit)

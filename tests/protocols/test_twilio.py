@@ -137,3 +137,16 @@ async def test_the_telephony_bench_measures_reply_and_barge_in_on_concurrent_cal
         reply, barge = level["reply_s"], level["barge_in_to_clear_s"]
         assert reply["n"] == 2 and 0 < reply["p50"] < 5  # (server VAD waits out its silence first)
         assert barge["n"] == 2 and 0 < barge["p50"] < 2
+
+
+async def test_a_drain_waits_for_a_call_to_end_rather_than_cutting_it():
+    async with serve(["voice"]) as h:
+        t = await call(h)
+        await t.wait_for(lambda: bool(h.sessions.sessions()))
+        drain = asyncio.get_running_loop().create_task(h.sessions.drain(10.0))
+        await asyncio.sleep(0.5)
+        assert not drain.done() and t.closed is None  # the call goes on while the node drains
+        await t.stop()
+        report = await asyncio.wait_for(drain, 5)
+        assert [e["session_id"] for e in report["ended"]] and not report.get("failed"), report
+        await t.close()
