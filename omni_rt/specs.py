@@ -308,6 +308,16 @@ class ServerSpec(_Strict):
             raise ValueError(f"{given} is set but {missing} is not: TLS needs both the certificate and its key")
         if self.call_webhook_url is not None and self.call_webhook_secret is None:
             raise ValueError("call_webhook_url is set but call_webhook_secret is not: call webhooks are signed (whsec_<base64>)")
+        if self.call_webhook_secret is not None:
+            import base64
+            import binascii
+
+            try:
+                key = base64.b64decode(self.call_webhook_secret.removeprefix("whsec_"), validate=True)
+            except (binascii.Error, ValueError):
+                key = b""
+            if len(key) < 16:
+                raise ValueError("call_webhook_secret must be whsec_ and the base64 of at least 16 random bytes")
         return self
 
 

@@ -113,6 +113,9 @@ class PhoneCall:
             ended.cancel()
             if self._queue is queue:
                 self._queue = None
+            if self.session.closed.is_set():  # the call ended: its last events still go out
+                queue.put_nowait(None)
+                await asyncio.wait({writer}, timeout=0.5)
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             await sock.close(1000, "call ended" if self.session.closed.is_set() else "sideband closed")
@@ -143,8 +146,6 @@ class CallRegistry:
             self.calls.pop(call.call_id, None)
             if not call.answer.done():
                 call.answer.set_result(None)
-            if call._queue is not None:
-                call._queue.put_nowait(None)
 
         call.session.add_finalizer(gone)
 
@@ -170,10 +171,11 @@ class CallRegistry:
         body = json.dumps(event, separators=(",", ":"))
         try:
             await self._deliver(msg_id, body)
-        except (httpx.HTTPError, ClientError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, ClientError) as exc:
+            if call.answer.done():  # the app answered while the delivery was still going
+                return call.answer.result()
             log.warning("call %s: the call webhook %s was not delivered (%s); rejected", call.call_id, self.webhook_url, exc)
-            if not call.answer.done():
-                call.answer.set_result(None)
+            call.answer.set_result(None)
             return None
         try:
             return await asyncio.wait_for(asyncio.shield(call.answer), self.accept_timeout_s)

@@ -135,6 +135,8 @@ def mount(m: Mount) -> None:
         if call_id is not None:  # a phone call's sideband control socket (protocols.calls)
             calls = calls_of(sessions)
             try:
+                if client_secret_of(request) is not None:  # a browser's one-call key does not control phone calls
+                    raise ClientError("A call's sideband needs an API key, not a client secret.", code="invalid_api_key", http_status=401)
                 if calls is None:
                     raise NotFound(f"No call '{call_id}'.", code="call_not_found")
                 call = calls.get(request, call_id)

@@ -57,7 +57,7 @@ from aiohttp import web
 from prometheus_client import Counter
 
 from media.wire_audio import PCMU
-from omni_rt.errors import ClientError
+from omni_rt.errors import ClientError, OmniError
 from omni_rt.payloads import Fence
 from protocols.auth import KEYS, KeyRing
 from protocols.calls import PhoneCall, registry
@@ -73,6 +73,7 @@ log = logging.getLogger("protocols.telephony.twilio")
 PATH = "/v1/telephony/twilio"
 MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
 START_TIMEOUT_S = 10.0  # Twilio sends connected and start at once
+MAX_FRAME_BYTES = 64 << 10  # Twilio's messages are under a kilobyte (20 ms of μ-law)
 BAD_FRAMES = Counter("omni_rt_telephony_bad_frames_total", "Telephony stream messages dropped as malformed", ["provider", "why"])
 MARK = "twilio.mark"
 CLEAR = "twilio.clear"
@@ -90,7 +91,7 @@ class MarkedOutput(EventOutput):
         super().__init__(conv_emit, acks=True, fmt=lambda: PCMU)
         self.session_emit = session_emit
         self.sent: dict[str, int] = {}  # response id -> μ-law bytes sent
-        self.outstanding = 0  # marks sent and not echoed yet: audio Twilio may still play
+        self.outstanding: set[str] = set()  # marks sent and not echoed yet: audio Twilio may still play
 
     def push(self, resp: Response, fence: Fence, pcm16: bytes) -> None:
         self.produced(resp, pcm16)
@@ -109,13 +110,17 @@ class MarkedOutput(EventOutput):
         sent = self.sent[resp.id] = self.sent.get(resp.id, 0) + len(data)
         while len(self.sent) > 16:
             self.sent.pop(next(iter(self.sent)))
-        self.outstanding += 1
-        self.session_emit(MARK, {"name": f"{resp.id}:{sent * 1000 // PCMU.rate}"}, fence=fence)
+        name = f"{resp.id}:{sent * 1000 // PCMU.rate}"
+        self.outstanding.add(name)
+        self.session_emit(MARK, {"name": name}, fence=fence)
 
     def echoed(self, name: Any) -> None:
-        """Twilio played (or cleared) the audio before this mark."""
-        self.outstanding = max(0, self.outstanding - 1)
-        rid, _, ms = str(name).rpartition(":")
+        """Twilio played the audio before this mark (or a clear dropped it: then the
+        mark was no longer outstanding, and its echo says nothing)."""
+        if not isinstance(name, str) or name not in self.outstanding:
+            return
+        self.outstanding.discard(name)
+        rid, _, ms = name.rpartition(":")
         if rid in self.answers and ms.isdigit():
             self.ack(rid, int(ms))
 
@@ -123,7 +128,7 @@ class MarkedOutput(EventOutput):
         cut = super().clear()
         if self.outstanding:
             self.session_emit(CLEAR, {})  # unfenced: it goes out before the next answer
-            self.outstanding = 0
+            self.outstanding.clear()  # the echoes of what it dropped are not heard audio
         return cut
 
 
@@ -134,7 +139,8 @@ class TwilioTransport:
         self.output = output
 
     def update_session(self, conv: Conversation, body: Any) -> Config:
-        return apply_session_update(conv.cfg, body, conv.pipeline.voices)
+        """A sideband's session.update: everything but the audio format (the phone leg is μ-law)."""
+        return replace(apply_session_update(conv.cfg, body, conv.pipeline.voices), input_format=PCMU, output_format=PCMU)
 
     def session_wire(self, conv: Conversation) -> dict[str, Any]:
         return conv.cfg.wire(True, conv.session.id)
@@ -144,8 +150,11 @@ class TwilioTransport:
 
 
 def _authorized(keys: KeyRing | None, params: Mapping[str, Any]) -> str | None:
-    """The principal a call's parameters authenticate, or None."""
-    if keys is None or not keys.enabled:
+    """The principal a call's parameters authenticate, or None (also when the server's
+    key ring is not known: this path bypasses the HTTP authentication)."""
+    if keys is None:
+        return None
+    if not keys.enabled:
         return "anonymous"
     auth = params.get("authorization")
     if not isinstance(auth, str) and isinstance(params.get("api_key"), str):
@@ -180,11 +189,18 @@ def mount(m: Mount) -> None:
     calls.mount(m.route, apply_config)
 
     async def _ring(call: PhoneCall) -> None:
-        if await calls.ring(call) is None:
+        try:
+            answered = await calls.ring(call)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a call that cannot ring is ended, not left silent
+            log.exception("call %s: ringing failed; the call is ended", call.call_id)
+            answered = None
+        if answered is None:
             await sessions.end(call.session, "call_rejected")
 
     async def stream(request: web.Request) -> web.StreamResponse:
-        sock = await accept(request, heartbeat=None)
+        sock = await accept(request, max_frame=MAX_FRAME_BYTES)
         try:
             start = await _await_start(sock)
         except StreamError as exc:
@@ -246,12 +262,19 @@ def mount(m: Mount) -> None:
                 log.warning("twilio call %s: %s; dropped", info.get("callSid"), exc.message)
                 return True
             kind = msg["event"]
+            body = msg.get(kind) if kind in ("media", "mark", "dtmf") else {}
+            if not isinstance(body, dict):
+                BAD_FRAMES.labels("twilio", "shape").inc()
+                log.warning("twilio call %s: a %r message without its %r object; dropped", info.get("callSid"), kind, kind)
+                return True
             if kind == "media":
-                media = msg.get("media") or {}
-                if media.get("track", "inbound") not in ("inbound", "inbound_track") or not call.accepted:
+                if body.get("track", "inbound") not in ("inbound", "inbound_track") or not call.accepted:
                     return True  # (a ringing call is not heard yet)
+                payload = body.get("payload")
                 try:
-                    audio = base64.b64decode(media.get("payload") or "", validate=True)
+                    if not isinstance(payload, str):
+                        raise TypeError(type(payload).__name__)
+                    audio = base64.b64decode(payload, validate=True)
                 except (binascii.Error, ValueError, TypeError):
                     BAD_FRAMES.labels("twilio", "base64").inc()
                     log.warning("twilio call %s: a media payload is not base64; dropped", info.get("callSid"))
@@ -259,12 +282,15 @@ def mount(m: Mount) -> None:
                 session.touch()
                 try:
                     await conv.input.append_bytes(audio)
-                except ClientError as exc:
-                    log.warning("twilio call %s: audio refused: %s", info.get("callSid"), exc.message)
+                except OmniError as exc:  # refused audio, a stage down: said on the sideband, the call goes on
+                    if not exc.expose:
+                        raise
+                    log.warning("twilio call %s: audio not taken: %s", info.get("callSid"), exc.public_message())
+                    conv.error(exc)
             elif kind == "mark":
-                output.echoed((msg.get("mark") or {}).get("name"))
+                output.echoed(body.get("name"))
             elif kind == "dtmf":
-                digit = str((msg.get("dtmf") or {}).get("digit", ""))[:1]
+                digit = str(body.get("digit", ""))[:1]
                 if digit:
                     session.emit("input_audio_buffer.dtmf_event_received", {"event": digit, "received_at": int(time.time())})
                     if dtmf_message:
@@ -319,9 +345,9 @@ async def _await_start(sock: Socket) -> dict[str, Any] | None:
         if not isinstance(start, dict):
             raise StreamError("'start' carries a 'start' object")
         fmt = start.get("mediaFormat") or {}
-        if not isinstance(fmt, dict) or fmt.get("encoding") != MEDIA_FORMAT["encoding"] or int(fmt.get("sampleRate") or 0) != 8000 \
-                or int(fmt.get("channels") or 1) != 1:
-            raise StreamError(f"mediaFormat {fmt!r} is not served; Twilio streams audio/x-mulaw at 8000 Hz, mono")
+        if not isinstance(fmt, dict) or fmt.get("encoding") != MEDIA_FORMAT["encoding"] or str(fmt.get("sampleRate")) != "8000" \
+                or str(fmt.get("channels", 1)) != "1":
+            raise StreamError(f"mediaFormat {str(fmt)[:80]} is not served; Twilio streams audio/x-mulaw at 8000 Hz, mono")
         return msg
 
 

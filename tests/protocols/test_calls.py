@@ -111,8 +111,10 @@ async def test_a_rejected_or_unanswered_call_ends_and_unknown_calls_are_not_foun
         t = TwilioStream(await h.client.ws_connect("/v1/telephony/twilio"))
         await t.start()
         event = await asyncio.wait_for(hooks.events.get(), 10)
+        t0 = asyncio.get_running_loop().time()
         await client.realtime.calls.reject(event.data.call_id, status_code=486)
         await t.wait_for(lambda: t.closed is not None)
+        assert asyncio.get_running_loop().time() - t0 < 0.5  # the reject closed it, not the 1 s accept timeout
         await t.close()
         t = TwilioStream(await h.client.ws_connect("/v1/telephony/twilio"))
         await t.start()
@@ -235,3 +237,31 @@ async def test_the_phone_agent_example_answers_a_call():
             await t.close()
         finally:
             await app.close()
+
+
+async def test_with_api_keys_a_call_is_controlled_by_its_own_principal_only(hooks):
+    keys = [{"key": "sk-phones", "principal": "phones"}, {"key": "sk-other", "principal": "other"}]
+    overlay = {"server": {"api_keys": keys, "call_webhook_url": str(hooks.server.make_url("/hooks")), "call_webhook_secret": SECRET}}
+    async with serve(["voice"], overlay) as h:
+        base = str(h.client.make_url("/v1"))
+        mine = openai.AsyncOpenAI(api_key="sk-phones", base_url=base, max_retries=0)
+        other = openai.AsyncOpenAI(api_key="sk-other", base_url=base, max_retries=0)
+        nobody = openai.AsyncOpenAI(api_key="sk-nobody", base_url=base, max_retries=0)
+        t = TwilioStream(await h.client.ws_connect("/v1/telephony/twilio"))
+        await t.start({"authorization": "Bearer sk-phones"})
+        call_id = (await asyncio.wait_for(hooks.events.get(), 10)).data.call_id
+        with pytest.raises(openai.AuthenticationError):
+            await nobody.realtime.calls.accept(call_id, type="realtime")
+        with pytest.raises(openai.NotFoundError):  # another principal's call is not found
+            await other.realtime.calls.accept(call_id, type="realtime")
+        async with h.client.ws_connect(f"/v1/realtime?call_id={call_id}", headers={"authorization": "Bearer sk-other"}) as ws:
+            assert json.loads((await ws.receive(timeout=5)).data)["error"]["code"] == "call_not_found"
+        await mine.realtime.calls.accept(call_id, type="realtime", max_output_tokens=4)
+        async with h.client.ws_connect(f"/v1/realtime?call_id={call_id}", headers={"authorization": "Bearer sk-phones"}) as ws:
+            side = Events(ws)
+            await side.until("session.created")
+            await t.say(SPEECH)
+            assert (await side.until("response.done", timeout=10))["response"]["status"] == "completed"
+        await mine.realtime.calls.hangup(call_id)
+        await t.wait_for(lambda: t.closed is not None)
+        await t.close()

@@ -113,11 +113,13 @@ async def test_a_stream_that_breaks_the_protocol_is_closed_before_a_session_open
 async def test_with_api_keys_the_call_authenticates_in_its_parameters():
     overlay = {"server": {"api_keys": [{"key": "sk-phone", "principal": "phones"}]}}
     async with serve(["voice"], overlay) as h:
-        t = await call(h)
-        await t.wait_for(lambda: t.closed is not None)
-        assert t.closed[0] == 1008 and "authorization" in t.closed[1]
-        await t.close()
-        t = await call(h, {"authorization": "Bearer sk-phone", "max_output_tokens": "4"})
+        for params in ({}, {"authorization": "Bearer sk-wrong-key"}):
+            refused = await call(h, params)
+            await refused.wait_for(lambda r=refused: r.closed is not None)
+            assert refused.closed[0] == 1008 and "authorization" in refused.closed[1]
+            await refused.close()
+        assert not h.sessions.sessions()
+        t = await call(h, {"api_key": "sk-phone", "max_output_tokens": "4"})
         await t.say(g711(quiet(0.4) + tone(0.8) + quiet(0.8)))
         await t.wait_for(lambda: t.played_marks)
         assert conversation(h).session.principal == "phones"
@@ -149,4 +151,52 @@ async def test_a_drain_waits_for_a_call_to_end_rather_than_cutting_it():
         await t.stop()
         report = await asyncio.wait_for(drain, 5)
         assert [e["session_id"] for e in report["ended"]] and not report.get("failed"), report
+        await t.close()
+
+
+def test_marks_dropped_by_a_clear_do_not_count_for_the_next_answer():
+    """Twilio sends back the marks a clear dropped, possibly after the next answer's
+    marks went out: they neither count as heard nor stand for the next answer's audio."""
+    from omni_rt.payloads import Fence
+    from protocols.realtime import Item, Response
+    from protocols.telephony.twilio import CLEAR, MARK, MarkedOutput
+
+    out: list[tuple[str, dict]] = []
+    output = MarkedOutput(lambda *a, **k: None, lambda type, data, fence=None: out.append((type, data)))
+    fence = Fence("s")
+    a, b = Response("resp_a", Item("item_a", "assistant", []), True), Response("resp_b", Item("item_b", "assistant", []), True)
+    for _ in range(6):
+        output.push(a, fence, tone(0.2))
+    sent_a = [d["name"] for t_, d in out if t_ == MARK]
+    assert sent_a
+    output.echoed(sent_a[0])  # the first piece played
+    heard = int(sent_a[0].rpartition(":")[2])
+    cut = output.clear()
+    assert cut == {"item_a": heard} and out[-1][0] == CLEAR
+    for _ in range(6):
+        output.push(b, fence, tone(0.2))
+    for name in sent_a[1:]:  # the dropped marks come back late
+        output.echoed(name)
+    assert output.answers["resp_a"].heard_ms == heard
+    assert output.outstanding and all(n.startswith("resp_b:") for n in output.outstanding)
+    output.clear()
+    assert out[-1][0] == CLEAR  # the next barge-in still clears what plays
+
+
+async def test_a_sideband_cannot_change_the_phone_legs_format():
+    async with serve(["voice"]) as h:
+        t = await call(h, {"max_output_tokens": "4"})
+        await t.wait_for(lambda: bool(h.sessions.sessions()))
+        call_id = h.sessions.sessions()[0].id
+        async with h.client.ws_connect(f"/v1/realtime?call_id={call_id}") as ws:
+            from testkit.wire import Events
+
+            side = Events(ws)
+            await side.until("session.created")
+            await side.send("session.update", session={"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+            s = (await side.until("session.updated"))["session"]
+            assert s["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+            await t.say(g711(quiet(0.4) + tone(0.8) + quiet(0.8)))
+            await t.wait_for(lambda: t.played_marks)
+            assert h.processor("thinker").seen[0]["audio_rows"] >= 25  # the caller was still heard as μ-law
         await t.close()
