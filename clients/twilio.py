@@ -22,10 +22,17 @@ import aiohttp
 
 
 class TwilioStream:
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, play_speed: float = 1.0) -> None:
+    """`dialect="telnyx"`: the same peer speaking Telnyx's spelling of the protocol
+    (`stream_id`, `sequence_number`, `start.call_control_id`, `custom_parameters`,
+    `media_format {encoding: PCMU|PCMA, sample_rate}`; its frames from the server carry
+    no stream id)."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, play_speed: float = 1.0, dialect: str = "twilio", law: str = "ulaw") -> None:
         self.ws = ws
+        self.telnyx = dialect == "telnyx"
+        self.law = law
         self.stream_sid = "MZ" + secrets.token_hex(16)
-        self.call_sid = "CA" + secrets.token_hex(16)
+        self.call_sid = ("v3:" if self.telnyx else "CA") + secrets.token_hex(16)
         self.seq = 0
         self.chunk = 0
         self.sent_ms = 0
@@ -45,9 +52,18 @@ class TwilioStream:
 
     def _msg(self, event: str, **body: Any) -> str:
         self.seq += 1
+        if self.telnyx:
+            return json.dumps({"event": event, "sequence_number": str(self.seq), "stream_id": self.stream_sid, **body})
         return json.dumps({"event": event, "sequenceNumber": str(self.seq), "streamSid": self.stream_sid, **body})
 
     async def start(self, params: dict[str, str] | None = None, media_format: dict[str, Any] | None = None) -> None:
+        if self.telnyx:
+            await self.ws.send_str(json.dumps({"event": "connected", "version": "1.0.0"}))
+            await self.ws.send_str(self._msg("start", start={
+                "user_id": secrets.token_hex(8), "call_control_id": self.call_sid, "call_session_id": secrets.token_hex(8),
+                "from": "+15550100", "to": "+15550199", "custom_parameters": params or {},
+                "media_format": media_format or {"encoding": "PCMU" if self.law == "ulaw" else "PCMA", "sample_rate": 8000, "channels": 1}}))
+            return
         await self.ws.send_str(json.dumps({"event": "connected", "protocol": "Call", "version": "1.0.0"}))
         await self.ws.send_str(self._msg("start", start={
             "accountSid": "AC" + secrets.token_hex(16), "streamSid": self.stream_sid, "callSid": self.call_sid,
@@ -82,7 +98,8 @@ class TwilioStream:
             m = json.loads(msg.data)
             self.received.append(m)
             self.received_at.append(time.perf_counter())
-            if m.get("streamSid") != self.stream_sid or m.get("event") not in ("media", "mark", "clear"):
+            sid_ok = "stream_id" not in m and "streamSid" not in m if self.telnyx else m.get("streamSid") == self.stream_sid
+            if not sid_ok or m.get("event") not in ("media", "mark", "clear"):
                 self.errors.append(f"unexpected message {str(m)[:200]}")
             if m["event"] == "media":
                 self._queue.append(("media", base64.b64decode(m["media"]["payload"])))

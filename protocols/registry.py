@@ -28,6 +28,7 @@ WIRES: dict[str, str] = {
     "duplex": "protocols.duplex:mount",
     "webrtc": "protocols.webrtc:mount",
     "twilio": "protocols.telephony.twilio:mount",
+    "telnyx": "protocols.telephony.twilio:mount_telnyx",
     "images": "protocols.images:mount",
     "world": "protocols.world:mount",
     "videos": "protocols.videos:mount",

@@ -50,13 +50,13 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter
 
-from media.wire_audio import PCMU
+from media.wire_audio import PCMA, PCMU, WireFormat
 from omni_rt.errors import ClientError, OmniError
 from omni_rt.payloads import Fence
 from protocols.auth import KEYS, KeyRing
@@ -71,7 +71,30 @@ from sessions import SessionError, SessionEvent
 log = logging.getLogger("protocols.telephony.twilio")
 
 PATH = "/v1/telephony/twilio"
-MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """A provider's spelling of the media-streams protocol: Twilio's and Telnyx's carry
+    the same messages (connected, start, media, mark, clear, dtmf, stop) and differ in
+    their field names and media formats."""
+
+    provider: str
+    path: str
+    stream_key: str  # the stream's id, top level of each message
+    call_key: str  # the call's id in start
+    params_key: str  # the custom parameters in start
+    format_key: str  # the media format in start
+    rate_key: str
+    encodings: Mapping[str, WireFormat]
+    stream_id_out: bool  # frames to the provider carry the stream's id
+
+
+TWILIO = Dialect("twilio", "/v1/telephony/twilio", "streamSid", "callSid", "customParameters", "mediaFormat", "sampleRate",
+                 {"audio/x-mulaw": PCMU}, True)
+# Telnyx media streaming with stream_bidirectional_mode "rtp" (PCMU or PCMA payloads)
+TELNYX = Dialect("telnyx", "/v1/telephony/telnyx", "stream_id", "call_control_id", "custom_parameters", "media_format", "sample_rate",
+                 {"PCMU": PCMU, "PCMA": PCMA}, False)
 START_TIMEOUT_S = 10.0  # Twilio sends connected and start at once
 MAX_FRAME_BYTES = 64 << 10  # Twilio's messages are under a kilobyte (20 ms of μ-law)
 BAD_FRAMES = Counter("omni_rt_telephony_bad_frames_total", "Telephony stream messages dropped as malformed", ["provider", "why"])
@@ -87,8 +110,9 @@ class MarkedOutput(EventOutput):
     """The answer's audio as μ-law events, each followed by a mark naming the answer
     and the milliseconds sent so far; Twilio's echo of a mark is what was heard."""
 
-    def __init__(self, conv_emit: Any, session_emit: Any) -> None:
-        super().__init__(conv_emit, acks=True, fmt=lambda: PCMU)
+    def __init__(self, conv_emit: Any, session_emit: Any, fmt: WireFormat = PCMU) -> None:
+        super().__init__(conv_emit, acks=True, fmt=lambda: fmt)
+        self.wire_format = fmt
         self.session_emit = session_emit
         self.sent: dict[str, int] = {}  # response id -> μ-law bytes sent
         self.outstanding: set[str] = set()  # marks sent and not echoed yet: audio Twilio may still play
@@ -110,7 +134,7 @@ class MarkedOutput(EventOutput):
         sent = self.sent[resp.id] = self.sent.get(resp.id, 0) + len(data)
         while len(self.sent) > 16:
             self.sent.pop(next(iter(self.sent)))
-        name = f"{resp.id}:{sent * 1000 // PCMU.rate}"
+        name = f"{resp.id}:{sent * 1000 // self.wire_format.rate}"
         self.outstanding.add(name)
         self.session_emit(MARK, {"name": name}, fence=fence)
 
@@ -139,8 +163,9 @@ class TwilioTransport:
         self.output = output
 
     def update_session(self, conv: Conversation, body: Any) -> Config:
-        """A sideband's session.update: everything but the audio format (the phone leg is μ-law)."""
-        return replace(apply_session_update(conv.cfg, body, conv.pipeline.voices), input_format=PCMU, output_format=PCMU)
+        """A sideband's session.update: everything but the audio format (the phone leg's)."""
+        cfg = apply_session_update(conv.cfg, body, conv.pipeline.voices)
+        return replace(cfg, input_format=conv.cfg.input_format, output_format=conv.cfg.output_format)
 
     def session_wire(self, conv: Conversation) -> dict[str, Any]:
         return conv.cfg.wire(True, conv.session.id)
@@ -174,6 +199,16 @@ def _message(data: str | bytes) -> dict[str, Any]:
 
 
 def mount(m: Mount) -> None:
+    """Twilio Media Streams at /v1/telephony/twilio."""
+    _mount(m, TWILIO)
+
+
+def mount_telnyx(m: Mount) -> None:
+    """Telnyx media streaming at /v1/telephony/telnyx."""
+    _mount(m, TELNYX)
+
+
+def _mount(m: Mount, d: Dialect) -> None:
     sessions, pipeline = m.sessions, m.pipeline
     vad = vad_of(m)
     calls = registry(sessions, m.server)
@@ -184,7 +219,7 @@ def mount(m: Mount) -> None:
         if model is not None and model not in pipeline.models:
             raise ClientError(f"The model {model!r} does not exist; available: {', '.join(pipeline.models)}.", code="model_not_found", param="model")
         cfg = apply_session_update(call.conv.cfg, {k: v for k, v in body.items() if k != "model"}, pipeline.voices)
-        call.conv.cfg = replace(cfg, model=model or cfg.model, input_format=PCMU, output_format=PCMU)
+        call.conv.cfg = replace(cfg, model=model or cfg.model, input_format=call.conv.cfg.input_format, output_format=call.conv.cfg.output_format)
 
     calls.mount(m.route, apply_config)
 
@@ -202,24 +237,25 @@ def mount(m: Mount) -> None:
     async def stream(request: web.Request) -> web.StreamResponse:
         sock = await accept(request, max_frame=MAX_FRAME_BYTES)
         try:
-            start = await _await_start(sock)
+            start, fmt = await _await_start(sock, d)
         except StreamError as exc:
             await sock.close(1008, exc.message[:120])
             return sock.ws
         if start is None:
             return sock.ws
-        stream_sid = str(start.get("streamSid") or start["start"].get("streamSid") or "")
         info = start["start"]
-        params = info.get("customParameters") or {}
+        stream_sid = str(start.get(d.stream_key) or info.get(d.stream_key) or "")
+        call_sid = str(info.get(d.call_key) or "")
+        params = info.get(d.params_key) or {}
         if not isinstance(params, dict):
             params = {}
         keys = request.app.get(KEYS)
         principal = _authorized(keys, params)
         if principal is None:
-            await sock.close(1008, "unauthorized: pass the API key as <Parameter name=\"authorization\" value=\"Bearer ...\"/>")
+            await sock.close(1008, f"unauthorized: pass the API key in {d.params_key} as authorization: Bearer <key>")
             return sock.ws
         try:
-            cfg = _config(pipeline, params)
+            cfg = _config(pipeline, params, fmt)
             session = await sessions.open("realtime", pipeline.name, principal=principal)
         except (SessionError, ClientError) as exc:
             await sock.close(exc.ws_close, exc.message[:120])
@@ -227,12 +263,18 @@ def mount(m: Mount) -> None:
         session.pinned = True  # the phone leg cannot move: a drain waits for the call to end
         conv = Conversation(session, sessions, pipeline, ga=True, model=cfg.model, vad=vad)
         conv.cfg = cfg
-        output = MarkedOutput(conv.emit, session.emit)
+        output = MarkedOutput(conv.emit, session.emit, fmt)
         conv.transport = TwilioTransport(output)
-        session.params.update({"call_sid": info.get("callSid"), "stream_sid": stream_sid})
-        headers = [{"name": "X-Twilio-CallSid", "value": str(info.get("callSid") or "")}, {"name": "X-Twilio-StreamSid", "value": stream_sid}]
-        headers += [{"name": f"X-Twilio-Param-{k}", "value": str(v)} for k, v in params.items() if k not in ("authorization", "api_key")]
-        call = PhoneCall(session, conv, "twilio", headers)
+        session.params.update({"call_sid": call_sid, "stream_sid": stream_sid, "provider": d.provider})
+        tag = d.provider.capitalize()
+        headers = [{"name": f"X-{tag}-CallId", "value": call_sid}, {"name": f"X-{tag}-StreamId", "value": stream_sid}]
+        if d is TWILIO:
+            headers = [{"name": "X-Twilio-CallSid", "value": call_sid}, {"name": "X-Twilio-StreamSid", "value": stream_sid}]
+        for k in ("from", "to"):  # Telnyx's start says who calls whom
+            if isinstance(info.get(k), str):
+                headers.append({"name": k.capitalize(), "value": info[k]})
+        headers += [{"name": f"X-{tag}-Param-{k}", "value": str(v)} for k, v in params.items() if k not in ("authorization", "api_key")]
+        call = PhoneCall(session, conv, d.provider, headers)
         calls.add(call)
         if calls.webhook_url is None:
             await calls.ring(call)  # answered at once with the deploy's session
@@ -240,15 +282,16 @@ def mount(m: Mount) -> None:
             ringing = asyncio.get_running_loop().create_task(_ring(call))
             session.add_finalizer(lambda: _cancel(ringing))
         dtmf_message = params.get("dtmf") == "message"
-        log.info("twilio call %s (stream %s) is session %s", info.get("callSid"), stream_sid, session.id)
+        log.info("%s call %s (stream %s) is session %s", d.provider, call_sid, stream_sid, session.id)
+        sid = {d.stream_key: stream_sid} if d.stream_id_out else {}
 
         def frame(ev: SessionEvent) -> str | None:
             if ev.type == "response.output_audio.delta":
-                return json.dumps({"event": "media", "streamSid": stream_sid, "media": {"payload": base64.b64encode(ev.data["delta"]).decode()}})
+                return json.dumps({"event": "media", **sid, "media": {"payload": base64.b64encode(ev.data["delta"]).decode()}})
             if ev.type == MARK:
-                return json.dumps({"event": "mark", "streamSid": stream_sid, "mark": {"name": ev.data["name"]}})
+                return json.dumps({"event": "mark", **sid, "mark": {"name": ev.data["name"]}})
             if ev.type == CLEAR:
-                return json.dumps({"event": "clear", "streamSid": stream_sid})
+                return json.dumps({"event": "clear", **sid})
             # the rest of the conversation's events have no place on this wire: they go to
             # the call's sideband control socket, if one is attached
             call.forward(ev)
@@ -258,14 +301,14 @@ def mount(m: Mount) -> None:
             try:
                 msg = _message(data)
             except StreamError as exc:
-                BAD_FRAMES.labels("twilio", "message").inc()
-                log.warning("twilio call %s: %s; dropped", info.get("callSid"), exc.message)
+                BAD_FRAMES.labels(d.provider, "message").inc()
+                log.warning(f"{d.provider} call %s: %s; dropped", call_sid, exc.message)
                 return True
             kind = msg["event"]
             body = msg.get(kind) if kind in ("media", "mark", "dtmf") else {}
             if not isinstance(body, dict):
-                BAD_FRAMES.labels("twilio", "shape").inc()
-                log.warning("twilio call %s: a %r message without its %r object; dropped", info.get("callSid"), kind, kind)
+                BAD_FRAMES.labels(d.provider, "shape").inc()
+                log.warning(f"{d.provider} call %s: a %r message without its %r object; dropped", call_sid, kind, kind)
                 return True
             if kind == "media":
                 if body.get("track", "inbound") not in ("inbound", "inbound_track") or not call.accepted:
@@ -276,8 +319,8 @@ def mount(m: Mount) -> None:
                         raise TypeError(type(payload).__name__)
                     audio = base64.b64decode(payload, validate=True)
                 except (binascii.Error, ValueError, TypeError):
-                    BAD_FRAMES.labels("twilio", "base64").inc()
-                    log.warning("twilio call %s: a media payload is not base64; dropped", info.get("callSid"))
+                    BAD_FRAMES.labels(d.provider, "base64").inc()
+                    log.warning(f"{d.provider} call %s: a media payload is not base64; dropped", call_sid)
                     return True
                 session.touch()
                 try:
@@ -285,7 +328,7 @@ def mount(m: Mount) -> None:
                 except OmniError as exc:  # refused audio, a stage down: said on the sideband, the call goes on
                     if not exc.expose:
                         raise
-                    log.warning("twilio call %s: audio not taken: %s", info.get("callSid"), exc.public_message())
+                    log.warning(f"{d.provider} call %s: audio not taken: %s", call_sid, exc.public_message())
                     conv.error(exc)
             elif kind == "mark":
                 output.echoed(body.get("name"))
@@ -300,9 +343,11 @@ def mount(m: Mount) -> None:
                 return False  # the call ended
             elif kind in ("connected", "start"):
                 pass
+            elif kind == "error":  # Telnyx says what went wrong on its side
+                log.warning(f"{d.provider} call %s: the provider reports an error: %s", call_sid, str(msg)[:300])
             else:
-                BAD_FRAMES.labels("twilio", "event").inc()
-                log.info("twilio call %s: unknown event %r ignored", info.get("callSid"), kind)
+                BAD_FRAMES.labels(d.provider, "event").inc()
+                log.info(f"{d.provider} call %s: unknown event %r ignored", call_sid, kind)
             return True
 
         async def on_exit(why: str) -> None:
@@ -313,7 +358,8 @@ def mount(m: Mount) -> None:
         await sock.close(1011 if why == "server_error" else 1000, "call ended")
         return sock.ws
 
-    m.websocket(PATH, stream, "Twilio Media Streams (<Connect><Stream>): phone calls onto the voice agent")
+    what = {"twilio": "Twilio Media Streams (<Connect><Stream>)", "telnyx": "Telnyx media streaming (stream_bidirectional_mode rtp)"}
+    m.websocket(d.path, stream, f"{what[d.provider]}: phone calls onto the voice agent")
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:
@@ -321,9 +367,9 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-async def _await_start(sock: Socket) -> dict[str, Any] | None:
-    """Twilio's `connected`, then `start`: the start message, checked; None when the
-    stream closed first."""
+async def _await_start(sock: Socket, d: Dialect) -> tuple[dict[str, Any] | None, WireFormat]:
+    """The provider's `connected`, then `start`: the start message, checked, and the
+    call's audio format; None when the stream closed first."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + START_TIMEOUT_S
     while True:
@@ -332,9 +378,9 @@ async def _await_start(sock: Socket) -> dict[str, Any] | None:
         except asyncio.TimeoutError:
             raise StreamError(f"no 'start' message within {START_TIMEOUT_S:.0f} s") from None
         except DISCONNECTED:
-            return None
+            return None, PCMU
         if data is None:
-            return None
+            return None, PCMU
         msg = _message(data)
         kind = msg["event"]
         if kind == "connected":
@@ -344,20 +390,21 @@ async def _await_start(sock: Socket) -> dict[str, Any] | None:
         start = msg.get("start")
         if not isinstance(start, dict):
             raise StreamError("'start' carries a 'start' object")
-        fmt = start.get("mediaFormat") or {}
-        if not isinstance(fmt, dict) or fmt.get("encoding") != MEDIA_FORMAT["encoding"] or str(fmt.get("sampleRate")) != "8000" \
-                or str(fmt.get("channels", 1)) != "1":
-            raise StreamError(f"mediaFormat {str(fmt)[:80]} is not served; Twilio streams audio/x-mulaw at 8000 Hz, mono")
-        return msg
+        fmt = start.get(d.format_key) or {}
+        wire = d.encodings.get(fmt.get("encoding")) if isinstance(fmt, dict) else None
+        if wire is None or not isinstance(fmt, dict) or str(fmt.get(d.rate_key)) != "8000" or str(fmt.get("channels", 1)) != "1":
+            served = " or ".join(d.encodings)
+            raise StreamError(f"{d.format_key} {str(fmt)[:80]} is not served; {served} at 8000 Hz, mono")
+        return msg, wire
 
 
-def _config(pipeline: Any, params: Mapping[str, Any]) -> Config:
+def _config(pipeline: Any, params: Mapping[str, Any], fmt: WireFormat = PCMU) -> Config:
     """The call's conversation: the deploy's default session, μ-law both ways, and the
     call's `<Parameter>` settings (`model`, `voice`, `instructions`, `max_output_tokens`)."""
     model = params.get("model")
     if model is not None and model not in pipeline.models:
         raise ClientError(f"model {model!r} is not served here", param="model")
-    cfg = replace(Config(model=model or pipeline.models[0]), input_format=PCMU, output_format=PCMU)
+    cfg = replace(Config(model=model or pipeline.models[0]), input_format=fmt, output_format=fmt)
     update: dict[str, Any] = {}
     if isinstance(params.get("voice"), str):
         update["voice"] = params["voice"]
@@ -371,4 +418,4 @@ def _config(pipeline: Any, params: Mapping[str, Any]) -> Config:
     return apply_session_update(cfg, update, pipeline.voices) if update else cfg
 
 
-__all__ = ["PATH", "MarkedOutput", "mount"]
+__all__ = ["PATH", "TELNYX", "TWILIO", "Dialect", "MarkedOutput", "mount", "mount_telnyx"]

@@ -200,3 +200,29 @@ async def test_a_sideband_cannot_change_the_phone_legs_format():
             await t.wait_for(lambda: t.played_marks)
             assert h.processor("thinker").seen[0]["audio_rows"] >= 25  # the caller was still heard as μ-law
         await t.close()
+
+
+async def test_a_telnyx_stream_in_alaw_is_the_same_call():
+    """Telnyx's spelling of the protocol (stream_id, custom_parameters, media_format
+    PCMA): the caller heard in A-law, the answer in A-law with marks, barge-in clears."""
+    async with serve(["voice"]) as h:
+        t = TwilioStream(await h.client.ws_connect("/v1/telephony/telnyx"), play_speed=1.0, dialect="telnyx", law="alaw")
+        await t.start({"max_output_tokens": "400"})
+        await t.say(g711(quiet(0.2) + tone(0.6) + quiet(0.7), "alaw"))
+        await t.wait_for(lambda: len(t.played_marks) >= 2, timeout=20)
+        conv = conversation(h)
+        assert conv.cfg.input_format.encoding == "pcma" and conv.session.params["provider"] == "telnyx"
+        assert conv.session.params["call_sid"] == t.call_sid and not t.errors
+        heard = from_g711(bytes(t.audio), "alaw")
+        assert np.abs(heard).max() > 0
+        await t.say(g711(tone(0.6), "alaw"), real_time=True)
+        await t.wait_for(lambda: t.clears >= 1)
+        await t.stop()
+        await t.wait_for(lambda: t.closed is not None)
+        await t.close()
+        # a Twilio media format on the Telnyx path is refused, naming what is served
+        bad = TwilioStream(await h.client.ws_connect("/v1/telephony/telnyx"), dialect="telnyx")
+        await bad.start(media_format={"encoding": "G722", "sample_rate": 16000, "channels": 1})
+        await bad.wait_for(lambda: bad.closed is not None)
+        assert bad.closed[0] == 1008 and "PCMU or PCMA" in bad.closed[1]
+        await bad.close()
