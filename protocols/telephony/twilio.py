@@ -391,7 +391,7 @@ async def _await_start(sock: Socket, d: Dialect) -> tuple[dict[str, Any] | None,
         if not isinstance(start, dict):
             raise StreamError("'start' carries a 'start' object")
         fmt = start.get(d.format_key) or {}
-        wire = d.encodings.get(fmt.get("encoding")) if isinstance(fmt, dict) else None
+        wire = d.encodings.get(str(fmt.get("encoding"))) if isinstance(fmt, dict) else None
         if wire is None or not isinstance(fmt, dict) or str(fmt.get(d.rate_key)) != "8000" or str(fmt.get("channels", 1)) != "1":
             served = " or ".join(d.encodings)
             raise StreamError(f"{d.format_key} {str(fmt)[:80]} is not served; {served} at 8000 Hz, mono")
