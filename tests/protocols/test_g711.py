@@ -4,6 +4,7 @@ and decodes with FFmpeg (PyAV), a codec apart from the server's."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import numpy as np
@@ -188,3 +189,40 @@ async def test_the_full_duplex_model_hears_and_speaks_alaw():
         # the model heard the level and answered at half of it, in A-law at 8 kHz
         assert (np.abs(heard - 0.2) < 0.02).sum() > 4 * 640
         await ws.close()
+
+
+async def test_openai_agents_twilio_example_realtime_leg_in_g711_ulaw(h):
+    """The realtime leg of openai-agents' Twilio example, unchanged: a RealtimeRunner
+    whose initial model settings ask for g711_ulaw both ways and server VAD, fed the
+    caller's μ-law with `session.send_audio`; the answer's audio comes back in μ-law."""
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    agent = RealtimeAgent(name="Phone", instructions="Answer briefly.")
+    runner = RealtimeRunner(agent)
+    url = str(h.client.make_url("/v1/realtime")).replace("http://", "ws://")
+    session = await runner.run(model_config={"url": f"{url}?model=gpt-realtime", "api_key": "sk-unused", "initial_model_settings": {
+        "input_audio_format": "g711_ulaw", "output_audio_format": "g711_ulaw",
+        "turn_detection": {"type": "server_vad", "interrupt_response": True, "create_response": True}}})
+    audio = bytearray()
+    formats: list[object] = []
+    async with session:
+        speech = g711(quiet(0.4) + tone(0.8) + quiet(0.8))
+        for i in range(0, len(speech), 160):  # the example forwards Twilio's 20 ms media payloads
+            await session.send_audio(speech[i : i + 160])
+
+        async def until_answered() -> None:
+            async for ev in session:
+                if ev.type == "raw_model_event" and ev.data.type == "raw_server_event":
+                    d = ev.data.data
+                    assert d.get("type") != "error", d
+                    if d.get("type") == "session.updated":
+                        formats.append(d["session"]["audio"]["output"]["format"])
+                elif ev.type == "audio":
+                    audio.extend(ev.audio.data)
+                elif ev.type == "agent_end":
+                    return
+
+        await asyncio.wait_for(until_answered(), 20)
+    assert {"type": "audio/pcmu"} in formats and audio
+    # the caller's μ-law was heard as speech: server VAD cut the turn and the thinker got ~1.6 s of it
+    assert 37 <= h.processor("thinker").seen[0]["audio_rows"] <= 42
