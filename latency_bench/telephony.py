@@ -51,6 +51,12 @@ class _Caller:
         self.queue.append(ulaw)
 
     async def _run(self) -> None:
+        try:
+            await self._frames()
+        except (aiohttp.ClientError, ConnectionError, RuntimeError):
+            pass  # the call was closed (refused, or ended by the server)
+
+    async def _frames(self) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         i = 0
@@ -89,6 +95,10 @@ async def _call(url: str, key: str | None, speech: bytes, tokens: int, timeout_s
         caller = _Caller(t)
         try:
             await asyncio.sleep(0.4)
+            if t.closed is not None:  # refused (admission: 1013 capacity) or closed by the server
+                out["error"] = f"closed {t.closed[0]}: {t.closed[1][:120]}"
+                out["refused"] = t.closed[0] == 1013
+                return out
             caller.speak(speech)
             await t.wait_for(lambda: len(caller.spoke_at) == 1, timeout=timeout_s)
             end = caller.spoke_at[0][1]
@@ -116,7 +126,8 @@ async def _call(url: str, key: str | None, speech: bytes, tokens: int, timeout_s
 async def _level(url: str, key: str | None, n: int, speech: bytes, tokens: int, timeout_s: float) -> dict[str, Any]:
     calls = await asyncio.gather(*(_call(url, key, speech, tokens, timeout_s) for _ in range(n)))
     ok = [c for c in calls if c.get("ok")]
-    return {"calls": n, "completed": len(ok), "failed": [c.get("error") or c.get("errors") for c in calls if not c.get("ok")][:5],
+    return {"calls": n, "completed": len(ok), "refused": sum(1 for c in calls if c.get("refused")),
+            "failed": [c.get("error") or c.get("errors") for c in calls if not c.get("ok")][:5],
             "reply_s": summarize([c.get("reply_s") for c in ok]), "barge_in_to_clear_s": summarize([c.get("barge_in_s") for c in ok])}
 
 
@@ -137,7 +148,7 @@ def main_telephony(args: Any) -> int:
             level = asyncio.run(_level(url, args.api_key, n, speech, args.max_output_tokens, args.timeout))
             result["levels"][str(n)] = level
             r, b = level["reply_s"], level["barge_in_to_clear_s"]
-            print(f"{n} call(s): {level['completed']}/{n} completed; end of speech -> first μ-law frame p50 {_ms(r.get('p50'))} "
+            print(f"{n} call(s): {level['completed']}/{n} completed ({level['refused']} refused); end of speech -> first μ-law frame p50 {_ms(r.get('p50'))} "
                   f"p90 {_ms(r.get('p90'))}; barge-in -> clear p50 {_ms(b.get('p50'))} p90 {_ms(b.get('p90'))}")
     result["machine_after"] = machine_info()
     finish(args.json, result)
