@@ -117,6 +117,17 @@ def _from_lin16(fmt: WireFormat, pcm16: bytes) -> bytes:
     return pcm16
 
 
+def _samples(fmt: WireFormat, data: bytes) -> np.ndarray:
+    """Audio bytes in `fmt` as float32 samples at `fmt.rate`."""
+    if not fmt.g711 and len(data) % 2:
+        raise WireFormatError("16-bit PCM needs an even number of bytes.")
+    return _floats(_to_lin16(fmt, data))
+
+
+def _floats(pcm16: bytes) -> np.ndarray:
+    return np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0
+
+
 class InputDecoder:
     """One caller's incoming audio in `fmt` as float32 mono at `rate` (a stream: the
     resampler keeps its state between chunks)."""
@@ -126,9 +137,7 @@ class InputDecoder:
         self._rs: Any = None
 
     def decode(self, data: bytes) -> np.ndarray:
-        if not self.fmt.g711 and len(data) % 2:
-            raise WireFormatError("16-bit PCM needs an even number of bytes.")
-        x = np.frombuffer(_to_lin16(self.fmt, data), "<i2").astype(np.float32) / 32768.0
+        x = _samples(self.fmt, data)
         if self.fmt.rate == self.rate:
             return x
         if self._rs is None:
@@ -153,7 +162,7 @@ class OutputEncoder:
                 import soxr
 
                 self._key, self._rs = key, soxr.ResampleStream(self.rate, self.fmt.rate, 1, dtype="float32")
-            pcm16 = pcm16_bytes(self._rs.resample_chunk(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0))
+            pcm16 = pcm16_bytes(self._rs.resample_chunk(_floats(pcm16)))
         return _from_lin16(self.fmt, pcm16)
 
     def finish(self, key: Any) -> bytes:
@@ -166,9 +175,7 @@ class OutputEncoder:
 
 def decode_clip(fmt: WireFormat, data: bytes, rate: int) -> np.ndarray:
     """A whole clip in `fmt` (an item's audio) as float32 mono at `rate`."""
-    if not fmt.g711 and len(data) % 2:
-        raise WireFormatError("16-bit PCM needs an even number of bytes.")
-    x = np.frombuffer(_to_lin16(fmt, data), "<i2").astype(np.float32) / 32768.0
+    x = _samples(fmt, data)
     if fmt.rate == rate or not len(x):
         return x
     import soxr
@@ -181,5 +188,5 @@ def encode_clip(fmt: WireFormat, pcm16: bytes, rate: int) -> bytes:
     if fmt.rate != rate and pcm16:
         import soxr
 
-        pcm16 = pcm16_bytes(soxr.resample(np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768.0, rate, fmt.rate))
+        pcm16 = pcm16_bytes(soxr.resample(_floats(pcm16), rate, fmt.rate))
     return _from_lin16(fmt, pcm16)

@@ -26,7 +26,7 @@ from media.wire_audio import OutputEncoder, WireFormat
 from omni_rt.errors import ClientError
 from omni_rt.payloads import Fence
 from protocols.realtime.items import Response
-from protocols.realtime.models import RATE
+from protocols.realtime.models import PCM24, RATE
 
 RECENT_ANSWERS = 16  # answers whose heard position is kept (acks may trail the audio)
 
@@ -74,7 +74,7 @@ class EventOutput:
 
     def _encoded(self, resp: Response, pcm16: bytes) -> bytes:
         fmt = self.fmt() if self.fmt is not None else None
-        if fmt is None or (fmt.encoding == "pcm16" and fmt.rate == RATE):
+        if fmt is None or fmt == PCM24:
             return pcm16
         if self._enc is None or self._enc.fmt != fmt:
             self._enc = OutputEncoder(fmt, RATE)

@@ -267,9 +267,8 @@ def _mount(m: Mount, d: Dialect) -> None:
         conv.transport = TwilioTransport(output)
         session.params.update({"call_sid": call_sid, "stream_sid": stream_sid, "provider": d.provider})
         tag = d.provider.capitalize()
-        headers = [{"name": f"X-{tag}-CallId", "value": call_sid}, {"name": f"X-{tag}-StreamId", "value": stream_sid}]
-        if d is TWILIO:
-            headers = [{"name": "X-Twilio-CallSid", "value": call_sid}, {"name": "X-Twilio-StreamSid", "value": stream_sid}]
+        ids = ("CallSid", "StreamSid") if d is TWILIO else ("CallId", "StreamId")  # each provider's own words
+        headers = [{"name": f"X-{tag}-{ids[0]}", "value": call_sid}, {"name": f"X-{tag}-{ids[1]}", "value": stream_sid}]
         for k in ("from", "to"):  # Telnyx's start says who calls whom
             if isinstance(info.get(k), str):
                 headers.append({"name": k.capitalize(), "value": info[k]})
