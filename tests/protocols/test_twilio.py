@@ -226,3 +226,17 @@ async def test_a_telnyx_stream_in_alaw_is_the_same_call():
         await bad.wait_for(lambda: bad.closed is not None)
         assert bad.closed[0] == 1008 and "PCMU or PCMA" in bad.closed[1]
         await bad.close()
+
+
+async def test_a_call_past_the_session_caps_is_closed_with_1013_and_the_first_goes_on():
+    async with serve(["voice"], {"sessions": {"max_per_kind": {"realtime": 1}}}) as h:
+        first = await call(h, {"max_output_tokens": "4"})
+        await first.wait_for(lambda: bool(h.sessions.sessions()))
+        second = await call(h)
+        await second.wait_for(lambda: second.closed is not None)
+        assert second.closed[0] == 1013, second.closed
+        await second.close()
+        await first.say(g711(quiet(0.4) + tone(0.8) + quiet(0.8)))
+        await first.wait_for(lambda: first.played_marks)
+        assert first.closed is None and len(h.sessions.sessions()) == 1
+        await first.close()
