@@ -143,6 +143,17 @@ class RtfMeter:
             self._expire(self.clock() if now is None else now)
             return [r for s in self._streams.values() if (r := s.rtf) is not None] + [max(r for _, r in q) for q in self._samples.values()]
 
+    def measured(self, now: float | None = None) -> list[tuple[float, int]]:
+        """(RTF, answers generating at once) for every stream of the window that has an
+        RTF: the most streams that generated at the same moment while it did, itself
+        counted (a finished level's worst RTF was measured with that many answers, and
+        stands for them). A stream that samples its own RTF counts as one."""
+        with self._lock:
+            self._expire(self.clock() if now is None else now)
+            spans = [(s.first_t, s.last_t) for s in self._streams.values()]
+            out = [(r, _most_at_once(s.first_t, s.last_t, spans)) for s in self._streams.values() if (r := s.rtf) is not None]
+            return out + [(max(r for _, r in q), 1) for q in self._samples.values()]
+
     def in_flight(self, within_s: float = IN_FLIGHT_S, now: float | None = None) -> bool:
         """Whether a stream reported within `within_s`: one still generating (a stream
         that ended stays in the window, but stopped reporting)."""
@@ -160,6 +171,15 @@ class RtfMeter:
             self._streams.clear()
             self._samples.clear()
 
+
+def _most_at_once(start: float, end: float, spans: list[tuple[float, float]]) -> int:
+    """The most of `spans` (the span itself among them) open at one moment in [start, end]."""
+    edges = sorted(e for a, b in spans if a <= end and b >= start for e in ((max(a, start), 0), (min(b, end), 1)))
+    most = depth = 0
+    for _, closing in edges:  # at a tie, openings come first: spans that touch overlap
+        depth += -1 if closing else 1
+        most = max(most, depth)
+    return max(most, 1)
 
 
 class HoleMeter:

@@ -20,14 +20,14 @@ they cannot say whether the next voice session will still hear an unbroken answe
   once, `base + per_session × (N − 1)`. Voice sessions speak in turns, so this is the
   worst case of a burst whose callers all speak at the same moment.
 - **the live prediction**: the worst RTF among the streams that emitted audio in the last
-  `window_s` (the load as it is now, a finished level forgotten within the window),
-  plus `per_session` for this and every session younger than `new_session_s` (it has
-  not shown its load yet). With no established session and no stream still generating
-  (the measured one ended: a caller who left), the measured stream stands for one of the
-  N answers: `per_session` is added for the N − 1 others (counting it on top of them
-  charged one answer twice, and a burst at an idle server was refused on the warm-up's
-  stream); a stream still generating (a detached session's answer, a speech request)
-  is load beside the N.
+  `window_s` (the load as it is now), plus `per_session` for this and every session
+  younger than `new_session_s` (it has not shown its load yet). Once no stream is
+  generating, the window holds finished answers, and each stands for the answers that
+  generated at once with it: a finished level of 4 that measured 0.5 predicts a burst of
+  8 at `0.5 + per_session × 4` (charging it on top of the 8, a burst after a busy level
+  was refused on load that had left), a caller answered alone who left for one of the N;
+  a stream still generating (a detached session's answer, a speech request) with no
+  session established is load beside the N.
 - **load from outside**: the calibration ran on the machine as it was at start-up. The
   share of the server's CPUs other processes take now (the whole machine's busy
   fraction on its cores, a container's quota fill, less the server's own and its placed
@@ -176,6 +176,25 @@ class RealtimeAdmission:
             self._front = (f * self.meters.front.cpus / sessions, "measured")
         return self._front
 
+    def _live(self, cost: Cost, sessions: int, n: int) -> float | None:
+        """The live prediction for `n` sessions, `sessions` of them established: each
+        measured stream's RTF plus `per_session` for the answers it did not carry.
+
+        While a stream is still generating, the measured RTFs carry the established
+        sessions' answers (a stream with none established, a speech request or a
+        detached session's answer, is load beside the n). Once none is generating, the
+        window holds finished answers: each stands for as many answers as generated at
+        once with it (a finished level of 4 measured 0.5 predicts 8 at
+        0.5 + per_session x 4, not at 0.5 + per_session x 7), and at least for the
+        established sessions', or for one (a caller who left)."""
+        gen = self.meters.generation
+        measured = gen.measured()
+        if not measured:
+            return None
+        if gen.in_flight():
+            return max(r for r, _ in measured) + cost.per_session * (n - sessions)
+        return max(r + cost.per_session * (n - max(sessions, k, 1)) for r, k in measured)
+
     def check(self, kind: str, sessions: int, new: int = 0, pipeline: str | None = None) -> None:
         """Admit one more `kind` session of `pipeline` next to `sessions` established
         real-time ones and `new` ones that have not shown their load yet, or raise
@@ -193,10 +212,7 @@ class RealtimeAdmission:
         # other processes take their shares of the cores from them
         cold_front = cold / (1.0 - min(front_share, OUTSIDE_MAX))
         stretched = cold / (1.0 - min(front_share + outside, OUTSIDE_MAX))
-        # the measured streams stand for the established sessions' answers, or (none
-        # established, and none still generating: a caller who left) for one answer of the n
-        covered = sessions if sessions > 0 else int(rtf is not None and not self.meters.generation.in_flight())
-        live = rtf + cost.per_session * (n - covered) if rtf is not None else None
+        live = self._live(cost, sessions, n)
         predicted = max(stretched, live if live is not None else 0.0)
         margin = spec.hysteresis if self.refusing else 0.0
         bound = spec.target_rtf - margin + 1e-9

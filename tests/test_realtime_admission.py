@@ -238,6 +238,40 @@ async def test_a_burst_after_one_answer_at_an_idle_server_is_not_charged_that_an
     await w.m.stop()
 
 
+async def test_a_burst_after_a_finished_busy_level_is_weighed_on_the_answers_that_level_carried():
+    """Four sessions answered at once (0.5) and left; their streams are still in the
+    window when a burst of 12 arrives. Each finished stream stands for the four answers
+    that generated with it: 0.5 + 0.05 x (n - 4) stays under 0.8 up to 10 at once. (Taken
+    for one answer, 0.5 + 0.05 x (n - 1) refused from the 8th on load that had left.)"""
+    w = World(base=0.35, per=0.05, target_rtf=0.8, hysteresis=0.0, new_session_s=30.0)
+    w.m.admission.calibrated("voice", {1: 0.2, 4: 0.35})  # 0.05 a session
+    level, _ = await _burst(w.m, 4)
+    assert w.speak(4) == pytest.approx(0.5)
+    for s in level:
+        await w.m.close(s.id)
+    w.t[0] += 1.0  # nothing generating now; the level's streams are 1.5 s old
+    assert sorted(k for _, k in w.meter.measured()) == [4, 4, 4, 4]
+    admitted, refused = await _burst(w.m, 12)
+    assert len(admitted) == 10 and len(refused) == 2 and refused[0].why == ["rtf"]
+    assert w.m.admission.last["predicted_rtf_live"] == pytest.approx(0.85)
+    await w.m.stop()
+
+
+def test_a_streams_answers_at_once_are_the_most_that_generated_with_it_at_one_moment():
+    t = [0.0]
+    m = RtfMeter(10.0, clock=lambda: t[0])
+    for key, (a, b) in enumerate([(0.0, 2.0), (1.0, 3.0), (2.5, 4.0), (5.0, 6.0)]):
+        m.chunk(key, 0.1, a)
+        m.chunk(key, 1.0, b)
+    t[0] = 6.0
+    # (0, 2) overlapped (1, 3); (1, 3) overlapped each of its neighbours but never both at
+    # once; (5, 6) generated alone
+    got = sorted(m.measured())  # 1 s of audio after the first chunk each
+    assert [r for r, _ in got] == pytest.approx([1.0, 1.5, 2.0, 2.0]) and [k for _, k in got] == [1, 2, 2, 2]
+    m.sample(9, 0.4, 6.0)  # a robot's call counts as one
+    assert (0.4, 1) in m.measured()
+
+
 async def test_min_sessions_are_always_admitted_and_disabled_admission_refuses_nothing():
     w = World(base=2.0, per=0.0, min_sessions=2)  # a server slower than real time even idle
     w.speak(1)
