@@ -267,6 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     ph.add_argument("--timeout", type=float, default=60.0, help="seconds a call may wait for each step (default 60)")
     _server_target(ph, "ws://host:port/v1/telephony/twilio", 8600)
 
+    tu = sub.add_parser(
+        "turns",
+        help="semantic_vad's end-of-turn model vs silence thresholds: false cut-offs and end-of-turn latency",
+        description="espeak-ng utterances with mid-sentence pauses fed to silero-vad under semantic_vad, with Smart Turn v3 and without it.",
+    )
+    tu.add_argument("--eagerness", default="high,medium,low", help="comma-separated eagerness levels (default high,medium,low)")
+    tu.add_argument("--turn-model", default="smart-turn-v3", help="smart-turn-v3 (the pipecat-ai wheel's ONNX) or a path to one")
+    tu.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1, as the server)")
+    tu.add_argument("--json", help="write results here (JSON)")
+
     return ap
 
 
@@ -274,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"capacity": "capacity", "tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
             "fuzz": "fuzz", "transcriptions": "transcriptions", "migrate": "migrate",
-            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps", "telephony": "telephony"}
+            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps", "telephony": "telephony", "turns": "turns"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,7 @@ class ContextLengthExceeded(ClientError):
     code = "context_length_exceeded"
 
     def __init__(self, tokens: int, limit: int) -> None:
+        self.tokens, self.limit = tokens, limit
         super().__init__(
             f"This model's maximum context length is {limit} tokens. However, your messages resulted in {tokens} tokens. "
             "Please reduce the length of the messages.",

@@ -84,6 +84,17 @@ BARGE_IN_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
 )
 
+TURN_DECISIONS = Counter(
+    "omni_rt_turn_decisions_total",
+    "semantic_vad's end-of-turn model asked at a pause: end (the turn ended there) or wait (the user is not done)",
+    ["decision"],
+)
+
+REALTIME_TRUNCATIONS = Counter(
+    "omni_rt_realtime_truncations_total",
+    "Realtime conversations whose oldest turns were dropped to fit the thinker's context (truncation auto / retention_ratio)",
+)
+
 # ---- sessions --------------------------------------------------------------------------
 SESSIONS_ACTIVE = Gauge("omni_rt_sessions_active", "Sessions held by this node (active, detached or closing)", ["kind"])
 SESSIONS_ADMITTED = Counter("omni_rt_sessions_admitted_total", "Sessions admitted", ["kind"])

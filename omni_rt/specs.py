@@ -284,6 +284,10 @@ class ServerSpec(_Strict):
         None, pattern=r"^whsec_[A-Za-z0-9+/=]+$", description="the Standard Webhooks secret (whsec_<base64>) the call webhooks are signed with"
     )
     call_accept_timeout_s: float = Field(default=15.0, gt=0, le=300, description="a call not accepted within this long is rejected")
+    turn_model: str = Field(default=
+        "smart-turn-v3", min_length=1, description="the end-of-turn model semantic_vad runs: smart-turn-v3 (the ONNX the pipecat-ai wheel "
+        "ships), a path to a Smart Turn v3 ONNX file, or none (semantic_vad ends turns on its eagerness's silence: 300 / 700 / 1500 ms)"
+    )
     max_body_bytes: int = Field(default=
         4 << 20, ge=1024, description="largest HTTP request body (JSON, SDP); a bigger one is refused with 413 before it is read"
     )
@@ -318,6 +322,8 @@ class ServerSpec(_Strict):
                 key = b""
             if len(key) < 16:
                 raise ValueError("call_webhook_secret must be whsec_ and the base64 of at least 16 random bytes")
+        if self.turn_model not in ("smart-turn-v3", "none") and not Path(self.turn_model).expanduser().is_file():
+            raise ValueError(f"turn_model: no ONNX file at {self.turn_model} (smart-turn-v3, none, or the path of a Smart Turn v3 ONNX file)")
         return self
 
 

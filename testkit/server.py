@@ -188,7 +188,8 @@ async def serve(
         "test harness",
         runtime_factory=functools.partial(FakeRuntime, speeds=speeds),
         clock=clock,
-        options={"vad": energy_vad, **options},
+        # semantic_vad on its silence thresholds unless a test gives an end-of-turn model
+        options={"vad": energy_vad, "turn_model": None, **options},
     )
     server = _Server(app, runner_options(parsed))
     if tls is not None:

@@ -8,12 +8,13 @@ header; every server event uses the dialect's names and session shape, and
 The package: `models` (session configuration and client-event validation), `vad`
 (voice-activity detection), `items` (the conversation's pieces), `inputs` (the input
 audio buffer), `responses`, `output` (where answer audio goes and what was heard),
-`conversation` (the conversation itself, transport-independent); `/v1/duplex` and
+`turn` (semantic_vad's end-of-turn model), `conversation` (the conversation itself, transport-independent); `/v1/duplex` and
 WebRTC calls plug their own transports into the same conversation.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import Field
 
+from omni_rt import metrics
 from omni_rt.errors import ClientError, NotFound
 from omni_rt.specs import PipelineSpec
 from protocols.auth import CLIENT_SECRETS, ClientSecret, client_secret_of, principal_of
@@ -30,10 +32,13 @@ from protocols.realtime.conversation import Conversation, Transport, WebSocketTr
 from protocols.realtime.items import AUDIO_PLACEHOLDER, GA_NAMES, Item, Response, new_id, wire_data
 from protocols.realtime.models import DEFAULT_TRANSCRIPTION, RATE, Config, SessionUpdate, TurnDetection, WireModel, apply_session_update
 from protocols.realtime.output import AudioOutput, EventOutput
-from protocols.realtime.vad import VadFactory, preload_silero, silero_vad
+from protocols.realtime.turn import SemanticVad, TurnModel, shared_smart_turn, smart_turn_path
+from protocols.realtime.vad import VadFactory, VoiceActivity, preload_silero, silero_vad
 from protocols.registry import Mount
 from protocols.ws import accept, close_attachment, numbered_json, reject, serve_events
 from sessions import SessionError
+
+log = logging.getLogger("protocols.realtime")
 
 __all__ = [
     "AUDIO_PLACEHOLDER",
@@ -58,11 +63,33 @@ __all__ = [
 
 
 def vad_of(m: Mount) -> VadFactory:
-    """The voice-activity detector the voice wires use (tests plug in a fake)."""
+    """The voice-activity detector the voice wires use (tests plug in a fake), with the
+    end-of-turn model semantic_vad runs on it (`server.turn_model`; the `turn_model`
+    option for tests)."""
     vad: VadFactory = m.options.get("vad", silero_vad)
     if vad is silero_vad:
         preload_silero()
-    return vad
+    model = m.options["turn_model"] if "turn_model" in m.options else turn_model_of(m.server.turn_model)
+
+    async def detector() -> VoiceActivity:
+        return SemanticVad(await vad(), model, on_decision=_count_decision)
+
+    return detector
+
+
+def _count_decision(probability: float, ended: bool) -> None:
+    metrics.TURN_DECISIONS.labels("end" if ended else "wait").inc()
+
+
+def turn_model_of(setting: str) -> TurnModel | None:
+    """The process's end-of-turn model for `server.turn_model` (loading in the background)."""
+    path = smart_turn_path(setting)
+    if path is None:
+        if setting != "none":
+            log.warning("server.turn_model %s: the pipecat-ai wheel's Smart Turn v3 is not installed; "
+                        "semantic_vad ends turns on its eagerness's silence", setting)
+        return None
+    return shared_smart_turn(path)
 
 
 class ExpiresAfter(WireModel):

@@ -19,13 +19,14 @@ import numpy as np
 from pydantic import Field
 
 from media.wire_audio import WireFormat
+from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError
 from omni_rt.payloads import Payload
 from omni_rt.specs import PipelineSpec
 from protocols.errors import error_event
 from protocols.realtime.inputs import InputAudio, decode_audio
 from protocols.realtime.items import GA_NAMES, Item, new_id
-from protocols.realtime.models import DEFAULT_TRANSCRIPTION, Config, WireModel, apply_session_update, parse
+from protocols.realtime.models import AUTO_RETAIN, DEFAULT_TRANSCRIPTION, Config, WireModel, apply_session_update, parse
 from protocols.realtime.output import AudioOutput, EventOutput
 from protocols.realtime.responses import Responses
 from protocols.realtime.vad import VadFactory, silero_vad
@@ -126,6 +127,8 @@ class Conversation:
         self.vad = vad
         self.transport: Transport = transport if transport is not None else WebSocketTransport(self.emit, lambda: self.cfg.output_format)
         self.items: dict[str, Item] = {}  # the conversation's history, in order
+        self.tokens_per_char = 0.3  # learned from the thinker's counts (a prompt's usage, a refusal)
+        self.context_limit: int | None = None  # the thinker's context, once a refusal named it
         self.input = InputAudio(self)
         self.responses = Responses(self)
         session.keep(self)
@@ -183,6 +186,77 @@ class Conversation:
                 if text:
                     msgs.append({"role": it.role if it.role in ("user", "assistant", "system") else "user", "content": text})
         return msgs
+
+    # ---- truncation: the conversation within the thinker's context --------------------------
+    def _prompt_chars(self, it: Item) -> int:
+        if it.type == "function_call":
+            return len(it.name) + len(it.arguments) + 16
+        if it.type == "function_call_output":
+            return len(it.output) + 16
+        return len(it.text_for_prompt()) + 8
+
+    def prompt_chars(self, instructions: str) -> int:
+        return len(instructions) + sum(self._prompt_chars(it) for it in self.items.values())
+
+    def learn_tokens(self, input_tokens: int, chars: int) -> None:
+        """A prompt's size as the thinker counted it (a response's usage) over its size
+        in characters: the tokens a character of this conversation costs, for estimates
+        before the next prompt."""
+        if input_tokens > 0 and chars > 0:
+            self.tokens_per_char = input_tokens / chars
+
+    def fit(self, instructions: str, tokens: int | None = None, limit: int | None = None) -> list[str]:
+        """Drop the oldest whole turns (a turn starts at a user message; function calls
+        stay with their outputs; the latest user turn and the utterance whose speech the
+        thinker hears are always kept) so the prompt fits the session's truncation:
+        after a prompt of `tokens` was refused by a context of `limit`, or, before a
+        prompt, when its estimate passes what the context (learned from an earlier
+        refusal) or `post_instructions` allows. The dropped items leave the
+        conversation (`conversation.item.deleted` each). Returns their ids (none: it
+        fits, truncation is disabled, or no whole turn can go)."""
+        t = self.cfg.truncation
+        if t.type == "disabled":
+            return []
+        if limit is not None:
+            self.context_limit = limit
+        items = list(self.items.values())
+        chars = [self._prompt_chars(it) for it in items]
+        total = self.prompt_chars(instructions)
+        per_char = tokens / total if tokens else self.tokens_per_char
+        if tokens:
+            self.tokens_per_char = per_char
+        now = tokens if tokens else total * per_char
+        fixed = len(instructions) * per_char  # instructions (and tools) are never dropped
+        budgets = []
+        if self.context_limit is not None:
+            keep = AUTO_RETAIN if t.type == "auto" else t.ratio
+            budgets.append((now > self.context_limit * 0.98 or tokens is not None, self.context_limit * keep))
+        if t.type == "retention_ratio" and t.post_instructions is not None:
+            budgets.append((now - fixed > t.post_instructions, fixed + t.post_instructions * t.ratio))
+        due = [b for over, b in budgets if over]
+        if not due:
+            return []
+        target = min(due)
+        # the turns that may go: up to (not including) the latest user message, and not
+        # past the item whose speech the thinker hears
+        users = [i for i, it in enumerate(items) if it.type == "message" and it.role == "user"]
+        speech = next((i for i, it in enumerate(items) if it.speech is not None), len(items))
+        stop = min(users[-1] if users else 0, speech)
+        cut, dropped_tokens = 0, 0.0
+        for k in users:
+            if k == 0 or k > stop:
+                continue
+            cut, dropped_tokens = k, sum(chars[:k]) * per_char
+            if now - dropped_tokens <= target:
+                break
+        if cut == 0:
+            return []
+        gone = [it.id for it in items[:cut]]
+        for item_id in gone:
+            del self.items[item_id]
+            self.emit("conversation.item.deleted", item_id=item_id)
+        metrics.REALTIME_TRUNCATIONS.inc()
+        return gone
 
     async def latest_speech(self) -> list[Payload]:
         """The speech of the latest utterance (the thinker puts it at its placeholder)."""

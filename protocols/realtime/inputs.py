@@ -74,6 +74,8 @@ class InputAudio:
         self.collecting: set[asyncio.Task[None]] = set()
         self.heard: list[np.ndarray] = []  # the utterance's audio, kept for its transcription
         self._decoder: InputDecoder | None = None  # the session's input format -> the model rate (a stream)
+        self.heard_ms = 0.0  # audio appended since the session started (the VAD's timeline)
+        self.idle_from: float | None = None  # where the last answer finished playing (idle_timeout_ms counts from it)
 
     # ---- the utterance ----------------------------------------------------------------
     def _front_params(self) -> dict[str, Any]:
@@ -190,6 +192,7 @@ class InputAudio:
         if self.vad is None:
             self.vad = await self.conv.vad()
         events = await asyncio.to_thread(self.vad.push, pcm, td)
+        self.heard_ms += len(pcm) * 1000 / RATE
         if self.item_id is not None:
             self._send(pcm)
         else:
@@ -202,8 +205,38 @@ class InputAudio:
                 await self.speech_started(at_ms, td)
             else:
                 await self.speech_stopped(at_ms, td)
+        if td.idle_timeout_ms is not None and td.type == "server_vad" and self.idle_from is not None:
+            await self._idle(td)
+
+    def answered(self, played_from: float | None, audio_ms: int) -> None:
+        """An answer finished: idle_timeout_ms counts from when its audio will have
+        played (its first audio's place on the input timeline plus its length; on
+        the timeline of what the client streams, as a caller on a phone line does)."""
+        end = self.heard_ms if played_from is None else max(self.heard_ms, played_from + audio_ms)
+        self.idle_from = end
+
+    async def _idle(self, td: TurnDetection) -> None:
+        """No speech for idle_timeout_ms after the answer played (server VAD): the
+        silence is committed as the user's turn (`input_audio_buffer.timeout_triggered`,
+        then `…committed`) and answered, the model prompting the user to go on."""
+        assert self.idle_from is not None and td.idle_timeout_ms is not None
+        if self.item_id is not None or self.conv.responses.active is not None or self.heard_ms - self.idle_from < td.idle_timeout_ms:
+            return
+        start, self.idle_from = self.idle_from, None
+        prefix = np.concatenate(self.pending_prefix) if self.pending_prefix else np.zeros(0, np.float32)
+        self.pending_prefix = []
+        floor = MIN_COMMIT_MS * RATE // 1000
+        if len(prefix) < floor:  # the silence itself, at least as much as a commit takes
+            prefix = np.concatenate([np.zeros(floor - len(prefix), np.float32), prefix])
+        self._start()
+        self._send(prefix)
+        self.conv.emit("input_audio_buffer.timeout_triggered", audio_start_ms=int(start), audio_end_ms=int(self.heard_ms), item_id=self.item_id)
+        await self.commit()
+        if not self.conv.cfg.transcription_only:
+            await self.conv.responses.create(None)
 
     async def speech_started(self, at_ms: int, td: TurnDetection) -> None:
+        self.idle_from = None  # the user speaks: no idle nudge until the next answer played
         if self.item_id is None:
             prefix = np.concatenate(self.pending_prefix) if self.pending_prefix else np.zeros(0, np.float32)
             self.pending_prefix = []

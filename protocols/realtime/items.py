@@ -7,7 +7,7 @@ import asyncio
 import base64
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,10 @@ class Response:
     message_index: int = 0  # the message's output_index (it comes first when it says anything)
     message_added: bool = False
     forced: bool = False  # tool_choice required or a named function
+    instructions: str = ""  # what the prompt was rendered with
+    submit: Callable[[], RequestStream] | None = None  # the request again (after the conversation was fitted to the context)
+    first_audio_at: float | None = None  # the input audio timeline (ms) when its first audio went out
+    prompt_chars: int = 0  # the rendered conversation's size when it was last submitted (tokens per character, from usage)
 
     @property
     def ids(self) -> dict[str, Any]:

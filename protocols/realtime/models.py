@@ -47,6 +47,7 @@ class TurnDetection:
     interrupt_response: bool = True
     type: str = "server_vad"
     eagerness: str = "auto"  # semantic_vad only
+    idle_timeout_ms: int | None = None  # server_vad only: silence after the answer played -> a response
 
     def wire(self) -> dict[str, Any]:
         common = {"create_response": self.create_response, "interrupt_response": self.interrupt_response}
@@ -57,8 +58,34 @@ class TurnDetection:
             "threshold": self.threshold,
             "prefix_padding_ms": self.prefix_padding_ms,
             "silence_duration_ms": self.silence_duration_ms,
+            "idle_timeout_ms": self.idle_timeout_ms,
             **common,
         }
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """OpenAI's `truncation`: what happens when the conversation would pass the
+    thinker's context. `auto`: the oldest whole turns are dropped until it fills at most
+    `AUTO_RETAIN` of the context (room for the answer); `retention_ratio`: until it fills
+    `ratio` of the limit (`post_instructions` tokens when given, which also triggers it,
+    else the context), so truncations are rarer and the prompt's cached prefix lasts
+    longer; `disabled`: the response fails with `context_length_exceeded`."""
+
+    type: str = "auto"  # auto | disabled | retention_ratio
+    ratio: float = 1.0
+    post_instructions: int | None = None
+
+    def wire(self) -> Any:
+        if self.type != "retention_ratio":
+            return self.type
+        out: dict[str, Any] = {"type": "retention_ratio", "retention_ratio": self.ratio}
+        if self.post_instructions is not None:
+            out["token_limits"] = {"post_instructions": self.post_instructions}
+        return out
+
+
+AUTO_RETAIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -77,6 +104,7 @@ class Config:
     tool_choice: Any = "auto"  # auto | none | required | {"type": "function", "function": {"name"}}
     input_format: WireFormat = PCM24  # what the client's audio is in (decoded to the model rate)
     output_format: WireFormat = PCM24  # what the answer's audio goes out in
+    truncation: Truncation = Truncation()
 
     def wire(self, ga: bool, session_id: str) -> dict[str, Any]:
         td = self.turn_detection.wire() if self.turn_detection else None
@@ -104,7 +132,7 @@ class Config:
                 "tool_choice": realtime_choice_wire(self.tool_choice),
                 "max_output_tokens": limit,
                 "tracing": None,
-                "truncation": "auto",
+                "truncation": self.truncation.wire(),
                 "prompt": None,
                 "include": None,
             }
@@ -204,6 +232,9 @@ class WireModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+MIN_IDLE_MS, MAX_IDLE_MS = 1000, 600_000
+
+
 class TurnDetectionIn(WireModel):
     type: Literal["server_vad", "semantic_vad"] = "server_vad"
     threshold: Number = 0.5
@@ -212,6 +243,7 @@ class TurnDetectionIn(WireModel):
     create_response: bool = True
     interrupt_response: bool = True
     eagerness: Literal["low", "medium", "high", "auto"] = "auto"  # semantic_vad
+    idle_timeout_ms: int | None = None  # server_vad
 
     def settings(self) -> TurnDetection:
         if self.type == "semantic_vad":
@@ -228,8 +260,11 @@ class TurnDetectionIn(WireModel):
             raise _FieldError("prefix_padding_ms", "Must be 0-5000 ms.")
         if not 0 < self.silence_duration_ms <= 10000:
             raise _FieldError("silence_duration_ms", "Must be 1-10000 ms.")
+        if self.idle_timeout_ms is not None and not MIN_IDLE_MS <= self.idle_timeout_ms <= MAX_IDLE_MS:
+            raise _FieldError("idle_timeout_ms", f"Must be {MIN_IDLE_MS}-{MAX_IDLE_MS} ms, or null.")
         return TurnDetection(
-            float(self.threshold), self.prefix_padding_ms, self.silence_duration_ms, self.create_response, self.interrupt_response
+            float(self.threshold), self.prefix_padding_ms, self.silence_duration_ms, self.create_response, self.interrupt_response,
+            idle_timeout_ms=self.idle_timeout_ms,
         )
 
 
@@ -249,6 +284,7 @@ class AudioInputIn(WireModel):
     format: AudioFormat | None = None
     transcription: TranscriptionIn | None = None
     turn_detection: dict[str, Any] | None = None  # merged into the current settings; null: manual commits
+    noise_reduction: Any = None  # refused unless null (none is applied)
 
 
 class AudioOutputIn(WireModel):
@@ -260,6 +296,28 @@ class AudioOutputIn(WireModel):
 class AudioIn(WireModel):
     input: AudioInputIn | None = None
     output: AudioOutputIn | None = None
+
+
+class TokenLimitsIn(WireModel):
+    post_instructions: int | None = Field(default=None, ge=1)
+
+
+class RetentionRatioIn(WireModel):
+    type: Literal["retention_ratio"]
+    retention_ratio: Number
+    token_limits: TokenLimitsIn | None = None
+
+
+def _truncation(raw: Any) -> Truncation:
+    if raw in ("auto", "disabled"):
+        return Truncation(raw)
+    if isinstance(raw, str):
+        raise ClientError(f"Invalid value: {raw!r}. Supported values are: 'auto', 'disabled' or a retention_ratio object.",
+                          code="invalid_value", param="session.truncation")
+    r = parse(RetentionRatioIn, raw, "session.truncation")
+    if not 0.0 <= r.retention_ratio <= 1.0:
+        raise ClientError("retention_ratio must be between 0 and 1.", code="invalid_value", param="session.truncation.retention_ratio")
+    return Truncation("retention_ratio", float(r.retention_ratio), r.token_limits.post_instructions if r.token_limits else None)
 
 
 class SessionUpdate(WireModel):
@@ -281,6 +339,8 @@ class SessionUpdate(WireModel):
     audio: AudioIn | None = None
     tools: Any = None  # checked by protocols.tools (its errors name the field)
     tool_choice: Any = None
+    truncation: Any = None  # "auto" | "disabled" | {type: retention_ratio, ...}
+    input_audio_noise_reduction: Any = None  # refused unless null (none is applied)
 
 
 class ResponseOverrides(WireModel):
@@ -382,6 +442,13 @@ def apply_update(cfg: Config, s: SessionUpdate, voices: Mapping[str, str]) -> Co
             changes["voice"] = voice_of(out.voice, voices, "session.audio.output.voice")
         if out is not None and out.speed is not None:
             changes["speed"] = out.speed
+    for where, value in (("session.input_audio_noise_reduction", s.input_audio_noise_reduction),
+                         ("session.audio.input.noise_reduction", s.audio.input.noise_reduction if s.audio and s.audio.input else None)):
+        if value is not None:
+            raise ClientError(f"'{where}' is not supported by this server: no noise reduction is applied to the input audio. "
+                              "Leave it out or set it to null.", code="invalid_value", param=where)
+    if s.truncation is not None:
+        changes["truncation"] = _truncation(s.truncation)
     if s.type is not None:
         changes["transcription_only"] = s.type == "transcription"
     tools = cfg.tools

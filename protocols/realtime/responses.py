@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from media.audio_formats import pcm16_bytes
 from omni_rt import metrics
-from omni_rt.errors import ClientError, EngineDead, RequestAborted
+from omni_rt.errors import ClientError, ContextLengthExceeded, EngineDead, RequestAborted
 from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload
+from omni_rt.request import RequestStream
 from protocols.errors import to_omni
 from protocols.realtime.items import Item, Response, new_id
 from protocols.realtime.models import RATE, ResponseOverrides, parse, voice_of
@@ -64,8 +65,9 @@ class Responses:
         item = Item(new_id("item"), "assistant", [part0], status="in_progress")
         resp = Response(new_id("resp"), item, audio_out, epoch=conv.session.epoch, metadata=o.metadata)
         speech = await conv.latest_speech()
+        instructions = o.instructions if o.instructions is not None else cfg.instructions
+        conv.fit(instructions)  # the oldest turns go before a prompt estimated past the context
         params = {
-            "messages": conv.messages(o.instructions if o.instructions is not None else cfg.instructions),
             "voice": conv.pipeline.voices.get(voice, voice),
             "max_output_tokens": max_tokens,
             "temperature": o.temperature if o.temperature is not None else cfg.temperature,
@@ -75,19 +77,27 @@ class Responses:
             # asks again); under auto the model may make several.
             params.update(tools=list(tools), tool_choice=choice, parallel_tool_calls=choice == "auto")
             resp.forced = choice not in ("auto", "none")
-        # The user's speech (its audio, or what the profile's front stage made of it
-        # while it was appended) goes straight to the thinker, this request's entry.
-        session = conv.session
-        resp.stream = session.submit(params, outputs={"thinker", *session.speech_outputs()} if audio_out else {"thinker"}, entry="thinker")
+        resp.instructions = instructions
+
+        def submit() -> RequestStream:
+            # The user's speech (its audio, or what the profile's front stage made of it
+            # while it was appended) goes straight to the thinker, this request's entry.
+            session = conv.session
+            resp.prompt_chars = conv.prompt_chars(instructions)
+            stream = session.submit({**params, "messages": conv.messages(instructions)},
+                                    outputs={"thinker", *session.speech_outputs()} if audio_out else {"thinker"}, entry="thinker")
+            try:
+                for p in speech:
+                    session.send_input(stream, Payload(p.kind, session.fence, text=p.text, arrays=p.arrays, meta=p.meta))
+                stream.end_input()
+            except BaseException:
+                asyncio.get_running_loop().create_task(stream.close())
+                raise
+            return stream
+
+        resp.submit = submit
+        resp.stream = submit()
         self.active = resp
-        try:
-            for p in speech:
-                session.send_input(resp.stream, Payload(p.kind, session.fence, text=p.text, arrays=p.arrays, meta=p.meta))
-            resp.stream.end_input()
-        except BaseException:
-            self.active = None
-            await resp.stream.close()
-            raise
         conv.emit("response.created", response=self.wire(resp, "in_progress"))
         resp.task = asyncio.get_running_loop().create_task(self._run(resp))
 
@@ -179,7 +189,7 @@ class Responses:
         text_delta = "response.audio_transcript.delta" if resp.audio_out else "response.text.delta"
         samples = 0
         try:
-            async for stage, payload, _ in stream.payloads():
+            async for stage, payload, _ in self._payloads(resp):
                 if stage == "thinker":
                     meta = payload.meta
                     if TOOL_CALL in meta:
@@ -196,6 +206,7 @@ class Responses:
                     pcm = payload.arrays["pcm"]
                     if not samples:
                         metrics.TTFP_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
+                        resp.first_audio_at = conv.input.heard_ms
                     samples += len(pcm)
                     item.audio_ms = samples * 1000 // RATE
                     output.push(resp, fence, pcm16_bytes(pcm))
@@ -217,6 +228,7 @@ class Responses:
                     error = {"type": "server_error", "code": code, "message": err.public_message()}
                 details = {"type": "failed", "error": error}
         finally:
+            stream = resp.stream
             await asyncio.shield(stream.close())
         if status == "completed" and resp.cancel_reason is not None:
             # cancelled while its last payloads were in flight: the stream may end
@@ -234,9 +246,28 @@ class Responses:
             self._message(resp)
         self._finish(resp, status, details, dict(stream.done.usage or {}) if stream.done is not None else {})
 
+    async def _payloads(self, resp: Response) -> AsyncIterator[tuple[str, Payload, Any]]:
+        """The answer's payloads. A prompt the thinker's context refuses before anything
+        was said is fitted (the conversation's oldest turns dropped, under the session's
+        truncation) and submitted again, as long as a whole turn can go."""
+        while True:
+            assert resp.stream is not None
+            try:
+                async for out in resp.stream.payloads():
+                    yield out
+                return
+            except ContextLengthExceeded as exc:
+                if resp.outputs or resp.cancel_reason is not None or not self.conv.fit(resp.instructions, exc.tokens, exc.limit):
+                    raise
+            await asyncio.shield(resp.stream.close())
+            assert resp.submit is not None
+            resp.stream = resp.submit()
+
     def _finish(self, resp: Response, status: str, details: Any, usage: dict[str, int]) -> None:
         conv, item, ids = self.conv, resp.item, resp.ids
         n_in, n_audio = usage.get("input_tokens", 0), usage.get("input_audio_tokens", 0)
+        if status == "completed" and n_in:
+            conv.learn_tokens(n_in - n_audio, resp.prompt_chars)
         wire_usage = {
             "total_tokens": n_in + usage.get("output_tokens", 0),
             "input_tokens": n_in,
@@ -259,6 +290,7 @@ class Responses:
             if conv.ga and item.id in conv.items:
                 conv.emit("conversation.item.done", previous_item_id=None, item=item.wire(conv.ga))
         conv.emit("response.done", response=self.wire(resp, status, details, wire_usage))
+        conv.input.answered(resp.first_audio_at, item.audio_ms)
         metrics.E2E_SECONDS.labels(api="realtime").observe(time.monotonic() - resp.started)
         if self.active is resp:
             self.active = None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from media.wire_audio import WireFormat
 from protocols.realtime.items import Item
-from protocols.realtime.models import Config, TurnDetection
+from protocols.realtime.models import Config, Truncation, TurnDetection
 
 if TYPE_CHECKING:
     from protocols.realtime.conversation import Conversation
@@ -35,13 +35,18 @@ def config_of(raw: Any) -> Config:
     td = raw.get("turn_detection")
     if td is not None and (not isinstance(td, dict) or set(td) - _TD_FIELDS):
         raise ValueError("turn_detection does not match this release")
-    formats = {}
+    formats: dict[str, Any] = {}
     for key in ("input_format", "output_format"):
         f = raw.get(key)
         if f is not None:
             if not isinstance(f, dict) or f.get("encoding") not in ("pcm16", "pcmu", "pcma") or not isinstance(f.get("rate"), int):
                 raise ValueError(f"{key} {f!r} does not match this release")
             formats[key] = WireFormat(f["encoding"], f["rate"])
+    tr = raw.get("truncation")
+    if tr is not None:
+        if not isinstance(tr, dict) or set(tr) - {f.name for f in fields(Truncation)}:
+            raise ValueError(f"truncation {tr!r} does not match this release")
+        formats["truncation"] = Truncation(**tr)
     return Config(**{**raw, "turn_detection": TurnDetection(**td) if td is not None else None, "tools": tuple(raw.get("tools") or ()), **formats})
 
 
