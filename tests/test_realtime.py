@@ -247,3 +247,49 @@ async def test_barge_in_cancels_the_response_and_no_stale_audio_follows(server):
         assert [e for e in after if getattr(e, "response_id", None) == rid] == []
         # history keeps the cancelled answer as an incomplete item
         assert done.response.output[0].status == "incomplete"
+
+
+async def test_semantic_vad_keeps_a_hesitating_caller_in_one_turn_and_idle_timeout_nudges(server):
+    """The real server's semantic_vad (silero + Smart Turn v3): a caller who hesitates
+    mid-sentence ("…to, um," then a second of silence) is one turn, where server_vad's
+    500 ms of silence cut it in two; then idle_timeout_ms answers the silence after the
+    answer played."""
+    first, rest = speech_pcm16("I would like to book a flight to, um,"), speech_pcm16("Paris next Tuesday morning.")
+    utterance = silence(0.5) + first + silence(1.0) + rest + silence(4.5)  # medium waits at most 4 s
+    counts = {}
+    for td in ({"type": "semantic_vad", "eagerness": "medium"}, {"type": "server_vad"}):
+        async with connect(server, "ga") as conn:
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4,
+                                               "audio": {"input": {"turn_detection": td}}})
+            assert (await conn.recv()).type == "session.updated"
+            await append(conn, utterance, chunk=4800)
+            seen: list = []
+            await until(conn, "response.done", seen)
+            await asyncio.sleep(1.0)  # a second answer, if the turn was cut, would be under way
+            await append(conn, silence(0.2), chunk=4800)
+            more: list = []
+            try:
+                async with asyncio.timeout(5):
+                    await until(conn, "input_audio_buffer.committed", more)
+            except TimeoutError:
+                pass
+            counts[td["type"]] = sum(e.type == "input_audio_buffer.committed" for e in seen + more)
+    assert counts == {"semantic_vad": 1, "server_vad": 2}, counts
+    async with connect(server, "ga") as conn:
+        await conn.recv()
+        td = {"type": "server_vad", "idle_timeout_ms": 1500}
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4,
+                                           "audio": {"input": {"turn_detection": td}}})
+        assert (await conn.recv()).type == "session.updated"
+        await append(conn, silence(0.3) + rest + silence(1.0), chunk=4800)
+        seen = []
+        await until(conn, "response.done", seen)
+        await append(conn, silence(2.5), chunk=4800)
+        seen = []
+        done = await until(conn, "response.done", seen)
+        types = [e.type for e in seen]
+        assert "input_audio_buffer.timeout_triggered" in types and "input_audio_buffer.speech_started" not in types
+        trig = seen[types.index("input_audio_buffer.timeout_triggered")]
+        assert trig.audio_end_ms - trig.audio_start_ms >= 1500
+        assert done.response.status == "completed"
