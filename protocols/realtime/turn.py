@@ -245,7 +245,12 @@ class SemanticVad:
 
     def _ask(self, threshold: float) -> bool:
         assert self.model is not None
-        p = self.model.complete(self._turn_audio())
+        try:
+            p = self.model.complete(self._turn_audio())
+        except Exception:  # noqa: BLE001 - a broken model must not break the caller's turn taking
+            log.exception("the end-of-turn model failed: this session's semantic_vad ends turns on its eagerness's silence from now on")
+            self.model = None
+            return True  # the pause it was asked at ends the turn
         ended = p >= threshold
         if self.on_decision is not None:
             self.on_decision(p, ended)

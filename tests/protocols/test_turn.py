@@ -114,6 +114,19 @@ def test_server_vad_and_a_missing_model_use_the_silence():
     assert none[1][2] == 1400 + SEMANTIC.silence_duration_ms
 
 
+def test_a_failing_model_falls_back_to_the_silence_and_the_turn_still_ends(caplog):
+    class Broken:
+        def complete(self, audio16k):
+            raise RuntimeError("onnxruntime: bad model")
+
+    vad = SemanticVad(EnergyVad(), Broken())
+    events = feed(vad, np.concatenate([loud(0.5), still(0.5), loud(0.5), still(1.0)]), SEMANTIC)
+    # the first pause ends its turn; the next turn ends on semantic_vad's own silence (700 ms)
+    assert [(k, ms) for k, ms, _ in events] == [("start", 0), ("stop", 500), ("start", 1000), ("stop", 1500)]
+    assert events[-1][2] == 1500 + SEMANTIC.silence_duration_ms and vad.model is None
+    assert "end-of-turn model failed" in caplog.text
+
+
 def test_decisions_arriving_together_run_as_one_batch():
     class Timed(SmartTurn):
         def __init__(self) -> None:
@@ -198,3 +211,20 @@ async def test_semantic_vad_on_the_realtime_wire_keeps_a_paused_turn_whole():
         assert len(model.heard) >= 2 and len(model.heard[-1]) >= 2 * 16000
         await ws.ws.close()
 
+
+
+async def test_semantic_vad_on_the_duplex_wire_keeps_a_paused_turn_whole():
+    from clients.duplex import DuplexClient
+
+    model = ByLength(2.0)
+    async with serve(["voice"], turn_model=model) as h:
+        c = await DuplexClient.connect(h.url("/v1/duplex", ws=True))
+        u = await c.update(max_output_tokens=4, audio={"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "high"}}})
+        assert u["session"]["audio"]["input"]["turn_detection"]["type"] == "semantic_vad"
+        await c.stream_audio(quiet(0.4) + tone(0.6) + quiet(0.5) + tone(0.6) + quiet(0.5), realtime=False)
+        seen: list = []
+        done = await c.until("response.done", seen)
+        t = [e["type"] for e in seen]
+        assert t.count("input_audio_buffer.speech_started") == 1 and t.count("input_audio_buffer.speech_stopped") == 1
+        assert done["response"]["status"] == "completed" and len(model.heard) >= 2
+        await c.close()
