@@ -278,9 +278,9 @@ async def test_semantic_vad_keeps_a_hesitating_caller_in_one_turn_and_idle_timeo
     assert counts == {"semantic_vad": 1, "server_vad": 2}, counts
     async with connect(server, "ga") as conn:
         await conn.recv()
-        td = {"type": "server_vad", "idle_timeout_ms": 1500}
+        idle: dict[str, Any] = {"type": "server_vad", "idle_timeout_ms": 1500}
         await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4,
-                                           "audio": {"input": {"turn_detection": td}}})
+                                           "audio": {"input": {"turn_detection": idle}}})
         assert (await conn.recv()).type == "session.updated"
         await append(conn, silence(0.3) + rest + silence(1.0), chunk=4800)
         seen = []
