@@ -29,9 +29,10 @@ from omni_rt.errors import ClientError
 from protocols.http import error_response
 
 ANONYMOUS = "anonymous"
-# /v1/telephony/twilio: Twilio strips query strings and sends no headers; the call
-# authenticates in its stream's start message (protocols.telephony.twilio)
-OPEN_PATHS = frozenset({"/health", "/healthz", "/v1/telephony/twilio"})
+# /v1/telephony/twilio and /telnyx: the carriers send no headers of ours (Twilio strips
+# query strings too); the call authenticates in its stream's start message
+# (protocols.telephony.twilio)
+OPEN_PATHS = frozenset({"/health", "/healthz", "/v1/telephony/twilio", "/v1/telephony/telnyx"})
 # Pages anyone may load with a plain GET (they hold no data; what they call needs a key).
 OPEN_PAGES = frozenset({"/", "/demo", "/demo/world", "/demo/video", "/dashboard"})
 OPEN_PREFIX = "/static/"

@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 
 from clients.twilio import TwilioStream
 from protocols.realtime import Conversation
@@ -18,8 +19,8 @@ from testkit.wire import from_g711, g711, quiet, tone
 PATH = "/v1/telephony/twilio"
 
 
-async def call(h, params=None, play_speed: float = 8.0, **kw) -> TwilioStream:
-    t = TwilioStream(await h.client.ws_connect(PATH), play_speed=play_speed)
+async def call(h, params=None, play_speed: float = 8.0, dialect: str = "twilio", **kw) -> TwilioStream:
+    t = TwilioStream(await h.client.ws_connect(f"/v1/telephony/{dialect}"), play_speed=play_speed, dialect=dialect)
     await t.start(params, **kw)
     return t
 
@@ -110,16 +111,17 @@ async def test_a_stream_that_breaks_the_protocol_is_closed_before_a_session_open
         assert not h.sessions.sessions()
 
 
-async def test_with_api_keys_the_call_authenticates_in_its_parameters():
+@pytest.mark.parametrize("dialect", ["twilio", "telnyx"])
+async def test_with_api_keys_the_call_authenticates_in_its_parameters(dialect):
     overlay = {"server": {"api_keys": [{"key": "sk-phone", "principal": "phones"}]}}
     async with serve(["voice"], overlay) as h:
         for params in ({}, {"authorization": "Bearer sk-wrong-key"}):
-            refused = await call(h, params)
+            refused = await call(h, params, dialect=dialect)
             await refused.wait_for(lambda r=refused: r.closed is not None)
             assert refused.closed[0] == 1008 and "authorization" in refused.closed[1]
             await refused.close()
         assert not h.sessions.sessions()
-        t = await call(h, {"api_key": "sk-phone", "max_output_tokens": "4"})
+        t = await call(h, {"api_key": "sk-phone", "max_output_tokens": "4"}, dialect=dialect)
         await t.say(g711(quiet(0.4) + tone(0.8) + quiet(0.8)))
         await t.wait_for(lambda: t.played_marks)
         assert conversation(h).session.principal == "phones"
