@@ -387,6 +387,9 @@ class Conversation:
             elif c.type == "input_audio" and item.role == "user":
                 audio = decode_audio(c.audio, f"item.content[{i}].audio", self.cfg.input_format)
                 parts.append({"type": "input_audio", "transcript": c.transcript})
+            elif c.type == "input_image":
+                raise ClientError(f"input_image is not supported by this server's '{self.pipeline.name}' pipeline: its thinker takes text "
+                                  "and audio only; send what the image shows as text.", code="unsupported_content", param=f"item.content[{i}].type")
             else:
                 raise ClientError(f"Content type {c.type!r} is not supported for a {item.role} item.", param=f"item.content[{i}].type")
         item_id = item.id or new_id("item")

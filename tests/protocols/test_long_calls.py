@@ -171,3 +171,16 @@ async def test_a_silent_caller_is_nudged_after_idle_timeout_ms(h):
     await ws.send("session.update", session={"type": "realtime", "audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5}}}})
     assert (await ws.until("error"))["error"]["param"] == "session.audio.input.turn_detection.idle_timeout_ms"
     await ws.ws.close()
+
+
+async def test_an_image_is_refused_with_an_error_naming_the_pipeline(h):
+    ws = await connect(h, "/v1/realtime?model=gpt-realtime")
+    await ws.until("session.created")
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "look"}, image]})
+    err = (await ws.until("error"))["error"]
+    assert err["code"] == "unsupported_content" and err["param"] == "item.content[1].type" and "'voice' pipeline" in err["message"]
+    assert "conversation.item.added" not in ws.types()  # nothing half-added
+    await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+    await ws.until("conversation.item.added")  # the session goes on
+    await ws.ws.close()
