@@ -137,6 +137,7 @@ class Duplex:
 
 def mount(m: Mount) -> None:
     sessions, pipeline = m.sessions, m.pipeline
+    vad_of(m)  # the end-of-turn model loads now, at start-up, not at the first session's open
 
     def restore(session: Session, state: dict[str, Any]) -> None:
         Duplex.restore(session, m, state)

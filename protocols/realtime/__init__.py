@@ -14,6 +14,7 @@ WebRTC calls plug their own transports into the same conversation.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
@@ -81,8 +82,10 @@ def _count_decision(probability: float, ended: bool) -> None:
     metrics.TURN_DECISIONS.labels("end" if ended else "wait").inc()
 
 
+@functools.cache
 def turn_model_of(setting: str) -> TurnModel | None:
-    """The process's end-of-turn model for `server.turn_model` (loading in the background)."""
+    """The process's end-of-turn model for `server.turn_model` (loaded by the first call:
+    a mount at start-up)."""
     path = smart_turn_path(setting)
     if path is None:
         if setting != "none":

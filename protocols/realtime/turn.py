@@ -116,9 +116,6 @@ class SmartTurn:
             self._features = WhisperFeatureExtractor(chunk_length=WINDOW_S)
             self._session = ort.InferenceSession(str(self.path), sess_options=so, providers=["CPUExecutionProvider"])
 
-    def preload(self) -> None:
-        threading.Thread(target=self.load, name="smart-turn-load", daemon=True).start()
-
     def predict(self, clips: Sequence[np.ndarray]) -> np.ndarray:
         """Probabilities of a finished turn for `clips` (16 kHz float32), in one call."""
         self.load()
@@ -171,12 +168,14 @@ _MODELS_LOCK = threading.Lock()
 
 
 def shared_smart_turn(path: Path) -> SmartTurn:
-    """The process's model for `path` (loaded in the background from the first call)."""
+    """The process's model for `path`, loaded on the first call (a server's start-up:
+    ~0.3 s, in the calling thread — importing transformers from a second thread while
+    the start-up imports it too can fail)."""
     with _MODELS_LOCK:
         m = _MODELS.get(path)
         if m is None:
             m = _MODELS[path] = SmartTurn(path)
-            m.preload()
+            m.load()
         return m
 
 
