@@ -244,6 +244,11 @@ class Session:
         profile = orch.pipelines.get(name) if orch is not None and name is not None else None
         return profile.entry if profile is not None else None
 
+    def serves(self, stage: str) -> bool:
+        """Whether this session's pipeline, as served, has `stage` among the outputs a
+        request may ask for."""
+        return self.pipeline is not None and self._manager.orchestrator is not None and stage in self._manager.final_outputs(self.pipeline)
+
     def speech_outputs(self) -> set[str]:
         """The stages of this session's pipeline that speak its answers (the split
         talker's `code2wav`, or Qwen-Omni's `token2wav`, as the profile has it)."""

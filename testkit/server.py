@@ -28,7 +28,7 @@ from omni_rt.runtime import Runtime, import_processor
 from omni_rt.specs import ProfileSpec, SpecError, StageSpec, parse_overlay
 from omni_rt.stage import StageProcessor
 from testkit.clock import FakeClock
-from testkit.stages import code2wav_fn, moshi_fn
+from testkit.stages import code2wav_fn, moshi_fn, stt_fn
 from testkit.vad import energy_vad
 
 
@@ -57,6 +57,7 @@ FAKES: dict[str, tuple[str | None, dict[str, Callable[[str, Speeds], Engine]]]] 
         "testkit.stages:FakeFusedTalker",
         {"main": _ar, "decoder": lambda n, sp: FakeStepEngine(code2wav_fn, n, sp.step_s)}),
     "pipelines.asr:AsrProcessor": ("testkit.stages:FakeAsr", {"main": _ar}),
+    "pipelines.stt:SttProcessor": ("testkit.stages:FakeStt", {"main": lambda n, sp: FakeStepEngine(stt_fn, n, sp.step_s)}),
     "pipelines.robot:PolicyProcessor": (
         "testkit.stages:FakePolicy", {"main": lambda n, sp: FakeStepEngine(_velocity, n, sp.step_s)}),
     "pipelines.image:ImageProcessor": (None, {"main": lambda n, sp: FakeDiffusionEngine(n, sp.diffusion_step_s)}),

@@ -40,6 +40,7 @@ from omni_rt.payloads import FINISH_REASON, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import StageContext, StageProcessor
 from pipelines.moshi import MoshiProcessor
+from pipelines.stt import SttProcessor
 
 RATE = 24000
 SAMPLES_PER_FRAME = 2048  # as SNAC 24 kHz: the real code2wav's framing
@@ -311,6 +312,36 @@ class FakeAsr(StageProcessor):
                 ctx.add_usage(output_tokens=len(toks))
                 meta = {"segment": i, "start": lo / rate, "end": (lo + len(part)) / rate}
                 await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, text="".join(f"w{t} " for t in toks), meta=meta))
+
+
+def stt_fn(op: str | None, x: Any) -> Any:
+    """The fake streaming transcriber's step (`FakeStt`): per frame, the word token
+    `100 + n` after every 5th loud frame (RMS over 0.02) of the slot's stream, else the
+    pad token (3); `release` forgets the slot."""
+    slot = int(x["slot"])
+    if op == "release":
+        _STT_LOUD.pop(slot, None)
+        return {"released": np.asarray(True)}
+    n = 0 if bool(x["fresh"]) else _STT_LOUD.get(slot, 0)
+    pcm = np.asarray(x["pcm"], np.float32)
+    if float(np.sqrt(np.mean(pcm * pcm))) > 0.02:
+        n += 1
+    _STT_LOUD[slot] = n
+    word = 100 + n if n and n % 5 == 0 and float(np.sqrt(np.mean(pcm * pcm))) > 0.02 else 3
+    return {"tokens": np.asarray([-1 if not bool(x["fresh"]) else 3, word], np.int64)}
+
+
+_STT_LOUD: dict[int, int] = {}
+
+
+class FakeStt(SttProcessor):
+    """The real stt stage over `stt_fn`: its words are `w<token> `."""
+
+    def load_text(self, model_dir: str) -> None:
+        self.tokenizer = None
+
+    def text(self, ids: list[int]) -> str:
+        return "".join(f"w{t} " for t in ids if t >= 4)
 
 
 def moshi_fn(op: str | None, x: Any) -> Any:

@@ -293,3 +293,24 @@ async def test_semantic_vad_keeps_a_hesitating_caller_in_one_turn_and_idle_timeo
         trig = seen[types.index("input_audio_buffer.timeout_triggered")]
         assert trig.audio_end_ms - trig.audio_start_ms >= 1500
         assert done.response.status == "completed"
+
+
+async def test_input_transcription_streams_while_the_caller_speaks(server):
+    """gpt-4o-transcribe on the real server: the stt stage (Kyutai STT, the tiny random
+    one) writes `…delta` events before the turn is committed, `…completed` after it."""
+    speech = speech_pcm16("Hello, can you tell me what the weather is like today?")
+    async with connect(server, "ga") as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4,
+                                           "audio": {"input": {"transcription": {"model": "gpt-4o-transcribe"}}}})
+        assert (await conn.recv()).type == "session.updated"
+        pcm = silence(0.3) + speech + silence(1.0)
+        for i in range(0, len(pcm), 4800):  # in real time, as a caller speaks
+            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[i : i + 4800]).decode())
+            await asyncio.sleep(0.1)
+        seen: list = []
+        done = await until(conn, "conversation.item.input_audio_transcription.completed", seen)
+    types = [e.type for e in seen]
+    deltas = [e for e in seen if e.type == "conversation.item.input_audio_transcription.delta"]
+    assert deltas and types.index("conversation.item.input_audio_transcription.delta") < types.index("input_audio_buffer.committed")
+    assert done.transcript == "".join(d.delta for d in deltas).strip()

@@ -83,12 +83,12 @@ async def test_realtime_input_transcription_through_the_sdk(server, utterance):
     c = AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1", api_key=ADMIN_KEY)
     async with c.realtime.connect(model="gpt-realtime") as conn:
         await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None,
-                                                                                  "transcription": {"model": "gpt-4o-mini-transcribe", "language": "en"}}}})
+                                                                                  "transcription": {"model": "whisper-1", "language": "en"}}}})
         types = []
         async for ev in conn:
             types.append(ev.type)
             if ev.type == "session.updated":
-                assert ev.session.audio.input.transcription.model == "gpt-4o-mini-transcribe"
+                assert ev.session.audio.input.transcription.model == "whisper-1"
                 break
         for i in range(0, len(utterance), 9600):
             await conn.input_audio_buffer.append(audio=base64.b64encode(utterance[i : i + 9600]).decode())

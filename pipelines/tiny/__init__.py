@@ -11,7 +11,7 @@ Real architectures, random weights, fixed seed, sized for 2 CPU cores:
 
 The diffusion checkpoints (image, world, video, live video) are built by
 `pipelines.tiny.diffusion`; the model families with a module of their own by
-`pipelines.tiny.omni`, `omni3`, `pi0`, `whisper` and `moshi` (this package).
+`pipelines.tiny.omni`, `omni3`, `pi0`, `whisper`, `moshi` and `kyutai_stt` (this package).
 
 Each builds into a temp dir next to its destination and is renamed into place, with a
 ``.complete`` marker written last, so a crashed build never looks finished and two
@@ -442,6 +442,12 @@ def _fill_moshi(out: Path) -> None:
     fill(out)
 
 
+def _fill_kyutai_stt(out: Path) -> None:
+    from pipelines.tiny.kyutai_stt import fill  # its tokenizer is the Moshi builder's
+
+    fill(out)
+
+
 def _fill_whisper(out: Path) -> None:
     from pipelines.tiny.whisper import fill  # it trains its tokenizer on CORPUS (imports this module)
 
@@ -472,6 +478,7 @@ _BUILDERS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "omni": ("tiny-qwen2.5-omni", lambda out: _fill_omni(out)),
     "omni3": ("tiny-qwen3-omni", lambda out: _fill_omni3(out)),
     "moshi": ("tiny-moshi", lambda out: _fill_moshi(out)),
+    "kyutai-stt": ("tiny-kyutai-stt", lambda out: _fill_kyutai_stt(out)),
 }
 
 

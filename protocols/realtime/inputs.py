@@ -22,7 +22,7 @@ import numpy as np
 
 from media.wire_audio import InputDecoder, WireFormat, WireFormatError, decode_clip
 from omni_rt import metrics
-from omni_rt.errors import ClientError
+from omni_rt.errors import ClientError, RequestAborted
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.request import RequestStream
 from protocols.errors import to_omni
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from protocols.realtime.conversation import Conversation
 
 MAX_APPEND_BYTES = 15 * 1024 * 1024
+# input transcription models transcribed while the user speaks, where the profile serves
+# the stt stage (whisper-1 is transcribed on commit, by the asr stage)
+STREAMING_TRANSCRIPTION = frozenset({"gpt-4o-transcribe", "gpt-4o-mini-transcribe", "gpt-4o-transcribe-latest", "omni-rt-stt"})
 MIN_COMMIT_MS = 100
 # The longest utterance kept for a thinker that takes audio itself (Qwen2.5-Omni's
 # feature extractor takes 300 s); appends beyond it are refused, not dropped.
@@ -75,6 +78,9 @@ class InputAudio:
         self.heard: list[np.ndarray] = []  # the utterance's audio, kept for its transcription
         self._decoder: InputDecoder | None = None  # the session's input format -> the model rate (a stream)
         self.heard_ms = 0.0  # audio appended since the session started (the VAD's timeline)
+        self.live: RequestStream | None = None  # the utterance's streaming transcription (the stt stage)
+        self.live_samples = 0
+        self.live_seconds: dict[str, float] = {}  # committed utterances whose transcript is still streaming
         self.idle_from: float | None = None  # where the last answer finished playing (idle_timeout_ms counts from it)
 
     # ---- the utterance ----------------------------------------------------------------
@@ -84,10 +90,24 @@ class InputAudio:
         t = self.conv.cfg.transcription or {}
         return {"task": "transcribe", "language": t.get("language"), "prompt": t.get("prompt"), "temperature": 0.0}
 
+    def _streaming(self) -> bool:
+        """Input transcription while the user speaks: a streaming model was asked for
+        (gpt-4o-transcribe, …) and the profile serves the stt stage (else the asr
+        stage transcribes each utterance on commit)."""
+        t = self.conv.cfg.transcription
+        return t is not None and self.front is None and t.get("model") in STREAMING_TRANSCRIPTION and self.conv.session.serves("stt")
+
     def _start(self) -> None:
         if self.front is not None:
             self.stream = self.conv.session.submit(self._front_params(), outputs={self.front}, fenced=False)
         self.item_id = new_id("item")
+        if self._streaming():
+            s = self.conv.session
+            self.live = s.submit(self._front_params(), outputs={"stt"}, entry="stt", fenced=False)
+            self.live_samples = 0
+            task = asyncio.get_running_loop().create_task(self._live(self.live, self.item_id))
+            self.collecting.add(task)
+            task.add_done_callback(self.collecting.discard)
 
     def _send(self, pcm: np.ndarray) -> None:
         if self.front is None and self.ms + len(pcm) * 1000 // RATE > MAX_KEPT_MS:
@@ -103,8 +123,41 @@ class InputAudio:
         else:
             self.pcm.append(pcm)
         self.ms += len(pcm) * 1000 // RATE
-        if self.conv.cfg.transcription is not None:
+        if self.live is not None:
+            s.send_input(self.live, Payload(PayloadKind.AUDIO, s.fence, arrays={"pcm": pcm}, meta={"sample_rate": RATE}))
+            self.live_samples += len(pcm)
+        elif self.conv.cfg.transcription is not None:
             self.heard.append(pcm)
+
+    async def _live(self, stream: RequestStream, item_id: str) -> None:
+        """The utterance's transcript as the stt stage writes it: `…delta` events while
+        the user speaks, `…completed` once the committed utterance's stream ends (a
+        cleared buffer's stream is closed: nothing more is said of it)."""
+        conv = self.conv
+        ids = {"item_id": item_id, "content_index": 0}
+        text = ""
+        try:
+            async for _, p, _ in stream.payloads():
+                if p.text:
+                    text += p.text
+                    conv.emit("conversation.item.input_audio_transcription.delta", delta=p.text, **ids)
+        except RequestAborted:
+            return
+        except Exception as exc:  # noqa: BLE001 - the client hears that its transcript failed
+            err = to_omni(exc, f"transcription of {item_id}")
+            conv.emit("conversation.item.input_audio_transcription.failed",
+                      error={"type": err.type, "code": err.code, "message": err.public_message(), "param": None}, **ids)
+            return
+        finally:
+            await asyncio.shield(stream.close())
+        if item_id not in self.live_seconds:  # cleared (or the session closed) before it was committed
+            return
+        text = text.strip()
+        item = conv.items.get(item_id)
+        if item is not None and item.content and not item.content[0].get("transcript"):
+            item.content[0]["transcript"] = text
+        conv.emit("conversation.item.input_audio_transcription.completed", transcript=text,
+                  usage={"type": "duration", "seconds": round(self.live_seconds.pop(item_id, 0.0), 3)}, **ids)
 
     async def _collect(self, stream: RequestStream, fut: asyncio.Future[list[Payload]], item: Item | None, seconds: float | None) -> None:
         """`seconds`: the front stage is the asr and the session asked for input
@@ -266,6 +319,10 @@ class InputAudio:
             )
         stream, item_id = self.stream, self.item_id
         heard, self.heard = self.heard, []
+        if self.live is not None:  # streamed while it was spoken: its transcript completes as the stream ends
+            self.live_seconds[item_id] = self.live_samples / RATE
+            self.live.end_input()
+            self.live = None
         pcm, self.pcm = self.pcm, []
         self.stream, self.item_id, self.ms = None, None, 0
         if stream is not None:
@@ -322,12 +379,18 @@ class InputAudio:
     async def clear(self) -> None:
         if self.stream is not None:
             await self.stream.close()
+        if self.live is not None:
+            await self.live.close()
+            self.live = None
         self.stream, self.item_id, self.ms, self.pending_prefix, self.heard, self.pcm = None, None, 0, [], [], []
         self.conv.emit("input_audio_buffer.cleared")
 
     async def close(self) -> None:
         for task in list(self.collecting):
             task.cancel()
+        if self.live is not None:
+            await self.live.close()
+            self.live = None
         if self.stream is not None:
             await self.stream.close()
             self.stream = None

@@ -275,12 +275,12 @@ async def test_input_transcription_events_follow_the_commit_and_history_keeps_th
     from testkit.wire import b64, tone
 
     ws = await session(h, beta)
-    tr = {"model": "gpt-4o-mini-transcribe", "language": "en"}
+    tr = {"model": "whisper-1", "language": "en"}  # on commit (gpt-4o-*-transcribe stream while spoken: test_stt.py)
     body = {"turn_detection": None, "input_audio_transcription": tr} if beta else \
         {"type": "realtime", "audio": {"input": {"turn_detection": None, "transcription": tr}}}
     await ws.send("session.update", session=body)
     s = (await ws.until("session.updated"))["session"]
-    assert (s["input_audio_transcription"] if beta else s["audio"]["input"]["transcription"])["model"] == "gpt-4o-mini-transcribe"
+    assert (s["input_audio_transcription"] if beta else s["audio"]["input"]["transcription"])["model"] == "whisper-1"
     await ws.send("input_audio_buffer.append", audio=b64(tone(2.0)))
     await ws.send("input_audio_buffer.commit")
     done = await ws.until("conversation.item.input_audio_transcription.completed")
