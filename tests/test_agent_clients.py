@@ -198,10 +198,12 @@ class _LoguruErrors:
         self._logger.remove(self._id)
 
 
-async def _run_pipeline(processor, frames: list, until: type, timeout: float = TURN_TIMEOUT_S, predicate: Any = None) -> tuple[list, list]:
+async def _run_pipeline(processor, frames: list, until: type, timeout: float = TURN_TIMEOUT_S, predicate: Any = None,
+                        until_up: type | None = None) -> tuple[list, list]:
     """pipecat.tests.utils.run_test's pipeline (source -> processor -> sink), ended once a
     frame of type `until` comes downstream (or an ErrorFrame either way); with
-    `predicate(frame, frames so far)`, only an `until` frame it accepts ends it."""
+    `predicate(frame, frames so far)`, only an `until` frame it accepts ends it; with
+    `until_up`, a frame of that type must also have come upstream."""
     from pipecat.frames.frames import EndFrame, ErrorFrame
     from pipecat.pipeline.pipeline import Pipeline
     from pipecat.pipeline.worker import PipelineParams, PipelineWorker
@@ -229,18 +231,25 @@ async def _run_pipeline(processor, frames: list, until: type, timeout: float = T
             await worker.queue_frame(f)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        ended_down = False
         while loop.time() < deadline:
             while not up.empty():
                 got_up.append(up.get_nowait())
             if any(isinstance(f, ErrorFrame) for f in got_up):
+                break
+            if ended_down and until_up is not None and any(isinstance(f, until_up) for f in got_up):
                 break
             try:
                 f = await asyncio.wait_for(down.get(), 0.2)
             except asyncio.TimeoutError:
                 continue
             got_down.append(f)
-            if isinstance(f, ErrorFrame) or isinstance(f, until) and (predicate is None or predicate(f, got_down)):
+            if isinstance(f, ErrorFrame):
                 break
+            if isinstance(f, until) and (predicate is None or predicate(f, got_down)):
+                ended_down = True
+                if until_up is None:
+                    break
         await worker.queue_frame(EndFrame())
 
     runner = WorkerRunner()
@@ -294,6 +303,37 @@ async def test_pipecat_openai_realtime_llm(server):
     audio = [f for f in down if isinstance(f, TTSAudioRawFrame)]
     assert audio and sum(len(f.audio) for f in audio) > 0, names
     assert any(isinstance(f, LLMFullResponseEndFrame) for f in down), names
+    assert not errors.records, errors.records
+
+
+async def test_pipecat_shows_the_callers_words_while_they_speak(server):
+    """pipecat's OpenAI realtime service with input transcription (gpt-4o-transcribe) on
+    server VAD: the spoken turn's transcript comes as interim transcription frames (the
+    server's deltas, written while the audio streams) and then the final one, and the
+    turn is answered."""
+    _pipecat()
+    from pipecat.frames.frames import ErrorFrame, InputAudioRawFrame, InterimTranscriptionFrame, LLMFullResponseEndFrame, TranscriptionFrame
+    from pipecat.services.openai.realtime import events
+    from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+
+    from testkit.harness import silence, speech_pcm16
+
+    pcm = silence(0.3) + speech_pcm16("Hello, can you tell me what the weather is like today?") + silence(1.2)
+    audio = [InputAudioRawFrame(audio=pcm[i : i + 960], sample_rate=24000, num_channels=1) for i in range(0, len(pcm), 960)]  # 20 ms
+    errors = _LoguruErrors()
+    try:
+        props = events.SessionProperties(instructions="Answer briefly.", max_output_tokens=8, audio=events.AudioConfiguration(
+            input=events.AudioInput(transcription=events.InputAudioTranscription(model="gpt-4o-transcribe"), turn_detection=events.TurnDetection())))
+        settings = OpenAIRealtimeLLMService.Settings(model=REALTIME_MODEL, session_properties=props)
+        llm = OpenAIRealtimeLLMService(api_key=ALICE_KEY, base_url=ws_url(server), settings=settings)
+        down, up = await _run_pipeline(llm, audio, until=LLMFullResponseEndFrame, until_up=TranscriptionFrame)
+    finally:
+        errors.close()
+    errs = [f for f in down + up if isinstance(f, ErrorFrame)]
+    assert not errs, (errs, server_log_tail(server))
+    interim = [f.text for f in up if isinstance(f, InterimTranscriptionFrame)]
+    final = [f.text for f in up if isinstance(f, TranscriptionFrame)]
+    assert interim and final == ["".join(interim).strip()], (interim, final)
     assert not errors.records, errors.records
 
 

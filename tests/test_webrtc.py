@@ -67,7 +67,10 @@ async def test_barge_in_clears_the_servers_output_buffer(server):
     try:
         assert (await call.until("session.created"))["session"]["audio"]["input"]["turn_detection"]["create_response"] is False
         call.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Tell me a long story"}]})
-        call.send("response.create", response={"max_output_tokens": 120})
+        # long enough that the answer is still being made when the caller's words are
+        # heard (at 120 tokens a fast machine finished it first, and no response.done
+        # followed the barge-in)
+        call.send("response.create", response={"max_output_tokens": 400})
         seen: list = []
         created = await call.until("response.created", seen)
         rid = created["response"]["id"]
