@@ -144,9 +144,7 @@ class InputAudio:
         except RequestAborted:
             return
         except Exception as exc:  # noqa: BLE001 - the client hears that its transcript failed
-            err = to_omni(exc, f"transcription of {item_id}")
-            conv.emit("conversation.item.input_audio_transcription.failed",
-                      error={"type": err.type, "code": err.code, "message": err.public_message(), "param": None}, **ids)
+            self._failed(ids, exc)
             return
         finally:
             await asyncio.shield(stream.close())
@@ -156,8 +154,7 @@ class InputAudio:
         item = conv.items.get(item_id)
         if item is not None and item.content and not item.content[0].get("transcript"):
             item.content[0]["transcript"] = text
-        conv.emit("conversation.item.input_audio_transcription.completed", transcript=text,
-                  usage={"type": "duration", "seconds": round(self.live_seconds.pop(item_id, 0.0), 3)}, **ids)
+        self._completed(ids, text, self.live_seconds.pop(item_id, 0.0))
 
     async def _collect(self, stream: RequestStream, fut: asyncio.Future[list[Payload]], item: Item | None, seconds: float | None) -> None:
         """`seconds`: the front stage is the asr and the session asked for input
@@ -176,19 +173,26 @@ class InputAudio:
             if item is not None and said and item.content and not item.content[0].get("transcript"):
                 item.content[0]["transcript"] = said  # a cascade's transcript: later turns read it
             if seconds is not None:
-                conv.emit("conversation.item.input_audio_transcription.completed", transcript=said,
-                          usage={"type": "duration", "seconds": round(seconds, 3)}, **ids)
+                self._completed(ids, said, seconds)
         except Exception as exc:  # noqa: BLE001 - whoever waits must not wait forever
             if not fut.done():
                 fut.set_exception(exc)
             if seconds is not None:
-                err = to_omni(exc, f"transcription of {ids.get('item_id')}")
-                conv.emit("conversation.item.input_audio_transcription.failed",
-                          error={"type": err.type, "code": err.code, "message": err.public_message(), "param": None}, **ids)
+                self._failed(ids, exc)
         finally:
             if not fut.done():
                 fut.cancel()
             await asyncio.shield(stream.close())
+
+    def _completed(self, ids: dict[str, Any], transcript: str, seconds: float) -> None:
+        self.conv.emit("conversation.item.input_audio_transcription.completed", transcript=transcript,
+                       usage={"type": "duration", "seconds": round(seconds, 3)}, **ids)
+
+    def _failed(self, ids: dict[str, Any], exc: BaseException) -> None:
+        """The client hears that its transcript failed, in the Realtime error's shape."""
+        err = to_omni(exc, f"transcription of {ids.get('item_id')}")
+        self.conv.emit("conversation.item.input_audio_transcription.failed",
+                       error={"type": err.type, "code": err.code, "message": err.public_message(), "param": None}, **ids)
 
     def collect(self, stream: RequestStream, item: Item | None = None, seconds: float | None = None) -> asyncio.Future[list[Payload]]:
         """The speech of a closed utterance, once its front-stage request finishes."""
@@ -367,14 +371,11 @@ class InputAudio:
             finally:
                 await asyncio.shield(stream.close())
         except Exception as exc:  # noqa: BLE001 - the client hears that its transcript failed
-            err = to_omni(exc, f"transcription of {item.id}")
-            conv.emit("conversation.item.input_audio_transcription.failed",
-                      error={"type": err.type, "code": err.code, "message": err.public_message(), "param": None}, **ids)
+            self._failed(ids, exc)
             return
         text = text.strip()
         item.content[0]["transcript"] = text
-        conv.emit("conversation.item.input_audio_transcription.completed", transcript=text,
-                  usage={"type": "duration", "seconds": round(len(pcm) / RATE, 3)}, **ids)
+        self._completed(ids, text, len(pcm) / RATE)
 
     async def clear(self) -> None:
         if self.stream is not None:
