@@ -54,6 +54,12 @@ def check_architecture(model_dir: str, what: str, accepted: str, ok: Any) -> lis
     return arch
 
 
+def check_mimi(model_dir: str, mimi: dict[str, Any], what: str) -> None:
+    """Mimi (the codec inside Moshi and Kyutai STT) as these stages step it: 24 kHz, 12.5 frames a second."""
+    if mimi.get("sampling_rate", 24000) != 24000 or mimi.get("frame_rate", 12.5) != 12.5:
+        raise StageError(f"{model_dir}: Mimi at {mimi.get('sampling_rate')} Hz / {mimi.get('frame_rate')} Hz; the {what} stage runs 24 kHz at 12.5 frames a second")
+
+
 def diffusers_class(model_dir: str) -> str:
     """`_class_name` of a diffusers pipeline directory's model_index.json."""
     index = config(model_dir, "model_index.json")

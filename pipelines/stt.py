@@ -30,6 +30,7 @@ from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
+from pipelines import checkpoint
 
 ARCHITECTURE = "KyutaiSpeechToTextForConditionalGeneration"
 RATE = 24000
@@ -106,19 +107,10 @@ class SttProcessor(StageProcessor):
 
     @classmethod
     def check_model(cls, model_dir: str) -> None:
-        path = Path(model_dir)
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise StageError(f"{model_dir}: no readable config.json ({exc})") from None
-        archs = config.get("architectures") or []
-        if ARCHITECTURE not in archs:
-            raise StageError(f"{model_dir}: config.json names {archs or 'no architecture'}; the stt stage loads {ARCHITECTURE} "
-                             "(transformers' format, e.g. kyutai/stt-1b-en_fr-trfs)")
-        codec = config.get("codec_config") or {}
-        if codec.get("sampling_rate", RATE) != RATE or codec.get("frame_rate", 12.5) != 12.5:
-            raise StageError(f"{model_dir}: Mimi at {codec.get('sampling_rate')} Hz / {codec.get('frame_rate')} Hz; the stt stage runs 24 kHz at 12.5 frames a second")
-        if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        checkpoint.check_architecture(model_dir, "stt", f"{ARCHITECTURE} (transformers' format, e.g. kyutai/stt-1b-en_fr-trfs)",
+                                      lambda a: a == ARCHITECTURE)
+        checkpoint.check_mimi(model_dir, checkpoint.config(model_dir).get("codec_config") or {}, "stt")
+        if not any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
             raise StageError(f"{model_dir}: no text tokenizer (tokenizer.json or tokenizer.model)")
 
     def __init__(self, spec: StageSpec, engine: Engine | None, aux: Mapping[str, Engine]) -> None:

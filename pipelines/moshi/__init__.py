@@ -52,6 +52,7 @@ from omni_rt.errors import CapacityExceeded
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import ProcessorArgs, StageContext, StageError, StageProcessor
+from pipelines import checkpoint
 from pipelines.moshi.steps import FRAME, MoshiSteps
 
 log = logging.getLogger("pipelines.moshi")
@@ -287,9 +288,7 @@ class MoshiProcessor(StageProcessor):
         archs = config.get("architectures") or []
         if ARCHITECTURE not in archs:
             raise StageError(f"{model_dir}: config.json names {archs or 'no architecture'}; the moshi stage loads {ARCHITECTURE} (transformers' format, e.g. kmhf/hf-moshiko)")
-        mimi = config.get("audio_encoder_config") or {}
-        if mimi.get("sampling_rate", SAMPLE_RATE) != SAMPLE_RATE or mimi.get("frame_rate", 12.5) != 12.5:
-            raise StageError(f"{model_dir}: Mimi at {mimi.get('sampling_rate')} Hz / {mimi.get('frame_rate')} Hz; the moshi stage runs 24 kHz at 12.5 frames a second")
+        checkpoint.check_mimi(model_dir, config.get("audio_encoder_config") or {}, "moshi")
         if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
             raise StageError(f"{model_dir}: no tokenizer for the text stream (tokenizer.json or tokenizer.model)")
         _tokenizer(model_dir)
