@@ -194,8 +194,8 @@ class SemanticVad:
         self.model = model
         self.on_decision = on_decision  # (probability, ended) of each decision: metrics, tests
         self.resampler = soxr.ResampleStream(RATE, MODEL_RATE, 1, dtype="float32")
-        keep = (WINDOW_S * 1000 + BEFORE_SPEECH_MS) * MODEL_RATE // 1000
-        self.audio = np.zeros(keep, np.float32)  # the last 8.5 s heard at 16 kHz (a ring, oldest first)
+        self.audio: np.ndarray | None = None  # the last 8.5 s heard at 16 kHz: a ring, allocated under semantic_vad
+        self.end = 0  # the ring's write position (the oldest sample is there)
         self.pos_ms = 0.0  # audio pushed so far
         self.turn_start_ms: int | None = None  # the open turn's speech start
         self.held_ms: int | None = None  # where the speech paused while the model said "not done"
@@ -208,10 +208,7 @@ class SemanticVad:
             self.turn_start_ms = None
             return held + self.inner.push(pcm, td)
         x = self.resampler.resample_chunk(pcm)
-        if len(x) >= len(self.audio):
-            self.audio = x[-len(self.audio):].copy()
-        elif len(x):
-            self.audio = np.concatenate([self.audio[len(x):], x])
+        self._keep(x)
         self.pos_ms += len(pcm) * 1000 / RATE
         threshold, pause_ms, longest_ms = EAGERNESS.get(td.eagerness, EAGERNESS["auto"])
         out: list[tuple[str, int]] = []
@@ -263,4 +260,18 @@ class SemanticVad:
         """The audio since the turn's speech started (and a little before), at most 8 s."""
         assert self.turn_start_ms is not None
         ms = min(self.pos_ms - self.turn_start_ms + BEFORE_SPEECH_MS, WINDOW_S * 1000)
-        return self.audio[-int(ms * MODEL_RATE / 1000):]
+        n = int(ms * MODEL_RATE / 1000)
+        assert self.audio is not None
+        ring = np.concatenate([self.audio[self.end :], self.audio[: self.end]])  # oldest first
+        return ring[-n:]
+
+    def _keep(self, x: np.ndarray) -> None:
+        """Write `x` into the ring (no copy of the whole window per piece of audio)."""
+        if self.audio is None:
+            self.audio = np.zeros((WINDOW_S * 1000 + BEFORE_SPEECH_MS) * MODEL_RATE // 1000, np.float32)
+        size = len(self.audio)
+        x = x[-size:]
+        first = min(len(x), size - self.end)
+        self.audio[self.end : self.end + first] = x[:first]
+        self.audio[: len(x) - first] = x[first:]
+        self.end = (self.end + len(x)) % size
