@@ -50,13 +50,17 @@ class PayloadKind(str, enum.Enum):
 TOOL_CALL = "tool_call"
 FINISH_REASON = "finish_reason"
 # A thinker's first payload when its talker conditions on the thinker's own states
-# (pipelines.omni): no text; arrays `prompt_ids` (and `audio`, 16 kHz, when the user spoke).
+# (pipelines.omni): no text; arrays `prompt_ids` (and `audio`, 16 kHz, when the user spoke;
+# `pixel_values` and `image_grid_thw`, the thinker's processor's, when the prompt has images).
 TALKER_PROMPT = "talker_prompt"
 # Stages whose outputs are an answer's speech (AUDIO payloads), by profile: the split
 # talker's SNAC decoder, Qwen2.5-Omni's token2wav or Qwen3-Omni's code2wav.
 # Where the user's utterance goes in a conversation message's text: the thinker puts
 # the utterance's audio (or its embeddings, or its transcript) there.
 AUDIO_PLACEHOLDER = "<|audio|>"
+# Where an image goes in a message's text; the request's `images` (data URLs) fill these
+# in order (media.images).
+IMAGE_PLACEHOLDER = "<|image|>"
 SPEECH_STAGES = frozenset({"code2wav", "token2wav", "omni_code2wav"})
 
 

@@ -117,6 +117,7 @@ class ProfileSpec(_Strict):
     edges: list[EdgeSpec] = []
     final_outputs: list[str] = Field(min_length=1)
     voices: dict[str, str] | None = Field(default=None, description="the pipeline's voices when this profile runs (its model's own speakers)")
+    name: str = Field(default="", description="the profile's key in its pipeline (set when a deployment resolves it)")
 
     @model_validator(mode="after")
     def _check_graph(self) -> ProfileSpec:
@@ -650,7 +651,8 @@ def apply_overlay(pipeline: PipelineSpec, overlay: DeployOverlay, source: str = 
             )
     try:
         return ProfileSpec.model_validate(
-            {"entry": profile.entry, "stages": stages, "edges": edges, "final_outputs": profile.final_outputs, "voices": profile.voices}
+            {"entry": profile.entry, "stages": stages, "edges": edges, "final_outputs": profile.final_outputs, "voices": profile.voices,
+             "name": profile_name}
         )
     except ValidationError as err:
         raise SpecError(_format_validation(err, base_key)) from None

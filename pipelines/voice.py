@@ -15,6 +15,7 @@ start.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ import numpy as np
 from pydantic import Field
 
 from omni_rt.engines.base import ArEngine, Engine
-from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
+from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, IMAGE_PLACEHOLDER, TALKER_PROMPT, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import StageSpec
 from omni_rt.stage import SamplingArgs, StageContext, StageError, StageProcessor
 from pipelines import checkpoint
@@ -41,10 +42,14 @@ NATIVE_AUDIO_ARCHITECTURES = frozenset({"Qwen2_5OmniForConditionalGeneration", "
 NATIVE_RATE = 16000  # what their feature extractors take
 
 
+_MEDIA = re.compile(f"({re.escape(AUDIO_PLACEHOLDER)}|{re.escape(IMAGE_PLACEHOLDER)})")
+
+
 def native_messages(messages: Sequence[Mapping[str, Any]], with_audio: bool) -> list[dict[str, Any]]:
     """Conversation messages as a multimodal chat template takes them: the latest
     `<|audio|>` (the utterance whose audio is given) becomes an audio content part;
-    older placeholders (audio not kept, no transcript) are left out."""
+    older placeholders (audio not kept, no transcript) are left out. Every `<|image|>`
+    becomes an image content part (the request's images, in order)."""
     spot = None
     if with_audio:
         for i in range(len(messages) - 1, -1, -1):
@@ -54,16 +59,20 @@ def native_messages(messages: Sequence[Mapping[str, Any]], with_audio: bool) -> 
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         content = str(m.get("content") or "")
-        if AUDIO_PLACEHOLDER not in content:
+        if AUDIO_PLACEHOLDER not in content and IMAGE_PLACEHOLDER not in content:
             out.append({**m, "role": m.get("role", "user"), "content": content})  # tool_calls, tool_call_id kept
             continue
-        pieces = content.split(AUDIO_PLACEHOLDER)
+        pieces = _MEDIA.split(content)
+        last_audio = max(j for j, p in enumerate(pieces) if p == AUDIO_PLACEHOLDER) if AUDIO_PLACEHOLDER in pieces else -1
         parts: list[dict[str, Any]] = []
         for j, piece in enumerate(pieces):
-            if piece.strip():
+            if piece == IMAGE_PLACEHOLDER:
+                parts.append({"type": "image"})
+            elif piece == AUDIO_PLACEHOLDER:
+                if i == spot and j == last_audio:
+                    parts.append({"type": "audio"})
+            elif piece.strip():
                 parts.append({"type": "text", "text": piece.strip()})
-            if i == spot and j == len(pieces) - 2:
-                parts.append({"type": "audio"})
         out.append({"role": m.get("role", "user"), "content": parts or [{"type": "text", "text": ""}]})
     return out
 
@@ -143,6 +152,8 @@ class ThinkerProcessor(StageProcessor):
         self.processor: Any = None
         self.n_fft = self.hop = 0
         self.max_samples = 0
+        self.max_images = 0
+        self.mm_kwargs: dict[str, Any] = {}
         self._fast: Any = None
         self._segments: SegmentEncoder | None = None
         self.tool_calling: ToolCalling | None = None
@@ -161,6 +172,8 @@ class ThinkerProcessor(StageProcessor):
             self.tokenizer = self.processor.tokenizer
             fe = self.processor.feature_extractor
             self.n_fft, self.hop, self.max_samples = int(fe.n_fft), int(fe.hop_length), int(fe.n_samples)
+            self.max_images = int((self.spec.engine_args.get("limit_mm_per_prompt") or {}).get("image", 0) or 0)
+            self.mm_kwargs = dict(self.spec.engine_args.get("mm_processor_kwargs") or {})
         else:
             self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model)
         self.audio_id = self.tokenizer.convert_tokens_to_ids(AUDIO_PLACEHOLDER)
@@ -285,9 +298,38 @@ class ThinkerProcessor(StageProcessor):
                 audio = await asyncio.to_thread(soxr.resample, audio, rate, NATIVE_RATE)
         return audio, ("".join(text).strip() if text else None)
 
+    def images(self, urls: Sequence[str], states: bool) -> tuple[list[Any], int, dict[str, np.ndarray]]:
+        """The request's images (data URLs) for the engine (RGB PIL images), how many
+        tokens they make (the model's image processor's grid, merged), and, for a talker
+        that recomputes the thinker's states, the processor's `pixel_values` and
+        `image_grid_thw`."""
+        from media.images import ImageError, open_data_url
+
+        if not self.native:
+            raise StageError(f"thinker {self.spec.model} takes no images (a text chat LM)")
+        if len(urls) > self.max_images:
+            raise StageError(f"the prompt has {len(urls)} images; this thinker takes at most {self.max_images} "
+                             "(engine_args.limit_mm_per_prompt.image)")
+        try:
+            pil = [open_data_url(u) for u in urls]
+        except ImageError as exc:
+            raise StageError(f"an image of the prompt {exc}") from None
+        ip = self.processor.image_processor
+        # sized as vLLM's processor sizes them (the stage's engine_args.mm_processor_kwargs)
+        out = ip(images=pil, return_tensors="np", **self.mm_kwargs)
+        grid = np.asarray(out["image_grid_thw"], np.int64)
+        n = int(grid.prod(-1).sum()) // int(ip.merge_size) ** 2
+        arrays = {"pixel_values": np.asarray(out["pixel_values"], np.float32), "image_grid_thw": grid} if states else {}
+        return pil, n, arrays
+
     async def run(self, ctx: StageContext) -> None:
         audio, transcript = await self._speech(ctx)
         messages = self.conversation(ctx.params)
+        urls = list(ctx.params.get("images") or ())
+        pil: list[Any] = []
+        n_image, image_arrays = 0, {}
+        if urls:
+            pil, n_image, image_arrays = await asyncio.to_thread(self.images, urls, self.args.talker_states)
         heard = audio is not None or transcript is not None
         if heard and not any(AUDIO_PLACEHOLDER in str(m.get("content", "")) for m in messages):
             messages.append({"role": "user", "content": AUDIO_PLACEHOLDER})
@@ -309,6 +351,11 @@ class ThinkerProcessor(StageProcessor):
             # text only: token ids, the engine's fast path
             ids = await asyncio.to_thread(self.prompt_ids, messages, False, offered)
             prompt, n_in = {"prompt_token_ids": ids}, len(ids)
+        if pil:
+            # images the same way: one placeholder token each, expanded by vLLM's processor
+            prompt["multi_modal_data"] = {**prompt.get("multi_modal_data", {}), "image": pil}
+            n_in += n_image - len(pil)
+            ctx.add_usage(input_image_tokens=n_image)
         sampling = self.sampling(ctx.params, tools)
         ctx.add_usage(input_tokens=n_in)
         states = self.args.talker_states
@@ -316,6 +363,7 @@ class ThinkerProcessor(StageProcessor):
             arrays = {"prompt_ids": np.asarray(prompt.get("prompt_token_ids", ()), np.int64)}
             if audio is not None:
                 arrays["audio"] = audio
+            arrays.update(image_arrays)
             await ctx.emit(Payload(PayloadKind.TEXT, ctx.fence, arrays=arrays, meta={TALKER_PROMPT: True}))
         detok = self.detokenizer()
         n_out, last = 0, None

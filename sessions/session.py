@@ -249,6 +249,21 @@ class Session:
         request may ask for."""
         return self.pipeline is not None and self._manager.orchestrator is not None and stage in self._manager.final_outputs(self.pipeline)
 
+    def image_limit(self) -> tuple[int, str]:
+        """How many images a prompt of this session's thinker may hold (its stage's
+        `engine_args.limit_mm_per_prompt.image`; 0: it sees none), and the served
+        profile's name (for errors)."""
+        orch = self._manager.orchestrator
+        profile = orch.pipelines.get(self.pipeline) if orch is not None and self.pipeline is not None else None
+        if profile is None:
+            return 0, ""
+        limit = 0
+        for s in profile.stages:
+            if s.name == "thinker":
+                mm = s.engine_args.get("limit_mm_per_prompt") or {}
+                limit = int(mm.get("image", 0) or 0) if isinstance(mm, Mapping) else 0
+        return limit, profile.name
+
     def speech_outputs(self) -> set[str]:
         """The stages of this session's pipeline that speak its answers (the split
         talker's `code2wav`, or Qwen-Omni's `token2wav`, as the profile has it)."""

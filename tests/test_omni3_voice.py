@@ -6,7 +6,7 @@ are compared with `Qwen3OmniMoeForConditionalGeneration.generate(..., return_aud
 on the same tiny checkpoint, as transformers ships it:
 
 * the talker's frames (all codebooks: the talker's first, the code predictor's others)
-  equal the reference's (greedy), with the user's audio and without, for an answer that
+  equal the reference's (greedy), with the user's audio, an image, and text only, for an answer that
   ends at the thinker's end token and for one cut at its budget;
 * code2wav decoding every frame in one window equals the reference's waveform;
 * code2wav streamed (chunk by chunk as the talker makes frames) equals the same chunks
@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.integration]
 SEED = 3
 PROMPT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 AUDIO_PART = "<|audio_start|><|audio_pad|><|audio_end|>"
+IMAGE_PART = "<|vision_start|><|image_pad|><|vision_end|>"
 TEXT = "Hello there, how are you today?"
 THINKER_TOKENS = 10
 TALKER_TOKENS = 40  # the reference's budget: it completes all but the last frame it starts
@@ -71,17 +72,27 @@ def reference(omni3_dir):
     return model, AutoProcessor.from_pretrained(str(omni3_dir))
 
 
-def _generate(reference, audio: np.ndarray | None, end_at: int | None) -> dict:
+def _image():
+    """A small picture (the talker reads the thinker's states at its rows)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    return Image.fromarray((rng.random((96, 128, 3)) * 255).astype(np.uint8))
+
+
+def _generate(reference, audio: np.ndarray | None, end_at: int | None, image=None) -> dict:
     """The reference's thinker tokens, talker frames and waveform (greedy); `end_at`: the
     thinker's end token forced at that step (None: the answer runs to its budget)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     model, processor = reference
     eos = model.config.im_end_token_id
-    user = AUDIO_PART if audio is not None else TEXT
+    user = AUDIO_PART if audio is not None else IMAGE_PART + TEXT if image is not None else TEXT
     if audio is not None:
         pad = -(-(len(audio) + 400) // 160) * 160
         inputs = processor(text=PROMPT.format(user), audio=[audio], return_tensors="pt", audio_kwargs={"max_length": pad})
+    elif image is not None:
+        inputs = processor(text=PROMPT.format(user), images=[image], return_tensors="pt")
     else:
         inputs = processor(text=PROMPT.format(user), return_tensors="pt")
     n_prompt = inputs["input_ids"].shape[1]
@@ -116,7 +127,10 @@ def _generate(reference, audio: np.ndarray | None, end_at: int | None) -> dict:
         assert eos not in out
         reply = out[:-1]  # ended at the budget: the reference never feeds its last token back
     plain = processor.tokenizer(PROMPT.format(user))["input_ids"]
-    return {"prompt_ids": plain, "reply": reply, "frames": got["frames"], "wav": wav[0, 0].numpy()}
+    res = {"prompt_ids": plain, "reply": reply, "frames": got["frames"], "wav": wav[0, 0].numpy()}
+    if image is not None:  # what the thinker stage sends: its processor's pixels and grid
+        res.update(pixel_values=inputs["pixel_values"].numpy(), image_grid_thw=inputs["image_grid_thw"].numpy())
+    return res
 
 
 def _stages(mode: str) -> ProfileSpec:
@@ -138,6 +152,8 @@ def _thinker_payloads(ref: dict, audio: np.ndarray | None) -> list[Payload]:
     arrays = {"prompt_ids": np.asarray(ref["prompt_ids"], np.int64)}
     if audio is not None:
         arrays["audio"] = audio
+    if "pixel_values" in ref:
+        arrays.update(pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"])
     out = [Payload(PayloadKind.TEXT, fence, arrays=arrays, meta={TALKER_PROMPT: True})]
     for i in range(0, len(ref["reply"]), 3):  # the reply in pieces, as the thinker streams it
         out.append(Payload(PayloadKind.TEXT, fence, text="x", arrays={"token_ids": np.asarray(ref["reply"][i : i + 3], np.int64)}))
@@ -166,10 +182,11 @@ async def _run(omni3_dir, profile: ProfileSpec, inputs: list[Payload]) -> tuple[
         await rt.stop()
 
 
-@pytest.mark.parametrize(("with_audio", "end_at"), [(True, 6), (False, 6), (True, None)], ids=["speech-ended", "text-ended", "speech-cut"])
-async def test_frames_and_waveform_equal_the_reference(omni3_dir, reference, with_audio, end_at):
-    audio = _speech() if with_audio else None
-    ref = _generate(reference, audio, end_at)
+@pytest.mark.parametrize(("given", "end_at"), [("speech", 6), ("text", 6), ("speech", None), ("image", 6)],
+                         ids=["speech-ended", "text-ended", "speech-cut", "image-ended"])
+async def test_frames_and_waveform_equal_the_reference(omni3_dir, reference, given, end_at):
+    audio = _speech() if given == "speech" else None
+    ref = _generate(reference, audio, end_at, _image() if given == "image" else None)
     assert len(ref["frames"]) == TALKER_TOKENS - 1
     frames, pcm, _ = await _run(omni3_dir, _stages("batch"), _thinker_payloads(ref, audio))
     assert frames == ref["frames"]

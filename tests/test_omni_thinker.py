@@ -57,13 +57,37 @@ async def engine_and_thinker(request, models_dir, tmp_path_factory):
     await engine.stop()
 
 
-def _reference(ckpt, thinker: ThinkerProcessor, audio: np.ndarray | None) -> np.ndarray:
+IMAGE_MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is in <|image|> this picture?"}]
+
+
+def _image_url(h: int = 300, w: int = 400) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(1).random((h, w, 3)) * 255).astype(np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _reference(ckpt, thinker: ThinkerProcessor, audio: np.ndarray | None, image_url: str | None = None) -> np.ndarray:
     """transformers' own thinker on the processor's own inputs: next-token log-probs."""
     import torch
     import transformers
 
+    from media.images import open_data_url
+
     path, family = ckpt
     model = getattr(transformers, FAMILIES[family][2]).from_pretrained(str(path), dtype=torch.float32).eval()
+    if image_url is not None:
+        text = thinker.render(IMAGE_MESSAGES)
+        inputs = thinker.processor(text=text, images=[open_data_url(image_url)], return_tensors="pt",
+                                   images_kwargs=dict(thinker.mm_kwargs))
+        with torch.no_grad():
+            logits = model.thinker(**inputs).logits[0, -1]
+        return logits.log_softmax(-1).numpy()
     text = thinker.render(MESSAGES, with_audio=audio is not None)
     inputs = thinker.processor(text=text, audio=[audio] if audio is not None else None, return_tensors="pt")
     with torch.no_grad():
@@ -96,6 +120,28 @@ async def test_vllm_path_computes_what_transformers_computes(engine_and_thinker,
     got = await _vllm_logprobs(engine, thinker, audio, f"cmp-{with_audio}")
     top = sorted(got, key=lambda t: -got[t])
     assert top[0] == int(ref.argmax())
+    for t, lp in got.items():
+        assert abs(lp - float(ref[t])) < 2e-3, (t, lp, float(ref[t]))
+
+
+async def test_an_image_reaches_vllm_as_transformers_sees_it(engine_and_thinker):
+    """An image in the conversation: the stage's prompt (the template's vision span, the
+    image beside the ids), sized by the profile's mm_processor_kwargs on both sides,
+    gives vLLM's next-token distribution transformers' own; the stage counts the
+    image's tokens as vLLM's processor expands them."""
+    from vllm import SamplingParams
+
+    engine, thinker, ckpt = engine_and_thinker
+    url = _image_url(900, 1200)  # past the profile's longest edge: resized to it
+    pil, n, arrays = thinker.images([url], True)
+    assert 0 < n <= 512 and arrays["image_grid_thw"].shape == (1, 3)
+    ids = thinker.prompt_ids(IMAGE_MESSAGES)
+    prompt = await engine._mm_prompt(ids, {"image": pil}, None)
+    assert len(prompt["prompt_token_ids"]) == len(ids) - 1 + n
+    outs = [o async for o in engine.llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=20), "img")]
+    got = {t: lp.logprob for t, lp in outs[-1].outputs[0].logprobs[0].items()}
+    ref = _reference(ckpt, thinker, None, url)
+    assert max(got, key=lambda t: got[t]) == int(ref.argmax())
     for t, lp in got.items():
         assert abs(lp - float(ref[t])) < 2e-3, (t, lp, float(ref[t]))
 

@@ -5,7 +5,7 @@ thinker would send them (its prompt's ids and audio, then its reply's token ids)
 are compared with `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)`
 on the same checkpoint (the tiny one, and one laid out as the hub's 7B: `tests.hub`):
 
-* the talker's codes equal the reference's (greedy), with the user's audio and without;
+* the talker's codes equal the reference's (greedy), with the user's audio, an image, and text only;
 * token2wav decoding all codes at once equals the reference's waveform for the same seed;
 * token2wav streamed (chunk by chunk as the talker produces codes) equals the same chunks
   decoded from all the codes at once; against the one-window decode it differs by the
@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.integration]
 SEED = 3
 PROMPT = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 AUDIO_PART = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+IMAGE_PART = "<|vision_bos|><|IMAGE|><|vision_eos|>"
 MAX_CODES = 80
 # streamed (chunks of 12, then 50 codes, with 24 codes before and 12 after each) against
 # the whole answer in one DiT window: relative L2 difference of the waveforms. Measured
@@ -86,18 +87,31 @@ def reference(omni_dir):
     return model, AutoProcessor.from_pretrained(str(omni_dir))
 
 
-def _generate(reference, audio: np.ndarray | None) -> dict:
+def _image():
+    """A small picture (the talker recomputes the thinker's states over its rows too)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    return Image.fromarray((rng.random((84, 112, 3)) * 255).astype(np.uint8))
+
+
+def _generate(reference, audio: np.ndarray | None, image=None) -> dict:
     """The reference's thinker tokens, talker codes and waveform (greedy, seeded)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     model, processor = reference
     tc = model.config.talker_config
     n_codes = model.config.token2wav_config.dit_config.num_embeds
+    text = PROMPT.format("Hello there, how are you today?")
     if audio is not None:
         pad = -(-(len(audio) + 400) // 160) * 160
-        inputs = processor(text=PROMPT.format(AUDIO_PART), audio=[audio], return_tensors="pt", audio_kwargs={"max_length": pad})
+        text = PROMPT.format(AUDIO_PART)
+        inputs = processor(text=text, audio=[audio], return_tensors="pt", audio_kwargs={"max_length": pad})
+    elif image is not None:
+        text = PROMPT.format(IMAGE_PART + "What is this?")
+        inputs = processor(text=text, images=[image], return_tensors="pt")
     else:
-        inputs = processor(text=PROMPT.format("Hello there, how are you today?"), return_tensors="pt")
+        inputs = processor(text=text, return_tensors="pt")
 
     class CodesOnly(LogitsProcessor):  # what the stage samples from: codes the vocoder embeds, and the stops
         def __call__(self, ids, scores):
@@ -115,6 +129,11 @@ def _generate(reference, audio: np.ndarray | None) -> dict:
         return decode(code, conditioning, reference_mel, **kw)
 
     model.token2wav.forward = capture
+    if image is not None:
+        # the pixels to the thinker alone (as a shared kwarg transformers' generate also
+        # hands them to the talker, whose generate refuses them); the grid to both
+        inputs = {**inputs, "thinker_pixel_values": inputs["pixel_values"]}
+        del inputs["pixel_values"]
     try:
         seq, wav = model.generate(**inputs, speaker="Ethan", thinker_max_new_tokens=10, thinker_do_sample=False, talker_do_sample=False,
                                   talker_max_new_tokens=MAX_CODES, talker_logits_processor=LogitsProcessorList([CodesOnly()]))
@@ -124,8 +143,11 @@ def _generate(reference, audio: np.ndarray | None) -> dict:
     reply = [int(t) for t in seq[0, inputs["input_ids"].shape[1] :] if int(t) not in stops]
     if len(reply) == 10:  # ended at the budget: the reference never feeds its last token back
         reply = reply[:-1]
-    plain = processor.tokenizer(PROMPT.format(AUDIO_PART if audio is not None else "Hello there, how are you today?"))["input_ids"]
-    return {"prompt_ids": plain, "reply": reply, "codes": got["codes"], "wav": wav.numpy()}
+    out = {"prompt_ids": processor.tokenizer(text)["input_ids"], "reply": reply, "codes": got["codes"], "wav": wav.numpy()}
+    if image is not None:  # what the thinker stage sends: its processor's pixels and grid
+        out["pixel_values"] = inputs["thinker_pixel_values"].numpy()
+        out["image_grid_thw"] = inputs["image_grid_thw"].numpy()
+    return out
 
 
 def _stages(mode: str, entry: str) -> ProfileSpec:
@@ -188,6 +210,8 @@ def _thinker_payloads(ref: dict, audio: np.ndarray | None) -> list[Payload]:
     arrays = {"prompt_ids": np.asarray(ref["prompt_ids"], np.int64)}
     if audio is not None:
         arrays["audio"] = audio
+    if "pixel_values" in ref:
+        arrays.update(pixel_values=ref["pixel_values"], image_grid_thw=ref["image_grid_thw"])
     out = [Payload(PayloadKind.TEXT, fence, arrays=arrays, meta={TALKER_PROMPT: True})]
     # the reply in pieces, as the thinker streams it
     for i in range(0, len(ref["reply"]), 3):
@@ -195,10 +219,10 @@ def _thinker_payloads(ref: dict, audio: np.ndarray | None) -> list[Payload]:
     return out
 
 
-@pytest.mark.parametrize("with_audio", [True, False], ids=["speech", "text"])
-async def test_codes_and_waveform_equal_the_reference(omni_dir, reference, with_audio):
-    audio = _speech() if with_audio else None
-    ref = _generate(reference, audio)
+@pytest.mark.parametrize("given", ["speech", "text", "image"])
+async def test_codes_and_waveform_equal_the_reference(omni_dir, reference, given):
+    audio = _speech() if given == "speech" else None
+    ref = _generate(reference, audio, _image() if given == "image" else None)
     assert len(ref["codes"]) > 20
     codes, pcm, _ = await _run(omni_dir, _stages("batch", "omni_talker"), _thinker_payloads(ref, audio))
     assert codes == ref["codes"]

@@ -160,7 +160,8 @@ class TalkerBase(StageProcessor):
         self.speakers: dict[str, Any] = {}
         self.processor: Any = None
         self.allowed = torch.zeros(0)
-        self.audio_token = -1
+        self.audio_token = self.image_token = -1
+        self.merge = 1
 
     def _load(self) -> None:
         from transformers import AutoProcessor
@@ -262,6 +263,20 @@ class TalkerBase(StageProcessor):
             ids = np.concatenate([ids[:at], np.full(int(f["n_audio"]), self.audio_token, np.int64), ids[at + 1 :]])
             think = {"features": f["features"], "feature_mask": f["feature_mask"]}
             audio_len = np.array(int(f["feature_mask"].sum()), np.int64)
+        grid = first.arrays.get("image_grid_thw")
+        if grid is not None:
+            # each image's one placeholder token becomes its rows (the thinker's processor's grid, merged)
+            grid = np.asarray(grid, np.int64).reshape(-1, 3)
+            spots = np.flatnonzero(ids == self.image_token)
+            if len(spots) != len(grid):
+                raise StageError(f"the thinker's prompt has {len(spots)} image placeholders for {len(grid)} images")
+            counts = grid.prod(-1) // self.merge ** 2
+            pieces, at = [], 0
+            for spot, n in zip(spots, counts, strict=True):
+                pieces += [ids[at:spot], np.full(int(n), self.image_token, np.int64)]
+                at = spot + 1
+            ids = np.concatenate([*pieces, ids[at:]])
+            think.update(pixel_values=np.asarray(first.arrays["pixel_values"], np.float32), image_grid_thw=grid)
         reply = ThinkerReply()
         reader = asyncio.get_running_loop().create_task(self._read(inp, reply))
         slot = await self.free.get()
@@ -319,6 +334,8 @@ class OmniTalkerProcessor(TalkerBase):
         self.allowed[: int(cfg.token2wav_config.dit_config.num_embeds) + 1] = 0
         self.allowed[sorted(self.stops)] = 0
         self.audio_token = int(cfg.thinker_config.audio_token_index)
+        self.image_token = int(cfg.thinker_config.image_token_index)
+        self.merge = int(cfg.thinker_config.vision_config.spatial_merge_size)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -352,6 +369,8 @@ class OmniTalkerProcessor(TalkerBase):
         prefill = {"slot": s, "embeds": embeds, "text_ids": text_ids}
         if audio_len is not None:
             prefill["audio_lengths"] = audio_len
+        if "image_grid_thw" in think:
+            prefill["image_grid_thw"] = think["image_grid_thw"]
         logits = await steps.run(prefill, op="talk_prefill", priority=0)
         prompt_codes = [self.codec["mask"]] * len(ids) + [self.codec["pad"], self.codec["start"]]
         sample = self._sampler(ctx, prompt_codes)

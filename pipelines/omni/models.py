@@ -132,13 +132,14 @@ class OmniTalkerModule(torch.nn.Module):
         cfg = omni_config(model_dir)
         self.thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
         self.talker = Qwen2_5OmniTalkerForConditionalGeneration._from_config(cfg.talker_config, dtype=config_dtype(cfg, "talker_config"))
-        # audio in, states out: no vision tower, and no logits (the LM head, stored or
-        # tied to the embeddings, would only spend a vocabulary-wide matmul a token)
-        del self.thinker.visual
+        # states out: no logits (the LM head, stored or tied to the embeddings, would
+        # only spend a vocabulary-wide matmul a token); the vision tower stays (images
+        # in the prompt are states the talker reads)
         self.thinker.lm_head = torch.nn.Identity()
-        load_part(self.thinker, model_dir, "thinker.", keep=lambda k: not k.startswith(("visual.", "lm_head.")))
+        load_part(self.thinker, model_dir, "thinker.", keep=lambda k: not k.startswith("lm_head."))
         load_part(self.talker, model_dir, "talker.")
         self.audio_token = int(cfg.thinker_config.audio_token_index)
+        self.image_token = int(cfg.thinker_config.image_token_index)
         tc = cfg.talker_config
         self.max_len = max_len
         kv = torch.zeros(slots, tc.num_hidden_layers, 2, tc.num_key_value_heads, max_len, tc.head_dim, dtype=dtype_of(self.talker))
@@ -150,23 +151,29 @@ class OmniTalkerModule(torch.nn.Module):
     # ---- the thinker's states ----
 
     def think_prompt(self, slot: torch.Tensor, ids: torch.Tensor, features: torch.Tensor | None = None,
-                     feature_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The prompt's token embeddings (the audio's rows zeroed, as the reference
-        hands them to the talker) and last hidden states; starts the slot's thinker cache."""
+                     feature_mask: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                     image_grid_thw: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The prompt's token embeddings (the audio's and images' rows zeroed, as the
+        reference hands them to the talker) and last hidden states; starts the slot's
+        thinker cache. `pixel_values` [b, patches, dim] / `image_grid_thw` [b, images, 3]:
+        the prompt's images as the thinker's processor prepared them."""
         from transformers import DynamicCache
 
         embeds, hidden = [], []
+        dt = dtype_of(self.thinker)
         for i in range(ids.shape[0]):
             row = ids[i : i + 1]
             mask = torch.ones_like(row)
             fm = feature_mask[i : i + 1] if feature_mask is not None else None
-            pos, delta = self.thinker.get_rope_index(row, None, None, mask, False, fm.sum(-1) if fm is not None else None, None)
+            grid = image_grid_thw[i] if image_grid_thw is not None else None
+            pos, delta = self.thinker.get_rope_index(row, grid, None, mask, False, fm.sum(-1) if fm is not None else None, None)
             cache = DynamicCache(config=self.thinker.config.text_config)
-            out = self.thinker(input_ids=row, input_features=features[i : i + 1].to(dtype_of(self.thinker)) if features is not None else None,
+            out = self.thinker(input_ids=row, input_features=features[i : i + 1].to(dt) if features is not None else None,
                                feature_attention_mask=fm, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                               pixel_values=pixel_values[i].to(dt) if pixel_values is not None else None, image_grid_thw=grid,
                                use_cache=True, output_hidden_states=True)
             emb = out.hidden_states[0].clone()
-            emb[row == self.audio_token] = 0
+            emb[(row == self.audio_token) | (row == self.image_token)] = 0
             embeds.append(emb[0])
             hidden.append(out.hidden_states[-1][0])
             self._thinker[int(slot[i])] = (cache, row.shape[1], int(delta.reshape(-1)[0]))
@@ -196,7 +203,7 @@ class OmniTalkerModule(torch.nn.Module):
     # ---- the talker ----
 
     def talk_prefill(self, slot: torch.Tensor, embeds: torch.Tensor, text_ids: torch.Tensor,
-                     audio_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                     audio_lengths: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """The talker's prompt: `embeds` (thinker states + embeddings of the prompt,
         the speaker's text-start row, the reply's first row) over `text_ids`
         (positions: the thinker prompt's M-RoPE index). Fills the slot's cache; returns
@@ -212,7 +219,8 @@ class OmniTalkerModule(torch.nn.Module):
                 raise StageError(f"the talker's prompt is {n} positions; its cache holds {self.max_len}")
             mask = torch.ones_like(row)
             al = audio_lengths[i : i + 1] if audio_lengths is not None else None
-            pos, delta = t.get_rope_index(row, None, None, mask, False, al, None)
+            grid = image_grid_thw[i] if image_grid_thw is not None else None
+            pos, delta = t.get_rope_index(row, grid, None, mask, False, al, None)
             x = embeds[i : i + 1].to(dtype_of(t), copy=True)
             codec = t.get_input_embeddings()
             x[:, -1] += codec(torch.tensor([t.codec_bos_token]))

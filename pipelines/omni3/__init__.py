@@ -88,6 +88,8 @@ class Omni3TalkerProcessor(TalkerBase):
         self.tts = [int(cfg.tts_pad_token_id), int(cfg.tts_bos_token_id), int(cfg.tts_eos_token_id)]
         self.im_start, self.user, self.assistant = int(cfg.im_start_token_id), int(cfg.user_token_id), int(cfg.assistant_token_id)
         self.audio_token = int(cfg.thinker_config.audio_token_id)
+        self.image_token = int(cfg.thinker_config.image_token_id)
+        self.merge = int(cfg.thinker_config.vision_config.spatial_merge_size)
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -139,6 +141,8 @@ class Omni3TalkerProcessor(TalkerBase):
         prefill = {"slot": s, "embeds": embeds, "talker_ids": talker_ids, "seed": np.array(request_seed(ctx.params), np.int64)}
         if audio_len is not None:
             prefill["audio_lengths"] = audio_len
+        if "image_grid_thw" in think:
+            prefill["image_grid_thw"] = think["image_grid_thw"]
         logits = await steps.run(prefill, op="prefill", priority=0)
         sample = self._sampler(ctx, [])
         greedy = np.array(self.args.greedy)

@@ -77,19 +77,20 @@ class Omni3TalkerModule(torch.nn.Module):
         if not 0 < self.accept <= n_layers:
             raise StageError(f"{model_dir}: talker accept_hidden_layer {self.accept} is not one of the thinker's {n_layers} layers")
         thinker.model.layers = thinker.model.layers[: self.accept]
-        del thinker.visual, thinker.lm_head  # audio in, states out: no vision tower, no logits
+        del thinker.lm_head  # states out: no logits (the vision tower stays: images are states the talker reads)
         kept = tuple(f"model.layers.{i}." for i in range(self.accept))
 
         def needed(k: str) -> bool:
             if k.startswith("model.layers."):
                 return k.startswith(kept)
-            return not k.startswith(("visual.", "lm_head."))
+            return not k.startswith("lm_head.")
 
         load_part(thinker, model_dir, "thinker.", keep=needed)
         self.thinker = thinker
         self.talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(tc, dtype=config_dtype(cfg, "talker_config"))
         load_part(self.talker, model_dir, "talker.")
         self.audio_token = int(cfg.thinker_config.audio_token_id)
+        self.image_token = int(cfg.thinker_config.image_token_id)
         self.mm_tokens = [int(cfg.thinker_config.audio_token_id), int(cfg.thinker_config.image_token_id), int(cfg.thinker_config.video_token_id)]
         self.groups = int(tc.num_code_groups)
         text = tc.text_config
@@ -109,13 +110,17 @@ class Omni3TalkerModule(torch.nn.Module):
         embed: Any = self.thinker.get_input_embeddings()
         return self.talker.text_projection(embed(ids.long()).to(dtype_of(self.talker)))
 
-    def user_rows(self, ids: torch.Tensor, features: torch.Tensor | None = None, feature_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def user_rows(self, ids: torch.Tensor, features: torch.Tensor | None = None, feature_mask: torch.Tensor | None = None,
+                  pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """The prompt's rows as the talker reads them: text rows, and where the prompt is
-        audio, `hidden_projection` of the thinker's hidden state at `accept_hidden_layer`
-        (the thinker's layers run only then)."""
+        audio or an image, `hidden_projection` of the thinker's hidden state at
+        `accept_hidden_layer` (the thinker's layers run only then; an image's deepstack
+        features join the first layers as the thinker's own forward adds them).
+        `pixel_values` [b, patches, dim] / `image_grid_thw` [b, images, 3]: the prompt's
+        images as the thinker's processor prepared them."""
         rows = self.text_rows(ids)
         mm = torch.isin(ids, torch.tensor(self.mm_tokens))
-        if features is None or not bool(mm.any()):
+        if (features is None and pixel_values is None) or not bool(mm.any()):
             return rows
         th = self.thinker
         out = []
@@ -127,14 +132,22 @@ class Omni3TalkerModule(torch.nn.Module):
         for i in range(ids.shape[0]):
             row, fm = ids[i : i + 1], feature_mask[i : i + 1] if feature_mask is not None else None
             x = th.get_input_embeddings()(row)
-            audio = th.get_audio_features(features[i : i + 1].to(x.dtype), fm, return_dict=True).last_hidden_state.to(x.dtype)
-            x = x.masked_scatter((row == self.audio_token).unsqueeze(-1).expand_as(x), audio)
+            if features is not None:
+                audio = th.get_audio_features(features[i : i + 1].to(x.dtype), fm, return_dict=True).last_hidden_state.to(x.dtype)
+                x = x.masked_scatter((row == self.audio_token).unsqueeze(-1).expand_as(x), audio)
+            grid = image_grid_thw[i] if image_grid_thw is not None else None
+            visual: dict[str, Any] = {}
+            if pixel_values is not None:
+                img = th.get_image_features(pixel_values[i], grid, return_dict=True)
+                at = row == self.image_token
+                x = x.masked_scatter(at.unsqueeze(-1).expand_as(x), torch.cat(img.pooler_output).to(x.dtype))
+                visual = {"visual_pos_masks": at, "deepstack_visual_embeds": [torch.cat(f).to(x.dtype) for f in img.deepstack_features]}
             mask = torch.ones_like(row)
-            pos, _ = th.get_rope_index(row, None, None, mask, False, fm.sum(-1) if fm is not None else None, None)
+            pos, _ = th.get_rope_index(row, grid, None, mask, False, fm.sum(-1) if fm is not None else None, None)
             pos = torch.cat([torch.arange(row.shape[1]).view(1, 1, -1), pos])  # text positions + M-RoPE's three
             hook = th.model.layers[self.accept - 1].register_forward_hook(catch)
             try:
-                res = th.model(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=False)
+                res = th.model(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=False, **visual)
             finally:
                 hook.remove()
             # hidden_states[n_layers] of the whole thinker is its normed output
@@ -153,10 +166,10 @@ class Omni3TalkerModule(torch.nn.Module):
     # ---- the talker ----
 
     def prefill(self, slot: torch.Tensor, embeds: torch.Tensor, talker_ids: torch.Tensor, seed: torch.Tensor,
-                audio_lengths: torch.Tensor | None = None) -> torch.Tensor:
+                audio_lengths: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """The talker's prompt (`embeds` over `talker_ids`, whose multimodal tokens place
-        M-RoPE positions when `audio_lengths` is given): fills the slot's cache; returns
-        the first frame's first-codebook logits."""
+        M-RoPE positions when `audio_lengths` or `image_grid_thw` is given): fills the
+        slot's cache; returns the first frame's first-codebook logits."""
         from transformers import DynamicCache
 
         t = self.talker
@@ -167,8 +180,9 @@ class Omni3TalkerModule(torch.nn.Module):
             if n >= self.max_len:
                 raise StageError(f"the talker's prompt is {n} positions; its cache holds {self.max_len}")
             mask = torch.ones_like(row)
-            if audio_lengths is not None:
-                pos, delta = t.get_rope_index(row, None, None, mask, False, audio_lengths[i : i + 1], None)
+            if audio_lengths is not None or image_grid_thw is not None:
+                al = audio_lengths[i : i + 1] if audio_lengths is not None else None
+                pos, delta = t.get_rope_index(row, image_grid_thw[i] if image_grid_thw is not None else None, None, mask, False, al, None)
             else:
                 pos, delta = torch.arange(n).view(1, 1, n).expand(3, 1, n), torch.zeros(1, 1, dtype=torch.long)
             cache = DynamicCache(config=t.config.text_config)

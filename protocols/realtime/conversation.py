@@ -10,6 +10,7 @@ own client events and session keys; it never subclasses the conversation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -18,10 +19,11 @@ from typing import Any, Literal, Protocol
 import numpy as np
 from pydantic import Field
 
+from media.images import ImageError, check_data_url
 from media.wire_audio import WireFormat
 from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError
-from omni_rt.payloads import Payload
+from omni_rt.payloads import IMAGE_PLACEHOLDER, Payload
 from omni_rt.specs import PipelineSpec
 from protocols.errors import error_event
 from protocols.realtime.inputs import InputAudio, decode_audio
@@ -79,6 +81,8 @@ class ContentIn(WireModel):
     text: str | None = None
     audio: str | None = None
     transcript: str | None = None
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class ItemIn(WireModel):
@@ -164,6 +168,21 @@ class Conversation:
         self.emit("conversation.item.created", previous_item_id=prev, item=item.wire(self.ga))
         if self.ga and done:
             self.emit("conversation.item.done", previous_item_id=prev, item=item.wire(self.ga))
+
+    def prompt(self, instructions: str) -> dict[str, Any]:
+        """A response's prompt params: `messages`, and `images` (data URLs) for their
+        image placeholders. A thinker takes at most `Session.image_limit` images a
+        prompt: older ones are left out of it (as older turns' audio is), the latest kept."""
+        msgs = self.messages(instructions)
+        images = [u for it in self.items.values() if it.type == "message" for u in it.images()]
+        extra = len(images) - self.session.image_limit()[0]
+        if extra > 0:
+            images = images[extra:]
+            for m in msgs:
+                while extra > 0 and IMAGE_PLACEHOLDER in m["content"]:
+                    m["content"] = m["content"].replace(IMAGE_PLACEHOLDER, "", 1).strip()
+                    extra -= 1
+        return {"messages": msgs, "images": images} if images else {"messages": msgs}
 
     def messages(self, instructions: str) -> list[dict[str, Any]]:
         """The conversation as chat messages: function calls join the assistant turn
@@ -387,9 +406,18 @@ class Conversation:
             elif c.type == "input_audio" and item.role == "user":
                 audio = decode_audio(c.audio, f"item.content[{i}].audio", self.cfg.input_format)
                 parts.append({"type": "input_audio", "transcript": c.transcript})
-            elif c.type == "input_image":
-                raise ClientError(f"input_image is not supported by this server's '{self.pipeline.name}' pipeline: its thinker takes text "
-                                  "and audio only; send what the image shows as text.", code="unsupported_content", param=f"item.content[{i}].type")
+            elif c.type == "input_image" and item.role == "user":
+                limit, profile = self.session.image_limit()
+                if limit <= 0:
+                    served = f"'{self.pipeline.name}' pipeline" + (f" ('{profile}' profile)" if profile else "")
+                    raise ClientError(f"input_image is not supported by this server's {served}: its thinker takes text and audio only "
+                                      "(images need a thinker that sees them: the voice pipeline's default, omni or omni3 profile); "
+                                      "send what the image shows as text.", code="unsupported_content", param=f"item.content[{i}].type")
+                try:
+                    await asyncio.to_thread(check_data_url, c.image_url)
+                except ImageError as exc:
+                    raise ClientError(f"'item.content[{i}].image_url' {exc}.", code="invalid_value", param=f"item.content[{i}].image_url") from None
+                parts.append({"type": "input_image", "image_url": c.image_url, "detail": c.detail or "auto"})
             else:
                 raise ClientError(f"Content type {c.type!r} is not supported for a {item.role} item.", param=f"item.content[{i}].type")
         item_id = item.id or new_id("item")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_rt.payloads import AUDIO_PLACEHOLDER, Payload
+from omni_rt.payloads import AUDIO_PLACEHOLDER, IMAGE_PLACEHOLDER, Payload
 from omni_rt.request import RequestStream
 
 # beta name -> GA name, for the events whose names differ
@@ -77,7 +77,13 @@ class Item:
                 parts.append(AUDIO_PLACEHOLDER if self.speech is not None else c.get("transcript") or AUDIO_PLACEHOLDER)
             elif t in ("output_audio", "audio"):
                 parts.append(c.get("transcript") or "")
+            elif t == "input_image":  # the request's images fill these in order
+                parts.append(IMAGE_PLACEHOLDER)
         return " ".join(p for p in parts if p)
+
+    def images(self) -> list[str]:
+        """The item's images (data URLs), in the order of their placeholders."""
+        return [str(c["image_url"]) for c in self.content if c.get("type") == "input_image"]
 
 
 @dataclass

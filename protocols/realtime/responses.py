@@ -84,7 +84,7 @@ class Responses:
             # while it was appended) goes straight to the thinker, this request's entry.
             session = conv.session
             resp.prompt_chars = conv.prompt_chars(instructions)
-            stream = session.submit({**params, "messages": conv.messages(instructions)},
+            stream = session.submit({**params, **conv.prompt(instructions)},
                                     outputs={"thinker", *session.speech_outputs()} if audio_out else {"thinker"}, entry="thinker")
             try:
                 for p in speech:
@@ -265,15 +265,17 @@ class Responses:
 
     def _finish(self, resp: Response, status: str, details: Any, usage: dict[str, int]) -> None:
         conv, item, ids = self.conv, resp.item, resp.ids
-        n_in, n_audio = usage.get("input_tokens", 0), usage.get("input_audio_tokens", 0)
+        n_in, n_audio, n_image = usage.get("input_tokens", 0), usage.get("input_audio_tokens", 0), usage.get("input_image_tokens", 0)
         if status == "completed" and n_in:
-            conv.learn_tokens(n_in - n_audio, resp.prompt_chars)
+            conv.learn_tokens(n_in - n_audio - n_image, resp.prompt_chars)
         wire_usage = {
             "total_tokens": n_in + usage.get("output_tokens", 0),
             "input_tokens": n_in,
             "output_tokens": usage.get("output_tokens", 0),
-            # audio tokens: the rows of the user's encoded speech in the prompt
-            "input_token_details": {"text_tokens": n_in - n_audio, "audio_tokens": n_audio, "cached_tokens": 0},
+            # audio tokens: the rows of the user's encoded speech in the prompt; image
+            # tokens: the images' rows (the vision tower's, merged)
+            "input_token_details": {"text_tokens": n_in - n_audio - n_image, "audio_tokens": n_audio, "image_tokens": n_image,
+                                    "cached_tokens": 0},
         }
         if resp.message_added:
             c = item.content[0]
