@@ -319,7 +319,7 @@ class ThinkerProcessor(StageProcessor):
         out = ip(images=pil, return_tensors="np", **self.mm_kwargs)
         grid = np.asarray(out["image_grid_thw"], np.int64)
         n = int(grid.prod(-1).sum()) // int(ip.merge_size) ** 2
-        arrays = {"pixel_values": np.asarray(out["pixel_values"], np.float32), "image_grid_thw": grid} if states else {}
+        arrays: dict[str, np.ndarray] = {"pixel_values": np.asarray(out["pixel_values"], np.float32), "image_grid_thw": grid} if states else {}
         return pil, n, arrays
 
     async def run(self, ctx: StageContext) -> None:
@@ -327,7 +327,7 @@ class ThinkerProcessor(StageProcessor):
         messages = self.conversation(ctx.params)
         urls = list(ctx.params.get("images") or ())
         pil: list[Any] = []
-        n_image, image_arrays = 0, {}
+        n_image, image_arrays = 0, dict[str, np.ndarray]()
         if urls:
             pil, n_image, image_arrays = await asyncio.to_thread(self.images, urls, self.args.talker_states)
         heard = audio is not None or transcript is not None

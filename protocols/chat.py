@@ -23,9 +23,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from media.audio_formats import AudioFormatError, StreamingEncoder, available_formats, decode_audio, pcm16_bytes
+from media.images import ImageError, check_data_url
 from omni_rt import metrics
 from omni_rt.errors import ClientError, OmniError, RequestAborted
-from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, TOOL_CALL, Payload, PayloadKind
+from omni_rt.payloads import AUDIO_PLACEHOLDER, FINISH_REASON, IMAGE_PLACEHOLDER, TOOL_CALL, Payload, PayloadKind
 from omni_rt.specs import PipelineSpec
 from protocols.auth import principal_of
 from protocols.errors import error_body
@@ -79,8 +80,9 @@ def _tool_calls(msg: dict[str, Any], i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, list[tuple[str, str]]]:
-    """Message content -> (text for the prompt, its audio parts as (param, base64 data))."""
+def _content_parts(msg: dict[str, Any], i: int, images: list[tuple[str, str]]) -> tuple[str, list[tuple[str, str]]]:
+    """Message content -> (text for the prompt, its audio parts as (param, base64 data));
+    its image parts are added to `images` as (param, data URL)."""
     content = msg.get("content")
     if content is None:
         return "", []
@@ -105,8 +107,14 @@ def _content_parts(msg: dict[str, Any], i: int) -> tuple[str, list[tuple[str, st
                 raise ClientError(f"Missing required parameter: '{p}.input_audio.data'.", param=f"{p}.input_audio.data", code="missing_required_parameter")
             audio.append((p, ia["data"]))
             texts.append(AUDIO_PLACEHOLDER)
+        elif t == "image_url":
+            iu = part.get("image_url")
+            if not isinstance(iu, dict) or not isinstance(iu.get("url"), str):
+                raise ClientError(f"Missing required parameter: '{p}.image_url.url'.", param=f"{p}.image_url.url", code="missing_required_parameter")
+            images.append((f"{p}.image_url.url", iu["url"]))
+            texts.append(IMAGE_PLACEHOLDER)
         else:
-            raise ClientError(f"Invalid content part type {t!r} at '{p}'; supported: text, input_audio.", param=f"{p}.type", code="invalid_value")
+            raise ClientError(f"Invalid content part type {t!r} at '{p}'; supported: text, input_audio, image_url.", param=f"{p}.type", code="invalid_value")
     return " ".join(texts), audio
 
 
@@ -157,13 +165,16 @@ class ChatService:
         self.sessions = sessions
         self.pipeline = pipeline
 
-    def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, Any]], list[tuple[str, str]], str | None, str | None]:
-        """The request, its messages, its audio parts (not decoded yet), voice, format."""
+    def validate(self, raw: Any) -> tuple[ChatRequest, list[dict[str, Any]], list[tuple[str, str]], str | None, str | None,
+                                          list[tuple[str, str]]]:
+        """The request, its messages, its audio parts (not decoded yet), voice, format,
+        and its images ((param, data URL), not checked yet)."""
         req = validate_body(ChatRequest, raw)
         if req.model not in self.pipeline.models:
             raise ClientError(f"The model '{req.model}' does not exist; available: {', '.join(self.pipeline.models)}.", param="model", code="model_not_found")
         messages: list[dict[str, Any]] = []
         audio: list[tuple[str, str]] = []
+        images: list[tuple[str, str]] = []
         calls: set[str] = set()
         for i, m in enumerate(req.messages):
             role = m.get("role")
@@ -171,7 +182,10 @@ class ChatService:
                 role = "system"
             if role not in ("system", "user", "assistant", "tool"):
                 raise ClientError(f"Invalid value for 'messages[{i}].role': {role!r}.", param=f"messages[{i}].role", code="invalid_value")
-            text, parts = _content_parts(m, i)
+            seen_images = len(images)
+            text, parts = _content_parts(m, i, images)
+            if role != "user" and len(images) > seen_images:
+                raise ClientError(f"'messages[{i}]': only user messages carry images.", param=f"messages[{i}].content", code="invalid_value")
             msg: dict[str, Any] = {"role": role, "content": text}
             if role == "assistant" and m.get("tool_calls") is not None:
                 msg["tool_calls"] = _tool_calls(m, i)
@@ -201,11 +215,11 @@ class ChatService:
                 raise ClientError(f"Unsupported audio.format '{req.audio.format}'; use one of {', '.join(AUDIO_FORMATS)}.", param="audio.format", code="invalid_value")
             if req.stream and fmt != "pcm":
                 raise ClientError("Streaming audio output supports audio.format 'pcm16' only.", param="audio.format", code="invalid_value")
-        return req, messages, audio, voice, fmt
+        return req, messages, audio, voice, fmt, images
 
     async def complete(self, raw: Any, principal: str) -> tuple[dict[str, Any], dict[str, str]] | Streamed:
         """The answer: a chat.completion body (and its headers), or the SSE stream."""
-        req, messages, audio_parts, voice, fmt = self.validate(raw)
+        req, messages, audio_parts, voice, fmt, images = self.validate(raw)
         tools = parse_tools(req.tools, "tools", nested=True)
         choice = parse_tool_choice(req.tool_choice, tools, "tool_choice", nested=True) if tools or req.tool_choice not in (None, "none", "auto") else "auto"
         # decoding input audio can take a while: off the event loop
@@ -214,6 +228,9 @@ class ChatService:
         session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
         try:
             params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
+            if images:
+                await self._check_images(session, images)
+                params["images"] = [url for _, url in images]
             if tools:
                 params.update(tools=list(tools), tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls is not False)
             for key in ("temperature", "top_p"):  # the thinker's own defaults otherwise
@@ -279,6 +296,23 @@ class ChatService:
             lambda: self.sessions.end(session, "client_disconnected"),
             headers={"x-session-id": session.id},
         )
+
+    async def _check_images(self, session: Any, images: list[tuple[str, str]]) -> None:
+        """The request's images fit this server's thinker (it sees images, at most its
+        limit a prompt) and each is a usable image (decoded off the event loop)."""
+        limit, profile = session.image_limit()
+        if limit <= 0:
+            served = f"'{self.pipeline.name}' pipeline" + (f" ('{profile}' profile)" if profile else "")
+            raise ClientError(f"Image input is not supported by this server's {served}: its thinker takes text and audio only.",
+                              param=images[0][0], code="invalid_value")
+        if len(images) > limit:
+            raise ClientError(f"The request has {len(images)} images; this server's thinker takes at most {limit} a request.",
+                              param=images[limit][0], code="invalid_value")
+        for param, url in images:
+            try:
+                await asyncio.to_thread(check_data_url, url)
+            except ImageError as exc:
+                raise ClientError(f"'{param}' {exc}.", param=param, code="invalid_value") from None
 
     @staticmethod
     def _usage(u: Any) -> dict[str, Any]:

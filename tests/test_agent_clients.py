@@ -527,6 +527,58 @@ async def test_livekit_openai_realtime_model_function_tool_round_trip(server, ca
     assert not client_errors(caplog, "livekit"), client_errors(caplog, "livekit")
 
 
+async def test_livekit_openai_realtime_model_sees_an_image_in_the_chat_context(server, caplog):
+    """An agent with vision: a user message with an image in the chat context
+    (ImageContent, a data URL) and a camera frame pushed with push_video (LiveKit encodes
+    it as JPEG), then generate_reply: both images reach the thinker (the usage counts
+    their tokens) and the answer is spoken."""
+    caplog.set_level(logging.WARNING)
+    lk = _livekit()
+    import base64
+    import io
+
+    import aiohttp
+    import numpy as np
+    from livekit import rtc
+    from livekit.agents import llm
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.default_rng(2).random((120, 160, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    frame = rtc.VideoFrame(64, 48, rtc.VideoBufferType.RGBA, np.full((48, 64, 4), 200, np.uint8).tobytes())
+    async with aiohttp.ClientSession() as http:
+        model, sess, errors, server_events = _livekit_session(lk, server, http)
+        try:
+            ctx = sess.chat_ctx.copy()
+            ctx.add_message(role="user", content=["What is in this picture?", llm.ImageContent(image=url)])
+            await sess.update_chat_ctx(ctx)
+            sess.push_video(frame)
+            gen = await asyncio.wait_for(sess.generate_reply(), 20)
+            samples = 0
+
+            async def consume() -> None:
+                nonlocal samples
+                async for msg in gen.message_stream:
+                    async for f in msg.audio_stream:
+                        samples += f.samples_per_channel
+
+            await asyncio.wait_for(consume(), TURN_TIMEOUT_S)
+        finally:
+            await sess.aclose()
+            await model.aclose()
+    assert not errors, (errors, [e for e in server_events if e.get("type") == "error"], server_log_tail(server))
+    images = [c for e in server_events if e.get("type") == "conversation.item.added"
+              for c in e["item"].get("content", []) if c.get("type") == "input_image"]
+    assert len(images) == 2 and images[0]["image_url"] == url and images[1]["image_url"].startswith("data:image/jpeg;base64,")
+    done = [e for e in server_events if e.get("type") == "response.done"]
+    assert done and done[-1]["response"]["status"] == "completed", done
+    details = done[-1]["response"]["usage"]["input_token_details"]
+    assert details["image_tokens"] > 0 and details["text_tokens"] > 0, details
+    assert samples > 0
+    assert not client_errors(caplog, "livekit"), client_errors(caplog, "livekit")
+
+
 # ----------------------------------------------------------------------------- litellm
 
 

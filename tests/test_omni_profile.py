@@ -104,3 +104,29 @@ async def test_chat_completion_speaks_through_the_omni_stages(omni_server):
     audio = out.choices[0].message.audio
     assert audio is not None and base64.b64decode(audio.data)[:4] == b"RIFF"
     assert audio.transcript == out.choices[0].message.content or audio.transcript
+
+
+async def test_an_image_in_the_conversation_is_answered_out_loud(omni_server):
+    """input_image through the SDK on the omni profiles: the thinker sees the picture
+    on vLLM and the talker recomputes the thinker's states over its rows (the checkpoint's
+    vision tower), so the answer about it is spoken; the usage counts its tokens."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.default_rng(4).random((90, 120, 3)) * 255).astype(np.uint8)).save(buf, "JPEG")
+    url = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    async with _client(omni_server).realtime.connect(model="gpt-realtime") as conn:
+        await conn.recv()
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 8, "audio": {"input": {"turn_detection": None}}})
+        assert (await conn.recv()).type == "session.updated"
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "What do you see?"}, {"type": "input_image", "image_url": url}]})
+        await conn.response.create()
+        seen: list = []
+        done = await until(conn, "response.done", seen)
+    assert done.response.status == "completed", done.response.status_details
+    assert done.response.usage.input_token_details.image_tokens > 0
+    pcm = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "response.output_audio.delta")
+    assert len(pcm) > 0 and np.abs(np.frombuffer(pcm, "<i2")).max() > 0

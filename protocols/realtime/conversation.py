@@ -180,7 +180,8 @@ class Conversation:
             images = images[extra:]
             for m in msgs:
                 while extra > 0 and IMAGE_PLACEHOLDER in m["content"]:
-                    m["content"] = m["content"].replace(IMAGE_PLACEHOLDER, "", 1).strip()
+                    head, tail = m["content"].split(IMAGE_PLACEHOLDER, 1)
+                    m["content"] = " ".join(p for p in (head.rstrip(), tail.lstrip()) if p)
                     extra -= 1
         return {"messages": msgs, "images": images} if images else {"messages": msgs}
 

@@ -176,6 +176,28 @@ async def test_chat_audio_in_reaches_the_thinker(h):
     assert h.processor("thinker").seen[-1]["messages"][0]["content"] == "<|audio|>"
 
 
+def _png(seed: int = 0) -> str:
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.default_rng(seed).random((24, 32, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def test_chat_images_reach_the_thinker(h):
+    """image_url parts (data URLs) through the SDK: each becomes a placeholder in its
+    message, the images go beside the prompt in order; an idle server keeps no session."""
+    urls = [_png(1), _png(2)]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": urls[0]}},
+                                             {"type": "text", "text": "and"}, {"type": "image_url", "image_url": {"url": urls[1], "detail": "low"}}]}]
+    c = await sdk(h).chat.completions.create(model="gpt-realtime", messages=messages, max_tokens=2)
+    assert c.choices[0].finish_reason == "length"
+    seen = h.processor("thinker").seen[-1]
+    assert seen["params"]["images"] == urls and seen["messages"][0]["content"] == "Compare <|image|> and <|image|>"
+    assert await idle(h)
+
+
 BAD_CHAT = [
     ({"model": "nope", "messages": MSG}, "model", "model_not_found"),
     ({"model": "gpt-realtime", "messages": []}, "messages", "invalid_value"),
@@ -186,6 +208,14 @@ BAD_CHAT = [
     ({"model": "gpt-realtime", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "***", "format": "wav"}}]}]},
      "messages[0].content[0].input_audio.data", "invalid_value"),
     ({"model": "gpt-realtime", "messages": MSG, "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ({"model": "gpt-realtime", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/cat.png"}}]}]},
+     "messages[0].content[0].image_url.url", "invalid_value"),
+    ({"model": "gpt-realtime", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url.url", "missing_required_parameter"),
+    ({"model": "gpt-realtime", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+                                              * 5}]}, "messages[0].content[4].image_url.url", "invalid_value"),  # past the thinker's 4
+    ({"model": "gpt-realtime", "messages": [{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "messages[0].content", "invalid_value"),
     ({"model": "gpt-realtime", "messages": MSG, "temperature": 3}, "temperature", "invalid_value"),
 ]
 

@@ -173,14 +173,78 @@ async def test_a_silent_caller_is_nudged_after_idle_timeout_ms(h):
     await ws.ws.close()
 
 
-async def test_an_image_is_refused_with_an_error_naming_the_pipeline(h):
+def _png(w: int = 40, h: int = 30, seed: int = 0) -> str:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def test_an_image_is_refused_with_an_error_naming_the_profile_whose_thinker_sees_none():
+    """The cascade profile's thinker is a text LM: an image is refused, naming the
+    pipeline and profile, and nothing is half-added."""
+    async with serve(["voice"], {"pipelines": {"voice": {"profile": "cascade"}}}) as h:
+        ws = await connect(h, "/v1/realtime?model=gpt-realtime")
+        await ws.until("session.created")
+        image = {"type": "input_image", "image_url": _png()}
+        await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "look"}, image]})
+        err = (await ws.until("error"))["error"]
+        assert err["code"] == "unsupported_content" and err["param"] == "item.content[1].type", err
+        assert "'voice' pipeline ('cascade' profile)" in err["message"]
+        assert "conversation.item.added" not in ws.types()  # nothing half-added
+        await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+        await ws.until("conversation.item.added")  # the session goes on
+        await ws.ws.close()
+
+
+async def test_images_reach_the_thinker_through_the_sdk_the_latest_four_a_prompt(h):
+    """input_image on the default profile (its Qwen2.5-Omni thinker sees images):
+    through the openai SDK, the item comes back as sent (its type validated by the SDK),
+    the prompt holds a placeholder per image with the images beside it in order; past
+    the thinker's 4 a prompt, the oldest are left out of it (still in the history)."""
+    from omni_rt.payloads import IMAGE_PLACEHOLDER
+
+    urls = [_png(seed=i) for i in range(6)]
+    async with sdk(h).realtime.connect(model="gpt-realtime") as conn:
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "audio": {"input": {"turn_detection": None}}})
+        events: list = []
+        done = await _turn(conn, events, {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "What is in"}, {"type": "input_image", "image_url": urls[0], "detail": "low"}, {"type": "input_text", "text": "this?"}]})
+        assert done.status == "completed"
+        added = [e for e in events if e.type == "conversation.item.added" and e.item.role == "user"]
+        part = added[0].item.content[1]
+        assert part.type == "input_image" and part.image_url == urls[0] and part.detail == "low"
+        seen = h.processor("thinker").seen[-1]
+        assert seen["params"]["images"] == [urls[0]]
+        assert seen["messages"][-1]["content"] == f"What is in {IMAGE_PLACEHOLDER} this?"
+        for u in urls[1:]:
+            done = await _turn(conn, events, {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": u}]})
+            assert done.status == "completed"
+        assert len([it for it in conversation_of(h).items.values() if it.images()]) == 6  # the history keeps them all
+    seen = h.processor("thinker").seen[-1]
+    assert seen["params"]["images"] == urls[2:]  # the latest four
+    prompt = " ".join(m["content"] for m in seen["messages"])
+    assert prompt.count(IMAGE_PLACEHOLDER) == 4 and "What is in this?" in prompt
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("data:image/png;base64,iVBORw0KGgo=", "cannot be read as an image"),
+    ("data:image/png;base64,@@@", "not valid base64"),
+    ("https://example.com/cat.png", "fetches nothing"),
+    ("data:image/tiff;base64,AAAA", "image/tiff"),
+    ("", "data URL"),
+])
+async def test_a_bad_image_is_the_clients_error_on_its_event(h, url, says):
     ws = await connect(h, "/v1/realtime?model=gpt-realtime")
     await ws.until("session.created")
-    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
-    await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "look"}, image]})
+    await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": url}]})
     err = (await ws.until("error"))["error"]
-    assert err["code"] == "unsupported_content" and err["param"] == "item.content[1].type" and "'voice' pipeline" in err["message"]
-    assert "conversation.item.added" not in ws.types()  # nothing half-added
-    await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
-    await ws.until("conversation.item.added")  # the session goes on
+    assert err["code"] == "invalid_value" and err["param"] == "item.content[0].image_url" and says in err["message"], err
+    assert "conversation.item.added" not in ws.types()
+    await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": _png()}]})
+    await ws.until("conversation.item.added")  # the next good one is taken
     await ws.ws.close()
