@@ -53,9 +53,10 @@ def _agents():
     return importlib.import_module("agents.realtime")  # installed by `make install` (a missing one fails, not skips)
 
 
-async def _agent_turn(session, *, interrupt: bool = False, linger_s: float = 0.0) -> dict[str, Any]:
+async def _agent_turn(session, *, interrupt: bool = False, linger_s: float = 0.0, updates: list[dict] | None = None) -> dict[str, Any]:
     """Session events until the agent's turn ends (agent_end), then `linger_s` more
-    seconds (replies to what the SDK sent after the turn, e.g. conversation.item.retrieve)."""
+    seconds (replies to what the SDK sent after the turn, e.g. conversation.item.retrieve);
+    `updates` collects the server's session.created / session.updated events."""
     seen: dict[str, Any] = {"events": [], "server": [], "errors": [], "audio": 0, "interrupted": False}
 
     async def loop() -> None:
@@ -65,6 +66,8 @@ async def _agent_turn(session, *, interrupt: bool = False, linger_s: float = 0.0
                 data = ev.data
                 if data.type == "raw_server_event":
                     seen["server"].append(data.data.get("type"))
+                    if updates is not None and data.data.get("type") in ("session.created", "session.updated"):
+                        updates.append(data.data)
                     if data.data.get("type") == "error":
                         seen["errors"].append(("server error event", data.data.get("error")))
                 elif data.type in ("error", "exception"):
@@ -122,6 +125,49 @@ async def test_openai_agents_interrupt_truncates_and_retrieves(server, caplog):
     assert "audio_interrupted" in seen["events"], seen["events"]
     assert "conversation.item.truncated" in seen["server"], seen["server"]
     assert "conversation.item.retrieved" in seen["server"], seen["server"]
+    assert not client_errors(caplog, "openai.agents"), client_errors(caplog, "openai.agents")
+
+
+async def test_openai_agents_speech_on_its_default_semantic_vad_then_an_idle_nudge(server, caplog):
+    """openai-agents' own defaults (turn_detection semantic_vad): a spoken question is
+    answered on the server's end-of-turn model; with `idle_timeout_ms` in the agent's
+    model settings, the silence after the answer brings
+    `input_audio_buffer.timeout_triggered` and a second answer (the nudge)."""
+    caplog.set_level(logging.WARNING)
+    rt = _agents()
+    from testkit.harness import silence, speech_pcm16
+
+    speech = silence(0.3) + speech_pcm16("Hello, can you tell me what the weather is like today?")
+    for settings in (None, {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 1500}}):
+        agent = rt.RealtimeAgent(name="Assistant", instructions="Answer briefly.")
+        runner = rt.RealtimeRunner(agent, config={"model_settings": settings} if settings else None)
+        session = await runner.run(model_config={"url": f"{ws_url(server)}?model={REALTIME_MODEL}", "api_key": ALICE_KEY})
+        updates: list[dict] = []
+        async with session:
+
+            async def microphone() -> None:  # the speech, then silence for as long as the call lasts (100 ms a chunk)
+                for i in range(0, len(speech), 4800):
+                    await session.send_audio(speech[i : i + 4800])
+                while True:
+                    await session.send_audio(silence(0.1))
+                    await asyncio.sleep(0.05)
+
+            mic = asyncio.create_task(microphone())
+            try:
+                seen = await _agent_turn(session, updates=updates)
+                if settings:
+                    nudge = await _agent_turn(session)
+            finally:
+                mic.cancel()
+                await asyncio.gather(mic, return_exceptions=True)
+        assert not seen["errors"], (seen["errors"], seen["server"], server_log_tail(server))
+        td = updates[-1]["session"]["audio"]["input"]["turn_detection"]
+        assert "input_audio_buffer.committed" in seen["server"] and seen["audio"] > 0, seen["server"]
+        if settings is None:
+            assert td["type"] == "semantic_vad", td  # the SDK's default, as the server applied it
+        else:
+            assert td["idle_timeout_ms"] == 1500 and not nudge["errors"], nudge["errors"]
+            assert "input_audio_buffer.timeout_triggered" in nudge["server"] and nudge["audio"] > 0, nudge["server"]
     assert not client_errors(caplog, "openai.agents"), client_errors(caplog, "openai.agents")
 
 
