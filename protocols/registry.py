@@ -25,6 +25,7 @@ WIRES: dict[str, str] = {
     "transcriptions": "protocols.transcriptions:mount",
     "chat": "protocols.chat:mount",
     "realtime": "protocols.realtime:mount",
+    "live": "protocols.live:mount",
     "duplex": "protocols.duplex:mount",
     "webrtc": "protocols.webrtc:mount",
     "twilio": "protocols.telephony.twilio:mount",

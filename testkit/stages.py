@@ -144,6 +144,12 @@ def forced_call(params: Mapping[str, Any]) -> tuple[str, str] | None:
     import json
 
     tools, choice = params.get("tools") or [], params.get("tool_choice", "auto")
+    if tools and choice == "auto":
+        # under auto the fake calls the first tool when the prompt's latest message asks
+        # it to ("<call>"): a test's stand-in for a model deciding to call
+        last = (params.get("messages") or [{}])[-1]
+        if "<call>" in str(last.get("content", "")) and last.get("role") in ("user", "system"):
+            choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
     if not tools or choice in ("auto", "none"):
         return None
     name = choice["function"]["name"] if isinstance(choice, Mapping) else tools[0]["function"]["name"]

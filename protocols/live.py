@@ -1,0 +1,482 @@
+"""`/v1/live/sessions`: OpenAI's Live API (the `openai` SDK's `client.live.connect()`) on
+the voice pipeline's turn-taking engine.
+
+The socket opens with `session.start {session: {model, audio?, instructions?, input?,
+delegation?, ...}}` and the server answers `session.started` with the resolved
+`SessionResource` (the model is in the event, never the URL). The conversation is the
+Realtime one (`protocols.realtime.Conversation`): semantic_vad turn-taking with barge-in,
+history, truncation, function calling; this module speaks Live's events around it:
+
+- in: `session.input_audio.append {audio}` (the startup format: PCM16 at 16 or 24 kHz,
+  or G.711 μ-law / A-law at 8 kHz), `.mute` / `.unmute` (muted, the model hears
+  silence), `session.instructions.append` (developer context from then on),
+  `session.thinking.append` (silent context), `session.commentary.append` (context the
+  model communicates: it speaks next), `session.update {session: {delegation}}`,
+  `session.close`;
+- out: `session.output_audio.delta`, `session.output_transcript.delta`,
+  `session.input_transcript.delta` (streamed while the user speaks where the profile
+  has a streaming ASR stage), the acks (`session.input_audio.muted` / `unmuted`,
+  `session.instructions.appended`, `…thinking.appended`, `…commentary.appended`,
+  `session.updated`), `session.usage.updated` after each answer, `session.closed
+  {reason, session, usage}`, and `error {error: {…, client_event_id}}`.
+
+Delegation to the client (`delegation: {type: "client"}`): the talking model gets a
+`delegate(task)` function of its own; when it calls it the server sends
+`session.delegation.created {delegation: {id, target: "client"}}` and an `info`
+(`code: "delegation.task"`) carrying the task's text, and the app answers with
+`session.commentary.append` (the result, spoken next), `session.thinking.append` or
+`session.instructions.append` (silent) naming `delegation_id`. What this server does
+not run (Decisions, Responses delegation, audio fixtures, triggers, stored sessions,
+WebRTC client capabilities) is refused with an `error` naming the field or event, and
+the session goes on.
+
+Timeline fields (`start_ms` / `end_ms`, `offset_ms`) are milliseconds since the
+session started. A session lasts at most `MAX_SESSION_S` (`expires_at`), then closes
+with reason `expired`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from aiohttp import web
+
+from media.wire_audio import WireFormat, WireFormatError
+from omni_rt.errors import ClientError, OmniError
+from protocols.auth import principal_of
+from protocols.errors import error_event
+from protocols.realtime import Config, Conversation, vad_of
+from protocols.realtime.items import Item, new_id
+from protocols.realtime.models import PCM24, apply_session_update
+from protocols.registry import Mount
+from protocols.wire_json import load_json
+from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, serve_events
+from sessions import Session, SessionError, SessionEvent
+
+log = logging.getLogger("protocols.live")
+
+PATH = "/v1/live/sessions"
+START_TIMEOUT_S = 10.0
+MAX_SESSION_S = 3600  # a Live session's longest life (`expires_at`)
+LIVE = "live:"  # session events of this wire (the rest are the conversation's, translated or dropped)
+DELEGATE = "delegate"
+DELEGATE_TOOL = {
+    "type": "function",
+    "name": DELEGATE,
+    "description": "Hand a task you cannot do yourself (looking something up, acting in the application) to the application. "
+                   "Say briefly that you are on it; the result comes back to you.",
+    "parameters": {"type": "object", "properties": {"task": {"type": "string", "description": "what to do, in one sentence"}},
+                   "required": ["task"]},
+}
+UNSUPPORTED_EVENTS = {
+    "decision.create": "Decisions delegation",
+    "decision.item.create": "Decisions delegation",
+    "decision.item.delete": "Decisions delegation",
+    "response.create": "Responses delegation",
+    "response.item.create": "Responses delegation",
+    "session.output_audio.fixture.play": "audio fixtures",
+}
+
+
+@dataclass
+class LiveConfig:
+    """A Live session's startup configuration, as `session.started` echoes it."""
+
+    model: str
+    voice: str = "marin"
+    format: WireFormat = PCM24
+    instructions: str = ""
+    input: list[dict[str, Any]] = field(default_factory=list)
+    delegation: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+
+    def resource(self, session: Session, started: float) -> dict[str, Any]:
+        return {"id": session.id, "expires_at": int(started + MAX_SESSION_S), "model": self.model, "status": "active",
+                "audio": {"format": self.format.ga(), "output": {"voice": self.voice}}, "delegation": self.delegation,
+                "input": self.input, "instructions": self.instructions, "safety_identifier": self.safety_identifier, "store": False,
+                "triggers": []}
+
+
+def _text(raw: Any, param: str, limit: int = 64_000) -> str:
+    if not isinstance(raw, str):
+        raise ClientError(f"'{param}' must be a string.", code="invalid_type", param=param)
+    if len(raw) > limit:
+        raise ClientError(f"'{param}' is over {limit} characters.", code="string_above_max_length", param=param)
+    return raw
+
+
+def _delegation(raw: Any, param: str) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ClientError(f"'{param}' must be an object or null.", code="invalid_type", param=param)
+    kind = raw.get("type")
+    if kind in ("responses", "decisions"):
+        raise ClientError(f"{kind.capitalize()} delegation is not served here; use {{type: 'client'}} (the app handles delegated tasks) "
+                          "or null.", code="unsupported_value", param=f"{param}.type")
+    if kind != "client":
+        raise ClientError(f"'{param}.type' must be 'client', 'responses' or 'decisions'.", code="invalid_value", param=f"{param}.type")
+    delay = raw.get("acknowledgement_delay_ms", 0)
+    if not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= 60_000:
+        raise ClientError(f"'{param}.acknowledgement_delay_ms' must be an integer from 0 to 60000.", code="invalid_value",
+                          param=f"{param}.acknowledgement_delay_ms")
+    extra = set(raw) - {"type", "acknowledgement_delay_ms"}
+    if extra:
+        raise ClientError(f"Unknown parameter '{param}.{sorted(extra)[0]}'.", code="unknown_parameter", param=f"{param}.{sorted(extra)[0]}")
+    return {"type": "client", "acknowledgement_delay_ms": delay}
+
+
+def _input_items(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or len(raw) > 128:
+        raise ClientError("'session.input' must be a list of at most 128 messages.", code="invalid_value", param="session.input")
+    out = []
+    for i, it in enumerate(raw):
+        p = f"session.input[{i}]"
+        if not isinstance(it, Mapping) or it.get("role") not in ("developer", "user", "assistant"):
+            raise ClientError(f"'{p}.role' must be developer, user or assistant.", code="invalid_value", param=f"{p}.role")
+        content = it.get("content")
+        if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], Mapping):
+            raise ClientError(f"'{p}.content' must hold exactly one text part.", code="invalid_value", param=f"{p}.content")
+        out.append({"type": "message", "role": it["role"], "content": [{"type": content[0].get("type") or "input_text",
+                                                                        "text": _text(content[0].get("text"), f"{p}.content[0].text")}]})
+    return out
+
+
+def parse_start(raw: Any, models: list[str], voices: Mapping[str, str]) -> LiveConfig:
+    """`session.start`'s session: what this server runs, or a ClientError naming the field."""
+    if not isinstance(raw, Mapping):
+        raise ClientError("Missing required parameter: 'session'.", code="missing_required_parameter", param="session")
+    model = raw.get("model")
+    if not isinstance(model, str):
+        raise ClientError("Missing required parameter: 'session.model'.", code="missing_required_parameter", param="session.model")
+    if model not in models:
+        raise ClientError(f"The model {model!r} is not served on the Live API here; available: {', '.join(models)}.",
+                          code="model_not_found", param="session.model")
+    cfg = LiveConfig(model=model)
+    known = {"model", "audio", "instructions", "input", "delegation", "safety_identifier", "store", "triggers", "client"}
+    for key in raw:
+        if key not in known:
+            raise ClientError(f"Unknown parameter 'session.{key}'.", code="unknown_parameter", param=f"session.{key}")
+    audio = raw.get("audio") or {}
+    if not isinstance(audio, Mapping):
+        raise ClientError("'session.audio' must be an object.", code="invalid_type", param="session.audio")
+    if audio.get("format") is not None:
+        try:
+            cfg.format = WireFormat.parse_realtime(audio["format"], pcm_rates=(24000, 16000))
+        except WireFormatError as exc:
+            raise ClientError(str(exc), code="invalid_value", param="session.audio.format") from None
+    voice = (audio.get("output") or {}).get("voice") if isinstance(audio.get("output") or {}, Mapping) else None
+    if isinstance(voice, Mapping):
+        voice = voice.get("id")
+    if voice is not None:
+        cfg.voice = _text(voice, "session.audio.output.voice", 128)
+    if cfg.voice not in voices:
+        raise ClientError(f"Unknown voice {cfg.voice!r}; available: {', '.join(sorted(voices))}.", code="invalid_value",
+                          param="session.audio.output.voice")
+    if raw.get("instructions") is not None:
+        cfg.instructions = _text(raw["instructions"], "session.instructions")
+    cfg.input = _input_items(raw.get("input"))
+    cfg.delegation = _delegation(raw.get("delegation"), "session.delegation")
+    if raw.get("safety_identifier") is not None:
+        cfg.safety_identifier = _text(raw["safety_identifier"], "session.safety_identifier", 256)
+    if raw.get("store"):
+        raise ClientError("Stored sessions (forking, recording download) are not kept by this server; omit 'session.store' or set it false.",
+                          code="unsupported_value", param="session.store")
+    if raw.get("triggers"):
+        raise ClientError("Decisions triggers are not served here; omit 'session.triggers'.", code="unsupported_value", param="session.triggers")
+    if raw.get("client") is not None:
+        raise ClientError("'session.client' configures a WebRTC frontend; this is a WebSocket session.", code="unsupported_value",
+                          param="session.client")
+    return cfg
+
+
+class LiveSession:
+    """One Live socket's state around its conversation."""
+
+    def __init__(self, session: Session, conv: Conversation, cfg: LiveConfig) -> None:
+        self.session, self.conv, self.cfg = session, conv, cfg
+        self.started = time.time()
+        self.t0 = time.monotonic()
+        self.muted = False
+        self.delegations: dict[str, str] = {}  # delegation id (the call's id) -> the call item's id
+        self.streamed: set[str] = set()  # input items whose transcript went out as deltas
+        self.count = 0
+
+    def now_ms(self) -> int:
+        return int((time.monotonic() - self.t0) * 1000)
+
+    def emit(self, type: str, client_event_id: str | None = None, **data: Any) -> None:
+        if client_event_id is not None:
+            data["client_event_id"] = client_event_id
+        self.session.emit(LIVE + type, data)
+
+    def usage(self) -> dict[str, Any]:
+        return {"seconds": float(int(time.time() - self.started))}
+
+    # ---- out: the conversation's events in Live's words ----------------------------------
+    def frame(self, ev: SessionEvent) -> str | None:
+        t, d = ev.type, ev.data
+        if t.startswith(LIVE):
+            return self._json(t[len(LIVE):], d)
+        if t == "response.output_audio.delta":
+            return self._json("session.output_audio.delta", {"delta": base64.b64encode(d["delta"]).decode()})
+        if t == "response.output_audio_transcript.delta" and d.get("delta"):
+            now = self.now_ms()
+            return self._json("session.output_transcript.delta", {"delta": d["delta"], "start_ms": now, "end_ms": now})
+        if t == "conversation.item.input_audio_transcription.delta" and d.get("delta"):
+            self.streamed.add(str(d.get("item_id")))
+            now = self.now_ms()
+            return self._json("session.input_transcript.delta", {"delta": d["delta"], "start_ms": now, "end_ms": now})
+        if t == "conversation.item.input_audio_transcription.completed" and d.get("item_id") not in self.streamed and d.get("transcript"):
+            now = self.now_ms()  # a batch transcript (Whisper at commit): one delta
+            return self._json("session.input_transcript.delta", {"delta": d["transcript"], "start_ms": now, "end_ms": now})
+        if t == "response.output_item.done":
+            item = d.get("item") or {}
+            if item.get("type") == "function_call" and item.get("name") == DELEGATE:
+                return self._delegated(item)
+            return None
+        if t == "response.done":
+            return self._json("session.usage.updated", {"usage": self.usage()})
+        if t == "error":  # the conversation's (a refused audio chunk, a failed answer)
+            err = dict(d.get("error") or {})
+            err = {"type": err.get("type", "invalid_request_error"), "code": err.get("code") or "invalid_request",
+                   "message": err.get("message", ""), "param": err.get("param"), "client_event_id": None}
+            return self._json("error", {"error": err})
+        return None  # Realtime's own bookkeeping (items, speech_started, …) has no Live event
+
+    def _json(self, type: str, data: Mapping[str, Any]) -> str:
+        self.count += 1
+        return json.dumps({"type": type, "event_id": f"event_{self.count:06d}", **data})
+
+    def _delegated(self, item: Mapping[str, Any]) -> str:
+        did = str(item.get("call_id"))
+        self.delegations[did] = str(item.get("id"))
+        try:
+            task = str(json.loads(item.get("arguments") or "{}").get("task", ""))
+        except (ValueError, AttributeError):
+            task = str(item.get("arguments") or "")
+        # the task's text (delegation.created carries metadata only) follows as an info event
+        self.emit("info", code="delegation.task", message=task)
+        return self._json("session.delegation.created", {"delegation": {"id": did, "target": "client", "type": "delegation"},
+                                                         "offset_ms": self.now_ms()})
+
+    # ---- in -----------------------------------------------------------------------------
+    async def handle(self, msg: Mapping[str, Any]) -> bool:
+        t, cid = msg.get("type"), msg.get("event_id") if isinstance(msg.get("event_id"), str) else None
+        conv = self.conv
+        if t == "session.input_audio.append":
+            audio = msg.get("audio")
+            if not isinstance(audio, str):
+                raise ClientError("Missing required parameter: 'audio'.", code="missing_required_parameter", param="audio")
+            if self.muted:  # the model hears silence for as long as the audio lasts
+                try:
+                    n = len(base64.b64decode(audio, validate=True))
+                except (binascii.Error, ValueError):
+                    raise ClientError("'audio' is not valid base64.", code="invalid_value", param="audio") from None
+                silence = (b"\xff" if self.cfg.format.encoding == "pcmu" else b"\xd5" if self.cfg.format.encoding == "pcma" else b"\x00") * n
+                audio = base64.b64encode(silence).decode()
+            self.session.touch()
+            await conv.input.append(audio)
+        elif t in ("session.input_audio.mute", "session.input_audio.unmute"):
+            self.muted = t.endswith(".mute")
+            self.emit("session.input_audio.muted" if self.muted else "session.input_audio.unmuted", cid)
+        elif t in ("session.instructions.append", "session.thinking.append", "session.commentary.append"):
+            await self._context(t.split(".")[1], msg, cid)
+        elif t == "session.update":
+            body = msg.get("session")
+            if not isinstance(body, Mapping):
+                raise ClientError("Missing required parameter: 'session'.", code="missing_required_parameter", param="session")
+            for key in body:
+                if key not in ("delegation", "triggers"):
+                    raise ClientError(f"'session.{key}' cannot change after startup (only delegation and triggers update).",
+                                      code="immutable_parameter", param=f"session.{key}")
+            if body.get("triggers"):
+                raise ClientError("Decisions triggers are not served here.", code="unsupported_value", param="session.triggers")
+            if "delegation" in body:
+                new = _delegation(body["delegation"], "session.delegation")
+                if (new is None) != (self.cfg.delegation is None):
+                    raise ClientError("The delegation type cannot change after startup.", code="immutable_parameter", param="session.delegation.type")
+                self.cfg.delegation = new
+            self.emit("session.updated", cid, session=self.cfg.resource(self.session, self.started))
+        elif t == "session.close":
+            self.emit("session.closed", cid, reason="close_requested", session=self.cfg.resource(self.session, self.started), usage=self.usage())
+            return False
+        elif t == "session.start":
+            raise ClientError("The session has started already.", code="session_already_started", param="type")
+        elif isinstance(t, str) and t in UNSUPPORTED_EVENTS:
+            raise ClientError(f"'{t}' needs {UNSUPPORTED_EVENTS[t]}, which this server does not run.", code="unsupported_event", param="type")
+        else:
+            raise ClientError(f"Invalid value: {str(t)[:64]!r}. Supported event types are the Live client events.", code="invalid_value", param="type")
+        return True
+
+    async def _context(self, kind: str, msg: Mapping[str, Any], cid: str | None) -> None:
+        """instructions (developer context), thinking (silent), commentary (spoken next);
+        with `delegation_id`, the app's answer to a delegated task."""
+        content = _text(msg.get("content"), "content", 8000)
+        did = msg.get("delegation_id")
+        conv = self.conv
+        start = self.now_ms()
+        if did is not None:
+            if not isinstance(did, str) or did not in self.delegations:
+                raise ClientError(f"No delegation {str(did)[:64]!r} in this session.", code="delegation_not_found", param="delegation_id")
+            conv.add_item(Item(new_id("item"), "", [], type="function_call_output", call_id=did, output=content))
+        else:
+            label = {"instructions": "", "thinking": "(silent context, not to be read out) ", "commentary": "(tell the user) "}[kind]
+            conv.add_item(Item(new_id("item"), "system", [{"type": "input_text", "text": label + content}]))
+        self.emit(f"session.{kind}.appended", cid, start_ms=start, end_ms=self.now_ms())
+        if kind == "commentary" and conv.responses.active is None:
+            await conv.responses.create(None)
+
+
+async def _await_start(sock: Socket, models: list[str], voices: Mapping[str, str]) -> tuple[LiveConfig, str | None] | None:
+    """The client's `session.start` (the first message): its config, or None when the
+    socket closed first. Anything else first is refused with an `error` and the socket
+    stays open for the start."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + START_TIMEOUT_S
+    while True:
+        try:
+            data = await asyncio.wait_for(sock.receive(), max(0.01, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise ClientError(f"No 'session.start' within {START_TIMEOUT_S:.0f} s of connecting.", code="session_start_timeout") from None
+        except DISCONNECTED:
+            return None
+        if data is None:
+            return None
+        msg: Any = None
+        try:
+            msg = load_json(data)
+            if not isinstance(msg, dict):
+                raise ClientError("Each event is a JSON object.", code="invalid_json")
+            if msg.get("type") != "session.start":
+                raise ClientError(f"'{str(msg.get('type'))[:64]}' before 'session.start': send session.start first and wait for session.started.",
+                                  code="session_not_started", param="type")
+            return parse_start(msg.get("session"), models, voices), _client_id(msg)
+        except ClientError as exc:
+            await sock.send_json(error_frame(exc, _client_id(msg)))
+
+
+def _client_id(msg: Any) -> str | None:
+    return msg.get("event_id") if isinstance(msg, dict) and isinstance(msg.get("event_id"), str) else None
+
+
+def error_frame(exc: OmniError, client_event_id: str | None = None) -> dict[str, Any]:
+    """An `error` event in Live's shape (for the socket before a session's events run)."""
+    err = error_event(exc)["error"]
+    return {"type": "error", "event_id": f"event_{secrets.token_hex(6)}", "client_event_id": client_event_id,
+            "error": {"type": err["type"], "code": err.get("code") or "invalid_request", "message": err["message"], "param": err.get("param"),
+                      "client_event_id": client_event_id}}
+
+
+def live_models(pipeline: Any) -> list[str]:
+    """The models a Live session may name: the pipeline's Live names (`gpt-live-*`)
+    and its other model names."""
+    return list(pipeline.models)
+
+
+def mount(m: Mount) -> None:
+    sessions, pipeline, vad = m.sessions, m.pipeline, vad_of(m)
+    models = live_models(pipeline)
+
+    async def live(request: web.Request) -> web.StreamResponse:
+        principal = principal_of(request).name
+        sock = await accept(request)
+        try:
+            started = await _await_start(sock, models, pipeline.voices)
+        except ClientError as exc:
+            await sock.send_json(error_frame(exc))
+            await sock.close(1008, exc.message[:120])
+            return sock.ws
+        if started is None:
+            return sock.ws
+        lcfg, cid = started
+        try:
+            session = await sessions.open("realtime", pipeline.name, principal=principal)
+        except SessionError as exc:
+            await sock.send_json(error_frame(exc))
+            await sock.close(exc.ws_close, exc.message[:120])
+            return sock.ws
+        session.params["wire"] = "live"
+        conv = Conversation(session, sessions, pipeline, ga=True, model=lcfg.model, vad=vad)
+        try:
+            conv.cfg = _conversation_config(conv, lcfg, pipeline)
+        except ClientError as exc:
+            await sock.send_json(error_frame(exc))
+            await sessions.end(session, "failed")
+            await sock.close(1008, exc.message[:120])
+            return sock.ws
+        live_session = LiveSession(session, conv, lcfg)
+        for it in lcfg.input:
+            role = "system" if it["role"] == "developer" else it["role"]
+            part = it["content"][0]
+            kind = "output_text" if role == "assistant" else "input_text"
+            conv.add_item(Item(new_id("item"), role, [{"type": kind, "text": part["text"]}]))
+        live_session.emit("session.started", cid, session=lcfg.resource(session, live_session.started))
+
+        async def expire() -> None:
+            await asyncio.sleep(MAX_SESSION_S)
+            live_session.emit("session.closed", reason="expired", session=lcfg.resource(session, live_session.started), usage=live_session.usage())
+            await asyncio.sleep(0.2)
+            await sessions.end(session, "expired")
+
+        timer = asyncio.get_running_loop().create_task(expire())
+
+        async def on_message(data: str | bytes) -> bool:
+            msg: Any = None
+            try:
+                msg = load_json(data)
+                if not isinstance(msg, dict):
+                    raise ClientError("Each event is a JSON object.", code="invalid_json")
+                return await live_session.handle(msg)
+            except OmniError as exc:
+                if not exc.expose:
+                    raise
+                frame = error_frame(exc, _client_id(msg))
+                live_session.emit("error", frame["client_event_id"], error=frame["error"])
+                return True
+
+        async def on_exit(why: str) -> None:
+            timer.cancel()
+            await conv.shutdown("client_disconnected")
+            await sessions.end(session, {"client_left": "client_disconnected", "client_closed": "close_requested", "session_ended": "ended"}.get(why, why))
+
+        why = await serve_events(sock, session, live_session.frame, on_message, on_exit)
+        await close_attachment(sock, session, why)
+        return sock.ws
+
+    m.websocket(PATH, live, "OpenAI Live API (client.live.connect): full duplex turn-taking on the voice pipeline")
+
+
+def _conversation_config(conv: Conversation, lcfg: LiveConfig, pipeline: Any) -> Config:
+    """The Realtime conversation a Live session runs: semantic_vad turn-taking with
+    barge-in, the startup audio format both ways, the voice, the frontend instructions,
+    input transcription (streamed where the profile has a streaming ASR stage), and the
+    `delegate` function when the app takes delegated tasks."""
+    session = conv.session
+    transcription = {"model": "gpt-4o-transcribe"} if session.serves("stt") else {"model": "whisper-1"} if session.serves("asr") else None
+    body: dict[str, Any] = {
+        "type": "realtime",
+        "instructions": lcfg.instructions,
+        "audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto", "interrupt_response": True, "create_response": True},
+                            "transcription": transcription}},
+        "tools": [DELEGATE_TOOL] if lcfg.delegation is not None else [],
+    }
+    try:
+        cfg = apply_session_update(Config(model=pipeline.models[0]), body, pipeline.voices)
+    except ClientError as exc:
+        raise ClientError(exc.message, code=exc.code, param=f"session.{exc.param}" if exc.param else None) from None
+    return replace(cfg, voice=lcfg.voice, input_format=lcfg.format, output_format=lcfg.format)
+
+
+__all__ = ["PATH", "LiveConfig", "LiveSession", "mount", "parse_start"]

@@ -1,0 +1,187 @@
+"""`/v1/live/sessions` in-process (fake engines, EnergyVad) through the `openai` SDK's
+own `client.live.connect()`: every server event is validated against the SDK's
+`openai.types.live.ServerEvent` (the union, strictly: each event must be one of its
+members with every required field)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import openai
+import pytest
+from openai.types.live import ServerEvent
+from pydantic import TypeAdapter
+
+from testkit import serve
+from testkit.wire import b64, connect, quiet, tone
+
+EVENTS: TypeAdapter[Any] = TypeAdapter(ServerEvent)
+
+
+@pytest.fixture
+async def h():
+    async with serve(["voice"]) as harness:
+        yield harness
+
+
+def live(h) -> Any:
+    client = openai.AsyncOpenAI(api_key="sk-unused", base_url=str(h.client.make_url("/v1")), max_retries=0)
+    return client.live.connect()
+
+
+async def recv(conn, seen: list | None = None, timeout: float = 5.0) -> Any:
+    """The next server event, validated against the SDK's ServerEvent union."""
+    raw = json.loads(await asyncio.wait_for(conn.recv_bytes(), timeout))
+    ev = EVENTS.validate_python(raw)
+    assert ev.type == raw["type"], raw
+    if seen is not None:
+        seen.append(ev)
+    return ev
+
+
+async def until(conn, type: str, seen: list | None = None, timeout: float = 5.0) -> Any:
+    while True:
+        ev = await recv(conn, seen, timeout)
+        if ev.type == type:
+            return ev
+
+
+async def start(conn, **session: Any) -> Any:
+    await conn.session.start(session={"model": "gpt-live-1", **session}, event_id="evt_start")
+    ev = await recv(conn)
+    assert ev.type == "session.started", ev
+    return ev
+
+
+async def speak(conn, seconds: float = 0.6) -> None:
+    for pcm in (quiet(0.2), tone(seconds), quiet(1.2)):
+        for i in range(0, len(pcm), 4800):
+            await conn.session.input_audio.append(audio=b64(pcm[i : i + 4800]))
+
+
+async def test_a_live_session_hears_speech_and_answers_with_audio_and_transcripts(h):
+    async with live(h) as conn:
+        started = await start(conn, instructions="Be brief.", audio={"format": {"type": "audio/pcm", "rate": 24000}, "output": {"voice": "cedar"}})
+        s = started.session
+        assert started.client_event_id == "evt_start" and s.model == "gpt-live-1" and s.status == "active"
+        assert s.audio.output.voice == "cedar" and s.audio.format.rate == 24000 and s.instructions == "Be brief."
+        assert s.expires_at > 0 and s.id.startswith("sess")
+        await speak(conn)
+        seen: list = []
+        usage = await until(conn, "session.usage.updated", seen, timeout=10)
+        types = [e.type for e in seen]
+        assert "session.output_audio.delta" in types and "session.output_transcript.delta" in types, types
+        assert "session.input_transcript.delta" in types, types  # the profile's streaming ASR, while the user spoke
+        assert types.index("session.input_transcript.delta") < types.index("session.output_audio.delta")
+        assert usage.usage.seconds >= 0
+        said = "".join(e.delta for e in seen if e.type == "session.output_transcript.delta")
+        assert said.strip(), said
+        await conn.session.close(event_id="evt_close")
+        closed = await until(conn, "session.closed")
+        assert closed.reason == "close_requested" and closed.client_event_id == "evt_close" and closed.session.id == s.id
+
+
+async def test_mute_sends_silence_to_the_model_and_unmute_hears_again(h):
+    async with live(h) as conn:
+        await start(conn)
+        await conn.session.input_audio.mute(event_id="m1")
+        muted = await recv(conn)
+        assert muted.type == "session.input_audio.muted" and muted.client_event_id == "m1"
+        await speak(conn)
+        with pytest.raises(TimeoutError):
+            await until(conn, "session.output_audio.delta", timeout=1.5)  # muted: nothing was heard
+        await conn.session.input_audio.unmute(event_id="m2")
+        assert (await until(conn, "session.input_audio.unmuted")).client_event_id == "m2"
+        await speak(conn)
+        await until(conn, "session.output_audio.delta", timeout=10)
+
+
+async def test_instructions_appended_mid_call_reach_the_next_answer(h):
+    async with live(h) as conn:
+        await start(conn, instructions="Be brief.", input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi there."}]}])
+        await conn.session.instructions.append(content="The caller's name is Ada.", delegation_id=None, event_id="i1")
+        ack = await until(conn, "session.instructions.appended")
+        assert ack.client_event_id == "i1" and ack.end_ms >= ack.start_ms >= 0
+        await conn.session.thinking.append(content="She called before.", delegation_id=None, event_id="t1")
+        assert (await until(conn, "session.thinking.appended")).client_event_id == "t1"
+        await speak(conn)
+        await until(conn, "session.usage.updated", timeout=10)
+    prompt = h.processor("thinker").seen[-1]["messages"]
+    text = json.dumps(prompt)
+    assert "Be brief." in text and "Hi there." in text and "The caller's name is Ada." in text and "She called before." in text
+
+
+async def test_a_client_delegation_round_trip(h):
+    """delegation {type: client}: the talking model calls its `delegate` function, the
+    app gets session.delegation.created (and the task as an info event), answers with
+    commentary naming the delegation, and the model speaks the outcome."""
+    async with live(h) as conn:
+        started = await start(conn, delegation={"type": "client"})
+        assert started.session.delegation.type == "client"
+        # (the fake thinker calls when the latest message says "<call>")
+        await conn.session.commentary.append(content="The user wants a table for two tonight <call>", delegation_id=None)
+        seen: list = []
+        created = await until(conn, "session.delegation.created", seen, timeout=10)
+        assert created.delegation.target == "client" and created.offset_ms >= 0
+        task = await until(conn, "info", seen)
+        assert task.code == "delegation.task" and task.message
+        await until(conn, "session.usage.updated", seen, timeout=10)  # the turn that delegated ends
+        await conn.session.commentary.append(content="Booked for 8 pm.", delegation_id=created.delegation.id, event_id="c2")
+        after: list = []
+        assert (await until(conn, "session.commentary.appended", after)).client_event_id == "c2"
+        await until(conn, "session.usage.updated", after, timeout=10)
+        assert any(e.type == "session.output_audio.delta" for e in after)
+        await conn.session.commentary.append(content="x", delegation_id="del_nope", event_id="c3")
+        err = await until(conn, "error")
+        assert err.error.code == "delegation_not_found" and err.client_event_id == "c3" and err.error.client_event_id == "c3"
+    seen_prompt = h.processor("thinker").seen[-1]["messages"]
+    assert any(m.get("role") == "tool" and m.get("content") == "Booked for 8 pm." for m in seen_prompt), seen_prompt
+
+
+@pytest.mark.parametrize(("event", "code", "param"), [
+    ({"type": "decision.create"}, "unsupported_event", "type"),
+    ({"type": "response.create"}, "unsupported_event", "type"),
+    ({"type": "session.nope"}, "invalid_value", "type"),
+    ({"type": "session.update", "session": {"model": "gpt-live-1.1"}}, "immutable_parameter", "session.model"),
+    ({"type": "session.update", "session": {"delegation": {"type": "client"}}}, "immutable_parameter", "session.delegation.type"),
+    ({"type": "session.input_audio.append", "audio": "@@@"}, "invalid_value", None),
+    ({"type": "session.instructions.append"}, "invalid_type", "content"),
+    ({"type": "session.start", "session": {"model": "gpt-live-1"}}, "session_already_started", "type"),
+])
+async def test_bad_events_get_an_error_naming_them_and_the_session_goes_on(h, event, code, param):
+    async with live(h) as conn:
+        await start(conn)
+        await conn.send({**event, "event_id": "bad1"})
+        err = await until(conn, "error")
+        assert err.error.code == code and err.client_event_id == "bad1", err
+        if param is not None:
+            assert err.error.param == param, err
+        await conn.session.input_audio.mute(event_id="ok")
+        assert (await until(conn, "session.input_audio.muted")).client_event_id == "ok"
+
+
+@pytest.mark.parametrize(("session", "param"), [
+    ({"model": "gpt-nope"}, "session.model"),
+    ({"model": "gpt-live-1", "store": True}, "session.store"),
+    ({"model": "gpt-live-1", "delegation": {"type": "decisions", "decisions": {}}}, "session.delegation.type"),
+    ({"model": "gpt-live-1", "delegation": {"type": "responses", "responses": {"model": "gpt-5"}}}, "session.delegation.type"),
+    ({"model": "gpt-live-1", "audio": {"format": {"type": "audio/pcm", "rate": 44100}}}, "session.audio.format"),
+    ({"model": "gpt-live-1", "audio": {"output": {"voice": "nobody"}}}, "session.audio.output.voice"),
+    ({"model": "gpt-live-1", "input": [{"role": "tool", "content": []}]}, "session.input[0].role"),
+    ({"model": "gpt-live-1", "surprise": 1}, "session.surprise"),
+])
+async def test_a_bad_start_is_refused_by_field(h, session, param):
+    ws = await connect(h, "/v1/live/sessions")
+    await ws.send("session.input_audio.append", audio=b64(quiet(0.1)), event_id="early")
+    early = await ws.until("error")
+    assert early["error"]["code"] == "session_not_started" and early["client_event_id"] == "early"
+    EVENTS.validate_python(early)
+    await ws.send("session.start", session=session, event_id="s1")
+    err = await ws.until("error")
+    assert err["error"]["param"] == param and err["client_event_id"] == "s1", err
+    EVENTS.validate_python(err)
+    await ws.send("session.start", session={"model": "gpt-live-1"})  # a good start after a bad one
+    EVENTS.validate_python(await ws.until("session.started"))
+    await ws.ws.close()
