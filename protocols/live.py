@@ -392,6 +392,8 @@ def mount(m: Mount) -> None:
     async def live(request: web.Request) -> web.StreamResponse:
         principal = principal_of(request).name
         sock = await accept(request)
+        if request.query.get("session_id"):
+            return await rejoin(sock, request.query["session_id"], request.query.get("resume_token"), principal)
         try:
             started = await _await_start(sock, models, pipeline.voices)
         except ClientError as exc:
@@ -416,21 +418,47 @@ def mount(m: Mount) -> None:
             await sessions.end(session, "failed")
             await sock.close(1008, exc.message[:120])
             return sock.ws
-        live_session = LiveSession(session, conv, lcfg)
+        ls = session.keep(LiveSession(session, conv, lcfg))
         for it in lcfg.input:
             role = "system" if it["role"] == "developer" else it["role"]
-            part = it["content"][0]
             kind = "output_text" if role == "assistant" else "input_text"
-            conv.add_item(Item(new_id("item"), role, [{"type": kind, "text": part["text"]}]))
-        live_session.emit("session.started", cid, session=lcfg.resource(session, live_session.started))
+            conv.add_item(Item(new_id("item"), role, [{"type": kind, "text": it["content"][0]["text"]}]))
+        ls.emit("session.started", cid, session=lcfg.resource(session, ls.started))
+        ls.emit("info", code="session.resume_token", message=await sessions.issue_resume_token(session))
 
         async def expire() -> None:
             await asyncio.sleep(MAX_SESSION_S)
-            live_session.emit("session.closed", reason="expired", session=lcfg.resource(session, live_session.started), usage=live_session.usage())
+            ls.emit("session.closed", reason="expired", session=lcfg.resource(session, ls.started), usage=ls.usage())
             await asyncio.sleep(0.2)
             await sessions.end(session, "expired")
 
         timer = asyncio.get_running_loop().create_task(expire())
+
+        async def stop() -> None:
+            timer.cancel()
+            await conv.shutdown("session_ended")
+
+        session.add_finalizer(stop)
+        return await attach(sock, session, ls)
+
+    async def rejoin(sock: Socket, sid: str, token: str | None, principal: str) -> web.WebSocketResponse:
+        """A dropped socket's session, re-attached (the SDK's reconnect with
+        `?session_id=&resume_token=`): what it said while away is replayed."""
+        try:
+            session = await sessions.resume(sid, token, principal)
+            ls = session.kept(LiveSession)
+            if ls is None:
+                raise ClientError(f"Session {sid} is not a Live session.", code="invalid_value", param="session_id")
+        except (SessionError, ClientError) as exc:
+            await sock.send_json(error_frame(exc))
+            await sock.close(1008, "resume refused")
+            return sock.ws
+        ls.emit("info", code="session.resumed", message=f"session {sid} resumed; {session.queued_events} events replayed")
+        ls.emit("info", code="session.resume_token", message=await sessions.issue_resume_token(session))
+        return await attach(sock, session, ls)
+
+    async def attach(sock: Socket, session: Session, ls: LiveSession) -> web.WebSocketResponse:
+        gen = session.attachment
 
         async def on_message(data: str | bytes) -> bool:
             msg: Any = None
@@ -438,20 +466,24 @@ def mount(m: Mount) -> None:
                 msg = load_json(data)
                 if not isinstance(msg, dict):
                     raise ClientError("Each event is a JSON object.", code="invalid_json")
-                return await live_session.handle(msg)
+                return await ls.handle(msg)
             except OmniError as exc:
                 if not exc.expose:
                     raise
                 frame = error_frame(exc, _client_id(msg))
-                live_session.emit("error", frame["client_event_id"], error=frame["error"])
+                ls.emit("error", frame["client_event_id"], error=frame["error"])
                 return True
 
         async def on_exit(why: str) -> None:
-            timer.cancel()
-            await conv.shutdown("client_disconnected")
-            await sessions.end(session, {"client_left": "client_disconnected", "client_closed": "close_requested", "session_ended": "ended"}.get(why, why))
+            if why == "client_left" and session.is_open:
+                if session.attached_as(gen):
+                    await sessions.detach(session.id)  # resumable for the manager's disconnect_grace_s
+                return
+            await sessions.end(session, {"client_closed": "close_requested", "session_ended": "ended"}.get(why, why))
 
-        why = await serve_events(sock, session, live_session.frame, on_message, on_exit)
+        why = await serve_events(sock, session, ls.frame, on_message, on_exit)
+        if why == "client_left":
+            return sock.ws
         await close_attachment(sock, session, why)
         return sock.ws
 

@@ -145,7 +145,7 @@ async def test_openai_agents_speech_on_its_default_semantic_vad_then_an_idle_nud
         updates: list[dict] = []
         async with session:
 
-            async def microphone() -> None:  # the speech, then silence for as long as the call lasts (100 ms a chunk)
+            async def microphone(session: Any = session) -> None:  # the speech, then silence as long as the call lasts (100 ms a chunk)
                 for i in range(0, len(speech), 4800):
                     await session.send_audio(speech[i : i + 4800])
                 while True:

@@ -49,9 +49,13 @@ async def until(conn, type: str, seen: list | None = None, timeout: float = 5.0)
 
 
 async def start(conn, **session: Any) -> Any:
+    """session.start, then session.started and the session's resume token (an `info`)."""
     await conn.session.start(session={"model": "gpt-live-1", **session}, event_id="evt_start")
     ev = await recv(conn)
     assert ev.type == "session.started", ev
+    token = await recv(conn)
+    assert token.type == "info" and token.code == "session.resume_token" and token.message, token
+    ev.resume_token = token.message
     return ev
 
 
@@ -185,3 +189,56 @@ async def test_a_bad_start_is_refused_by_field(h, session, param):
     await ws.send("session.start", session={"model": "gpt-live-1"})  # a good start after a bad one
     EVENTS.validate_python(await ws.until("session.started"))
     await ws.ws.close()
+
+
+async def test_a_dropped_socket_is_resumed_by_the_sdks_reconnect(h):
+    """The network drops (the socket dies without a close frame): the SDK's own
+    reconnect, told the session's id and resume token by `on_reconnecting`, lands in the
+    same session (`info` session.resumed, then a fresh resume token), and the
+    conversation goes on with its history."""
+    state: dict[str, Any] = {}
+
+    def on_reconnecting(event: Any) -> Any:
+        state["attempts"] = event.attempt
+        return {"extra_query": {"session_id": state["id"], "resume_token": state["token"]}}
+
+    client = openai.AsyncOpenAI(api_key="sk-unused", base_url=str(h.client.make_url("/v1")), max_retries=0)
+    async with client.live.connect(on_reconnecting=on_reconnecting, initial_delay=0.05) as conn:
+        started = await start(conn, instructions="Be brief.")
+        state.update(id=started.session.id, token=started.resume_token)
+        await conn.session.instructions.append(content="Remember the code word: heron.", delegation_id=None)
+        await until(conn, "session.instructions.appended")
+        seen: list = []
+        resumed = asyncio.Event()
+
+        async def read() -> None:  # the app's receive loop: the SDK's iterator is what reconnects
+            async for ev in conn:
+                seen.append(EVENTS.validate_python(ev.model_dump(exclude_unset=True)))
+                if ev.type == "info" and ev.code == "session.resumed":
+                    resumed.set()
+                if ev.type == "session.usage.updated":
+                    return
+
+        reader = asyncio.create_task(read())
+        conn._connection.transport.abort()  # the network drops: no close frame (1006)
+        async with asyncio.timeout(10):
+            await resumed.wait()
+            await speak(conn)
+            await reader
+        infos = [e for e in seen if e.type == "info"]
+        assert [e.code for e in infos[:2]] == ["session.resumed", "session.resume_token"] and state["attempts"] >= 1, infos
+        assert infos[1].message != state["token"]
+        assert any(e.type == "session.output_audio.delta" for e in seen)
+    live_sessions = [s for s in h.processor("thinker").seen if "heron" in json.dumps(s["messages"])]
+    assert live_sessions, "the answer after the reconnect has the session's history"
+
+
+async def test_a_resume_with_a_bad_token_is_refused(h):
+    async with live(h) as conn:
+        started = await start(conn)
+        ws = await connect(h, f"/v1/live/sessions?session_id={started.session.id}&resume_token=wrong")
+        err = await ws.until("error")
+        EVENTS.validate_python(err)
+        assert err["error"]["code"] == "invalid_resume_token", err
+        await conn.session.input_audio.mute(event_id="still")
+        assert (await until(conn, "session.input_audio.muted")).client_event_id == "still"  # the session goes on
