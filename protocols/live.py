@@ -60,7 +60,7 @@ from protocols.realtime.models import PCM24, apply_session_update
 from protocols.registry import Mount
 from protocols.wire_json import load_json
 from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, serve_events
-from sessions import Session, SessionError, SessionEvent
+from sessions import Session, SessionError, SessionEvent, SessionManager
 
 log = logging.getLogger("protocols.live")
 
@@ -92,7 +92,7 @@ class LiveConfig:
     """A Live session's startup configuration, as `session.started` echoes it."""
 
     model: str
-    voice: str = "marin"
+    voice: str | None = "marin"
     format: WireFormat = PCM24
     instructions: str = ""
     input: list[dict[str, Any]] = field(default_factory=list)
@@ -153,8 +153,9 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
     return out
 
 
-def parse_start(raw: Any, models: list[str], voices: Mapping[str, str]) -> LiveConfig:
-    """`session.start`'s session: what this server runs, or a ClientError naming the field."""
+def parse_start(raw: Any, models: list[str], voices_of: Any) -> LiveConfig:
+    """`session.start`'s session: what this server runs, or a ClientError naming the
+    field. `voices_of(model)`: the voices that model speaks (None: only its own)."""
     if not isinstance(raw, Mapping):
         raise ClientError("Missing required parameter: 'session'.", code="missing_required_parameter", param="session")
     model = raw.get("model")
@@ -179,9 +180,15 @@ def parse_start(raw: Any, models: list[str], voices: Mapping[str, str]) -> LiveC
     voice = (audio.get("output") or {}).get("voice") if isinstance(audio.get("output") or {}, Mapping) else None
     if isinstance(voice, Mapping):
         voice = voice.get("id")
-    if voice is not None:
+    voices = voices_of(model)
+    if voices is None:  # a model with one voice, its own
+        if voice is not None:
+            raise ClientError(f"{model} speaks with its own voice; omit 'session.audio.output.voice'.", code="unsupported_value",
+                              param="session.audio.output.voice")
+        cfg.voice = None
+    elif voice is not None:
         cfg.voice = _text(voice, "session.audio.output.voice", 128)
-    if cfg.voice not in voices:
+    if voices is not None and cfg.voice not in voices:
         raise ClientError(f"Unknown voice {cfg.voice!r}; available: {', '.join(sorted(voices))}.", code="invalid_value",
                           param="session.audio.output.voice")
     if raw.get("instructions") is not None:
@@ -201,16 +208,15 @@ def parse_start(raw: Any, models: list[str], voices: Mapping[str, str]) -> LiveC
     return cfg
 
 
-class LiveSession:
-    """One Live socket's state around its conversation."""
+class LiveBase:
+    """A Live session's state around its engine (kept in the session: it survives a
+    dropped socket): the timeline, mute, and the events every engine shares."""
 
-    def __init__(self, session: Session, conv: Conversation, cfg: LiveConfig) -> None:
-        self.session, self.conv, self.cfg = session, conv, cfg
+    def __init__(self, session: Session, cfg: LiveConfig) -> None:
+        self.session, self.cfg = session, cfg
         self.started = time.time()
         self.t0 = time.monotonic()
         self.muted = False
-        self.delegations: dict[str, str] = {}  # delegation id (the call's id) -> the call item's id
-        self.streamed: set[str] = set()  # input items whose transcript went out as deltas
         self.count = 0
 
     def now_ms(self) -> int:
@@ -224,11 +230,97 @@ class LiveSession:
     def usage(self) -> dict[str, Any]:
         return {"seconds": float(int(time.time() - self.started))}
 
-    # ---- out: the conversation's events in Live's words ----------------------------------
+    def resource(self) -> dict[str, Any]:
+        return self.cfg.resource(self.session, self.started)
+
+    def _json(self, type: str, data: Mapping[str, Any]) -> str:
+        self.count += 1
+        return json.dumps({"type": type, "event_id": f"event_{self.count:06d}", **data})
+
     def frame(self, ev: SessionEvent) -> str | None:
+        if ev.type.startswith(LIVE):
+            return self._json(ev.type[len(LIVE):], ev.data)
+        if ev.type == "error":  # the engine's (a refused audio chunk, a failed answer)
+            err = dict(ev.data.get("error") or {})
+            err = {"type": err.get("type", "invalid_request_error"), "code": err.get("code") or "invalid_request",
+                   "message": err.get("message", ""), "param": err.get("param"), "client_event_id": None}
+            return self._json("error", {"error": err})
+        return self.translate(ev)
+
+    def translate(self, ev: SessionEvent) -> str | None:
+        """The engine's own events in Live's words (None: no Live event)."""
+        raise NotImplementedError
+
+    def silence(self, audio: str) -> bytes:
+        """Base64 audio of the startup format, decoded (muted: as much silence)."""
+        try:
+            raw = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise ClientError("'audio' is not valid base64.", code="invalid_value", param="audio") from None
+        if self.muted:
+            enc = self.cfg.format.encoding
+            return (b"\xff" if enc == "pcmu" else b"\xd5" if enc == "pcma" else b"\x00") * len(raw)
+        return raw
+
+    async def handle(self, msg: Mapping[str, Any]) -> bool:
+        """One client event (False: the client closed the session)."""
+        t, cid = msg.get("type"), _client_id(msg)
+        if t == "session.input_audio.append":
+            audio = msg.get("audio")
+            if not isinstance(audio, str):
+                raise ClientError("Missing required parameter: 'audio'.", code="missing_required_parameter", param="audio")
+            self.session.touch()
+            await self.audio(self.silence(audio))
+        elif t in ("session.input_audio.mute", "session.input_audio.unmute"):
+            self.muted = t.endswith(".mute")
+            self.emit("session.input_audio.muted" if self.muted else "session.input_audio.unmuted", cid)
+        elif t in ("session.instructions.append", "session.thinking.append", "session.commentary.append"):
+            await self.context(t.split(".")[1], msg, cid)
+        elif t == "session.update":
+            body = msg.get("session")
+            if not isinstance(body, Mapping):
+                raise ClientError("Missing required parameter: 'session'.", code="missing_required_parameter", param="session")
+            for key in body:
+                if key not in ("delegation", "triggers"):
+                    raise ClientError(f"'session.{key}' cannot change after startup (only delegation and triggers update).",
+                                      code="immutable_parameter", param=f"session.{key}")
+            if body.get("triggers"):
+                raise ClientError("Decisions triggers are not served here.", code="unsupported_value", param="session.triggers")
+            if "delegation" in body:
+                new = _delegation(body["delegation"], "session.delegation")
+                if (new is None) != (self.cfg.delegation is None):
+                    raise ClientError("The delegation type cannot change after startup.", code="immutable_parameter", param="session.delegation.type")
+                self.cfg.delegation = new
+            self.emit("session.updated", cid, session=self.resource())
+        elif t == "session.close":
+            self.emit("session.closed", cid, reason="close_requested", session=self.resource(), usage=self.usage())
+            return False
+        elif t == "session.start":
+            raise ClientError("The session has started already.", code="session_already_started", param="type")
+        elif isinstance(t, str) and t in UNSUPPORTED_EVENTS:
+            raise ClientError(f"'{t}' needs {UNSUPPORTED_EVENTS[t]}, which this server does not run.", code="unsupported_event", param="type")
+        else:
+            raise ClientError(f"Invalid value: {str(t)[:64]!r}. Supported event types are the Live client events.", code="invalid_value", param="type")
+        return True
+
+    async def audio(self, raw: bytes) -> None:
+        raise NotImplementedError
+
+    async def context(self, kind: str, msg: Mapping[str, Any], cid: str | None) -> None:
+        raise NotImplementedError
+
+
+class LiveSession(LiveBase):
+    """The turn-taking engine: the voice pipeline's Realtime conversation."""
+
+    def __init__(self, session: Session, conv: Conversation, cfg: LiveConfig) -> None:
+        super().__init__(session, cfg)
+        self.conv = conv
+        self.delegations: dict[str, str] = {}  # delegation id (the call's id) -> the call item's id
+        self.streamed: set[str] = set()  # input items whose transcript went out as deltas
+
+    def translate(self, ev: SessionEvent) -> str | None:
         t, d = ev.type, ev.data
-        if t.startswith(LIVE):
-            return self._json(t[len(LIVE):], d)
         if t == "response.output_audio.delta":
             return self._json("session.output_audio.delta", {"delta": base64.b64encode(d["delta"]).decode()})
         if t == "response.output_audio_transcript.delta" and d.get("delta"):
@@ -248,16 +340,7 @@ class LiveSession:
             return None
         if t == "response.done":
             return self._json("session.usage.updated", {"usage": self.usage()})
-        if t == "error":  # the conversation's (a refused audio chunk, a failed answer)
-            err = dict(d.get("error") or {})
-            err = {"type": err.get("type", "invalid_request_error"), "code": err.get("code") or "invalid_request",
-                   "message": err.get("message", ""), "param": err.get("param"), "client_event_id": None}
-            return self._json("error", {"error": err})
         return None  # Realtime's own bookkeeping (items, speech_started, …) has no Live event
-
-    def _json(self, type: str, data: Mapping[str, Any]) -> str:
-        self.count += 1
-        return json.dumps({"type": type, "event_id": f"event_{self.count:06d}", **data})
 
     def _delegated(self, item: Mapping[str, Any]) -> str:
         did = str(item.get("call_id"))
@@ -271,56 +354,10 @@ class LiveSession:
         return self._json("session.delegation.created", {"delegation": {"id": did, "target": "client", "type": "delegation"},
                                                          "offset_ms": self.now_ms()})
 
-    # ---- in -----------------------------------------------------------------------------
-    async def handle(self, msg: Mapping[str, Any]) -> bool:
-        t, cid = msg.get("type"), msg.get("event_id") if isinstance(msg.get("event_id"), str) else None
-        conv = self.conv
-        if t == "session.input_audio.append":
-            audio = msg.get("audio")
-            if not isinstance(audio, str):
-                raise ClientError("Missing required parameter: 'audio'.", code="missing_required_parameter", param="audio")
-            if self.muted:  # the model hears silence for as long as the audio lasts
-                try:
-                    n = len(base64.b64decode(audio, validate=True))
-                except (binascii.Error, ValueError):
-                    raise ClientError("'audio' is not valid base64.", code="invalid_value", param="audio") from None
-                silence = (b"\xff" if self.cfg.format.encoding == "pcmu" else b"\xd5" if self.cfg.format.encoding == "pcma" else b"\x00") * n
-                audio = base64.b64encode(silence).decode()
-            self.session.touch()
-            await conv.input.append(audio)
-        elif t in ("session.input_audio.mute", "session.input_audio.unmute"):
-            self.muted = t.endswith(".mute")
-            self.emit("session.input_audio.muted" if self.muted else "session.input_audio.unmuted", cid)
-        elif t in ("session.instructions.append", "session.thinking.append", "session.commentary.append"):
-            await self._context(t.split(".")[1], msg, cid)
-        elif t == "session.update":
-            body = msg.get("session")
-            if not isinstance(body, Mapping):
-                raise ClientError("Missing required parameter: 'session'.", code="missing_required_parameter", param="session")
-            for key in body:
-                if key not in ("delegation", "triggers"):
-                    raise ClientError(f"'session.{key}' cannot change after startup (only delegation and triggers update).",
-                                      code="immutable_parameter", param=f"session.{key}")
-            if body.get("triggers"):
-                raise ClientError("Decisions triggers are not served here.", code="unsupported_value", param="session.triggers")
-            if "delegation" in body:
-                new = _delegation(body["delegation"], "session.delegation")
-                if (new is None) != (self.cfg.delegation is None):
-                    raise ClientError("The delegation type cannot change after startup.", code="immutable_parameter", param="session.delegation.type")
-                self.cfg.delegation = new
-            self.emit("session.updated", cid, session=self.cfg.resource(self.session, self.started))
-        elif t == "session.close":
-            self.emit("session.closed", cid, reason="close_requested", session=self.cfg.resource(self.session, self.started), usage=self.usage())
-            return False
-        elif t == "session.start":
-            raise ClientError("The session has started already.", code="session_already_started", param="type")
-        elif isinstance(t, str) and t in UNSUPPORTED_EVENTS:
-            raise ClientError(f"'{t}' needs {UNSUPPORTED_EVENTS[t]}, which this server does not run.", code="unsupported_event", param="type")
-        else:
-            raise ClientError(f"Invalid value: {str(t)[:64]!r}. Supported event types are the Live client events.", code="invalid_value", param="type")
-        return True
+    async def audio(self, raw: bytes) -> None:
+        await self.conv.input.append_bytes(raw)
 
-    async def _context(self, kind: str, msg: Mapping[str, Any], cid: str | None) -> None:
+    async def context(self, kind: str, msg: Mapping[str, Any], cid: str | None) -> None:
         """instructions (developer context), thinking (silent), commentary (spoken next);
         with `delegation_id`, the app's answer to a delegated task."""
         content = _text(msg.get("content"), "content", 8000)
@@ -339,7 +376,39 @@ class LiveSession:
             await conv.responses.create(None)
 
 
-async def _await_start(sock: Socket, models: list[str], voices: Mapping[str, str]) -> tuple[LiveConfig, str | None] | None:
+class LiveModelSession(LiveBase):
+    """The full-duplex engine (Moshi): audio in and out every frame, its text stream as
+    the output transcript. It hears no text: appended context is refused."""
+
+    USAGE_EVERY_FRAMES = 125  # a usage update every 10 s of the model's audio
+
+    def __init__(self, session: Session, cfg: LiveConfig, conv: Any) -> None:
+        super().__init__(session, cfg)
+        self.conv = conv
+        self.frames = 0
+
+    def translate(self, ev: SessionEvent) -> str | None:
+        from protocols.duplex.model import AUDIO_DELTA, TEXT_DELTA
+
+        if ev.type == AUDIO_DELTA:
+            self.frames += 1
+            if self.frames % self.USAGE_EVERY_FRAMES == 0:
+                self.emit("session.usage.updated", usage=self.usage())
+            return self._json("session.output_audio.delta", {"delta": base64.b64encode(ev.data["delta"]).decode()})
+        if ev.type == TEXT_DELTA and ev.data.get("delta"):
+            now = self.now_ms()
+            return self._json("session.output_transcript.delta", {"delta": ev.data["delta"], "start_ms": now, "end_ms": now})
+        return None
+
+    async def audio(self, raw: bytes) -> None:
+        self.conv.audio_in(raw)
+
+    async def context(self, kind: str, msg: Mapping[str, Any], cid: str | None) -> None:
+        raise ClientError(f"{self.cfg.model} is a full-duplex speech model: it hears audio only, so session.{kind}.append cannot reach it.",
+                          code="unsupported_event", param="type")
+
+
+async def _await_start(sock: Socket, models: list[str], voices_of: Any) -> tuple[LiveConfig, str | None] | None:
     """The client's `session.start` (the first message): its config, or None when the
     socket closed first. Anything else first is refused with an `error` and the socket
     stays open for the start."""
@@ -362,7 +431,7 @@ async def _await_start(sock: Socket, models: list[str], voices: Mapping[str, str
             if msg.get("type") != "session.start":
                 raise ClientError(f"'{str(msg.get('type'))[:64]}' before 'session.start': send session.start first and wait for session.started.",
                                   code="session_not_started", param="type")
-            return parse_start(msg.get("session"), models, voices), _client_id(msg)
+            return parse_start(msg.get("session"), models, voices_of), _client_id(msg)
         except ClientError as exc:
             await sock.send_json(error_frame(exc, _client_id(msg)))
 
@@ -379,56 +448,69 @@ def error_frame(exc: OmniError, client_event_id: str | None = None) -> dict[str,
                       "client_event_id": client_event_id}}
 
 
-def live_models(pipeline: Any) -> list[str]:
-    """The models a Live session may name: the pipeline's Live names (`gpt-live-*`)
-    and its other model names."""
-    return list(pipeline.models)
+@dataclass
+class Engine:
+    """One engine behind `/v1/live/sessions`: the models it answers to, their voices
+    (None: the model's own only), and how a started session opens on it (returns the
+    session and its Live state, or raises a ClientError / SessionError)."""
+
+    models: list[str]
+    voices: Mapping[str, str] | None
+    open: Any  # async (principal, LiveConfig) -> (Session, LiveBase)
 
 
-def mount(m: Mount) -> None:
-    sessions, pipeline, vad = m.sessions, m.pipeline, vad_of(m)
-    models = live_models(pipeline)
+class LiveRouter:
+    """The Live route of one server: the engines its pipelines mount, chosen by
+    `session.model` in `session.start` (the URL names no model)."""
 
-    async def live(request: web.Request) -> web.StreamResponse:
+    def __init__(self, sessions: SessionManager) -> None:
+        self.sessions = sessions
+        self.engines: list[Engine] = []
+
+    def add(self, m: Mount, engine: Engine) -> None:
+        first = not self.engines
+        self.engines.append(engine)
+        if first:
+            m.websocket(PATH, self.serve, "OpenAI Live API (client.live.connect): the voice pipeline's turn-taking engine, "
+                                          "and the full-duplex model where one is served")
+
+    def models(self) -> list[str]:
+        return [name for e in self.engines for name in e.models]
+
+    def engine(self, model: str) -> Engine:
+        return next(e for e in self.engines if model in e.models)
+
+    async def serve(self, request: web.Request) -> web.StreamResponse:
         principal = principal_of(request).name
         sock = await accept(request)
+        sessions = self.sessions
         if request.query.get("session_id"):
-            return await rejoin(sock, request.query["session_id"], request.query.get("resume_token"), principal)
-        try:
-            started = await _await_start(sock, models, pipeline.voices)
-        except ClientError as exc:
-            await sock.send_json(error_frame(exc))
-            await sock.close(1008, exc.message[:120])
-            return sock.ws
-        if started is None:
-            return sock.ws
-        lcfg, cid = started
-        try:
-            session = await sessions.open("realtime", pipeline.name, principal=principal)
-        except SessionError as exc:
-            await sock.send_json(error_frame(exc))
-            await sock.close(exc.ws_close, exc.message[:120])
-            return sock.ws
-        session.params["wire"] = "live"
-        conv = Conversation(session, sessions, pipeline, ga=True, model=lcfg.model, vad=vad)
-        try:
-            conv.cfg = _conversation_config(conv, lcfg, pipeline)
-        except ClientError as exc:
-            await sock.send_json(error_frame(exc))
-            await sessions.end(session, "failed")
-            await sock.close(1008, exc.message[:120])
-            return sock.ws
-        ls = session.keep(LiveSession(session, conv, lcfg))
-        for it in lcfg.input:
-            role = "system" if it["role"] == "developer" else it["role"]
-            kind = "output_text" if role == "assistant" else "input_text"
-            conv.add_item(Item(new_id("item"), role, [{"type": kind, "text": it["content"][0]["text"]}]))
-        ls.emit("session.started", cid, session=lcfg.resource(session, ls.started))
+            return await self.rejoin(sock, request.query["session_id"], request.query.get("resume_token"), principal)
+        while True:
+            try:
+                started = await _await_start(sock, self.models(), lambda model: self.engine(model).voices)
+            except ClientError as exc:
+                await sock.send_json(error_frame(exc))
+                await sock.close(1008, exc.message[:120])
+                return sock.ws
+            if started is None:
+                return sock.ws
+            lcfg, cid = started
+            try:
+                session, ls = await self.engine(lcfg.model).open(principal, lcfg)
+                break
+            except ClientError as exc:  # a start the engine cannot run: told, and another start may follow
+                await sock.send_json(error_frame(exc, cid))
+            except SessionError as exc:  # refused by admission
+                await sock.send_json(error_frame(exc, cid))
+                await sock.close(exc.ws_close, exc.message[:120])
+                return sock.ws
+        ls.emit("session.started", cid, session=ls.resource())
         ls.emit("info", code="session.resume_token", message=await sessions.issue_resume_token(session))
 
         async def expire() -> None:
             await asyncio.sleep(MAX_SESSION_S)
-            ls.emit("session.closed", reason="expired", session=lcfg.resource(session, ls.started), usage=ls.usage())
+            ls.emit("session.closed", reason="expired", session=ls.resource(), usage=ls.usage())
             await asyncio.sleep(0.2)
             await sessions.end(session, "expired")
 
@@ -436,17 +518,18 @@ def mount(m: Mount) -> None:
 
         async def stop() -> None:
             timer.cancel()
-            await conv.shutdown("session_ended")
+            await asyncio.gather(timer, return_exceptions=True)
 
         session.add_finalizer(stop)
-        return await attach(sock, session, ls)
+        return await self.attach(sock, session, ls)
 
-    async def rejoin(sock: Socket, sid: str, token: str | None, principal: str) -> web.WebSocketResponse:
+    async def rejoin(self, sock: Socket, sid: str, token: str | None, principal: str) -> web.WebSocketResponse:
         """A dropped socket's session, re-attached (the SDK's reconnect with
         `?session_id=&resume_token=`): what it said while away is replayed."""
+        sessions = self.sessions
         try:
             session = await sessions.resume(sid, token, principal)
-            ls = session.kept(LiveSession)
+            ls = session.kept(LiveSession) or session.kept(LiveModelSession)
             if ls is None:
                 raise ClientError(f"Session {sid} is not a Live session.", code="invalid_value", param="session_id")
         except (SessionError, ClientError) as exc:
@@ -455,9 +538,10 @@ def mount(m: Mount) -> None:
             return sock.ws
         ls.emit("info", code="session.resumed", message=f"session {sid} resumed; {session.queued_events} events replayed")
         ls.emit("info", code="session.resume_token", message=await sessions.issue_resume_token(session))
-        return await attach(sock, session, ls)
+        return await self.attach(sock, session, ls)
 
-    async def attach(sock: Socket, session: Session, ls: LiveSession) -> web.WebSocketResponse:
+    async def attach(self, sock: Socket, session: Session, ls: LiveBase) -> web.WebSocketResponse:
+        sessions = self.sessions
         gen = session.attachment
 
         async def on_message(data: str | bytes) -> bool:
@@ -487,7 +571,67 @@ def mount(m: Mount) -> None:
         await close_attachment(sock, session, why)
         return sock.ws
 
-    m.websocket(PATH, live, "OpenAI Live API (client.live.connect): full duplex turn-taking on the voice pipeline")
+
+_ROUTERS: dict[SessionManager, LiveRouter] = {}
+
+
+def router(sessions: SessionManager) -> LiveRouter:
+    r = _ROUTERS.get(sessions)
+    if r is None:
+        r = _ROUTERS[sessions] = LiveRouter(sessions)
+    return r
+
+
+def mount(m: Mount) -> None:
+    """The voice pipeline's turn-taking engine (its conversation, as on /v1/realtime)."""
+    sessions, pipeline, vad = m.sessions, m.pipeline, vad_of(m)
+
+    async def open_session(principal: str, lcfg: LiveConfig) -> tuple[Session, LiveBase]:
+        session = await sessions.open("realtime", pipeline.name, principal=principal)
+        session.params["wire"] = "live"
+        conv = Conversation(session, sessions, pipeline, ga=True, model=lcfg.model, vad=vad)
+        try:
+            conv.cfg = _conversation_config(conv, lcfg, pipeline)
+        except BaseException:
+            await sessions.end(session, "failed")
+            raise
+        ls = session.keep(LiveSession(session, conv, lcfg))
+        for it in lcfg.input:
+            role = "system" if it["role"] == "developer" else it["role"]
+            kind = "output_text" if role == "assistant" else "input_text"
+            conv.add_item(Item(new_id("item"), role, [{"type": kind, "text": it["content"][0]["text"]}]))
+
+        async def stop() -> None:
+            await conv.shutdown("session_ended")
+
+        session.add_finalizer(stop)
+        return session, ls
+
+    router(sessions).add(m, Engine(list(pipeline.models), pipeline.voices, open_session))
+
+
+def mount_duplex_model(m: Mount) -> None:
+    """A full-duplex speech model (Moshi): listening and speaking at once, every frame."""
+    from protocols.duplex.model import DuplexModel, open_conversation
+
+    sessions, pipeline = m.sessions, m.pipeline
+    m.processor(DuplexModel)  # the contract, checked at start-up
+    pool = m.entry_pool
+
+    async def open_session(principal: str, lcfg: LiveConfig) -> tuple[Session, LiveBase]:
+        if lcfg.delegation is not None:
+            raise ClientError(f"{lcfg.model} is a full-duplex speech model with no function calling: it cannot delegate; "
+                              "omit 'session.delegation'.", code="unsupported_value", param="session.delegation")
+        if lcfg.instructions or lcfg.input:
+            raise ClientError(f"{lcfg.model} takes no text: omit 'session.instructions' and 'session.input'.", code="unsupported_value",
+                              param="session.instructions" if lcfg.instructions else "session.input")
+        session, conv = await open_conversation(sessions, pipeline.name, pool, "duplex", principal, lcfg.model)
+        conv.set_formats(lcfg.format, lcfg.format)
+        conv.binary_out = False
+        ls = session.keep(LiveModelSession(session, lcfg, conv))
+        return session, ls
+
+    router(sessions).add(m, Engine(list(pipeline.models), None, open_session))
 
 
 def _conversation_config(conv: Conversation, lcfg: LiveConfig, pipeline: Any) -> Config:
@@ -508,7 +652,7 @@ def _conversation_config(conv: Conversation, lcfg: LiveConfig, pipeline: Any) ->
         cfg = apply_session_update(Config(model=pipeline.models[0]), body, pipeline.voices)
     except ClientError as exc:
         raise ClientError(exc.message, code=exc.code, param=f"session.{exc.param}" if exc.param else None) from None
-    return replace(cfg, voice=lcfg.voice, input_format=lcfg.format, output_format=lcfg.format)
+    return replace(cfg, voice=lcfg.voice or cfg.voice, input_format=lcfg.format, output_format=lcfg.format)
 
 
 __all__ = ["PATH", "LiveConfig", "LiveSession", "mount", "parse_start"]

@@ -39,6 +39,7 @@ WIRES: dict[str, str] = {
     # /v1/duplex?model= and on WebRTC calls
     "duplex_model": "protocols.duplex.model:mount",
     "webrtc_duplex_model": "protocols.webrtc.model:mount",
+    "live_duplex_model": "protocols.live:mount_duplex_model",
 }
 # names a deploy file may still use for a wire that was renamed
 WIRE_ALIASES: dict[str, str] = {"moshi_duplex": "duplex_model", "moshi_webrtc": "webrtc_duplex_model"}

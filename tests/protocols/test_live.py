@@ -6,6 +6,7 @@ members with every required field)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from typing import Any
 
@@ -242,3 +243,61 @@ async def test_a_resume_with_a_bad_token_is_refused(h):
         assert err["error"]["code"] == "invalid_resume_token", err
         await conn.session.input_audio.mute(event_id="still")
         assert (await until(conn, "session.input_audio.muted")).client_event_id == "still"  # the session goes on
+
+
+async def test_the_full_duplex_engine_speaks_while_it_listens():
+    """session.model moshi (both pipelines served, one route): the full-duplex model's
+    voice comes back while the user is still talking (the fake echoes each frame at half
+    amplitude), its text stream is the output transcript, mute makes it hear silence,
+    and what it cannot take (text context, delegation, a voice) is refused by name."""
+    import numpy as np
+
+    async with serve(["voice", "moshi"]) as h:
+        client = openai.AsyncOpenAI(api_key="sk-unused", base_url=str(h.client.make_url("/v1")), max_retries=0)
+        async with client.live.connect() as conn:
+            await conn.session.start(session={"model": "moshi", "delegation": {"type": "client"}}, event_id="s0")
+            err = await until(conn, "error")
+            assert err.error.param == "session.delegation" and err.client_event_id == "s0"
+            await conn.session.start(session={"model": "moshi", "audio": {"output": {"voice": "marin"}}})
+            assert (await until(conn, "error")).error.param == "session.audio.output.voice"
+            await start_moshi(conn)
+            got: list[np.ndarray] = []
+            seen: list = []
+
+            async def read() -> None:
+                while True:
+                    ev = await recv(conn, seen, timeout=10)
+                    if ev.type == "session.output_audio.delta":
+                        got.append(np.frombuffer(base64.b64decode(ev.delta), "<i2").astype(np.float32) / 32767)
+
+            reader = asyncio.create_task(read())
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            for i in range(60):  # 1.2 s in real time, 20 ms chunks
+                if i == 40:
+                    await conn.session.input_audio.mute()
+                await conn.session.input_audio.append(audio=b64((np.full(480, 0.2, np.float32) * 32767).astype("<i2").tobytes()))
+                await asyncio.sleep(max(0.0, t0 + (i + 1) * 0.02 - loop.time()))
+            await asyncio.sleep(0.3)
+            assert len(got) >= 8, len(got)  # its voice while the user still talked
+            heard = np.concatenate(got)
+            assert np.isclose(heard, 0.1, atol=2e-3).sum() > 4 * 1920  # the model answering what it heard
+            assert np.isclose(heard[-1920:], 0.0, atol=2e-3).all()  # muted: it hears (and echoes) silence
+            assert any(e.type == "session.output_transcript.delta" for e in seen)
+            assert any(e.type == "session.input_audio.muted" for e in seen)
+            await conn.session.instructions.append(content="be nice", delegation_id=None, event_id="i1")
+            await asyncio.sleep(0.2)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            errs = [e for e in seen if e.type == "error"]
+            assert errs and errs[-1].error.code == "unsupported_event" and errs[-1].client_event_id == "i1"
+            await conn.session.close()
+            assert (await until(conn, "session.closed")).reason == "close_requested"
+
+
+async def start_moshi(conn) -> Any:
+    await conn.session.start(session={"model": "moshi"})
+    started = await until(conn, "session.started")
+    assert started.session.model == "moshi" and started.session.audio.output.voice is None
+    await until(conn, "info")
+    return started
