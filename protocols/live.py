@@ -1,38 +1,47 @@
-"""`/v1/live/sessions`: OpenAI's Live API (the `openai` SDK's `client.live.connect()`) on
-the voice pipeline's turn-taking engine.
+"""`/v1/live/sessions`: OpenAI's Live API (the `openai` SDK's `client.live.connect()`).
 
 The socket opens with `session.start {session: {model, audio?, instructions?, input?,
 delegation?, ...}}` and the server answers `session.started` with the resolved
-`SessionResource` (the model is in the event, never the URL). The conversation is the
-Realtime one (`protocols.realtime.Conversation`): semantic_vad turn-taking with barge-in,
-history, truncation, function calling; this module speaks Live's events around it:
+`SessionResource` (the model is in the event, never the URL). `session.model` picks the
+engine among the pipelines that mount one (`LiveRouter`, one route):
 
-- in: `session.input_audio.append {audio}` (the startup format: PCM16 at 16 or 24 kHz,
-  or G.711 μ-law / A-law at 8 kHz), `.mute` / `.unmute` (muted, the model hears
-  silence), `session.instructions.append` (developer context from then on),
-  `session.thinking.append` (silent context), `session.commentary.append` (context the
-  model communicates: it speaks next), `session.update {session: {delegation}}`,
-  `session.close`;
-- out: `session.output_audio.delta`, `session.output_transcript.delta`,
-  `session.input_transcript.delta` (streamed while the user speaks where the profile
-  has a streaming ASR stage), the acks (`session.input_audio.muted` / `unmuted`,
-  `session.instructions.appended`, `…thinking.appended`, `…commentary.appended`,
-  `session.updated`), `session.usage.updated` after each answer, `session.closed
-  {reason, session, usage}`, and `error {error: {…, client_event_id}}`.
+- the voice pipeline's turn-taking engine (`mount`; `gpt-live-1`, `gpt-live-1.1` and the
+  pipeline's other names): the Realtime conversation (`protocols.realtime.Conversation`)
+  with semantic_vad turn-taking and barge-in, history, truncation, function calling;
+- a full-duplex speech model (`mount_duplex_model`; `moshi`): listening and speaking at
+  once every 80 ms frame, its text stream as the output transcript; it hears no text.
 
-Delegation to the client (`delegation: {type: "client"}`): the talking model gets a
-`delegate(task)` function of its own; when it calls it the server sends
-`session.delegation.created {delegation: {id, target: "client"}}` and an `info`
-(`code: "delegation.task"`) carrying the task's text, and the app answers with
-`session.commentary.append` (the result, spoken next), `session.thinking.append` or
-`session.instructions.append` (silent) naming `delegation_id`. What this server does
-not run (Decisions, Responses delegation, audio fixtures, triggers, stored sessions,
+In: `session.input_audio.append {audio}` (the startup format: PCM16 at 16 or 24 kHz, or
+G.711 μ-law / A-law at 8 kHz), `.mute` / `.unmute` (muted, the model hears silence),
+`session.instructions.append` (developer context from then on), `session.thinking.append`
+(silent context), `session.commentary.append` (context the model communicates: it
+speaks next), `session.update {session: {delegation}}`, `response.item.create` /
+`response.create` (Responses delegation), `session.close`. Out:
+`session.output_audio.delta`, `session.output_transcript.delta`,
+`session.input_transcript.delta` (streamed while the user speaks where the profile has a
+streaming ASR stage), the acks (`session.input_audio.muted` / `unmuted`,
+`session.instructions.appended`, `…thinking.appended`, `…commentary.appended`,
+`session.updated`), `session.usage.updated`, `session.delegation.created`,
+`response.event`, `session.closed {reason, session, usage}`, `info`, and
+`error {error: {…, client_event_id}}`.
+
+Delegation: the talking model gets a `delegate(task)` function of its own; when it calls
+it the server sends `session.delegation.created` and an `info` (`code:
+"delegation.task"`) carrying the task's text. With `{type: "client"}` the app answers
+with `session.commentary.append` (the result, spoken next), `session.thinking.append` or
+`session.instructions.append` (silent) naming `delegation_id`; with `{type:
+"responses"}` this server runs the task on its own chat LM (`protocols.live_responses`).
+What this server does not run (Decisions, audio fixtures, triggers, stored sessions,
 WebRTC client capabilities) is refused with an `error` naming the field or event, and
 the session goes on.
 
-Timeline fields (`start_ms` / `end_ms`, `offset_ms`) are milliseconds since the
-session started. A session lasts at most `MAX_SESSION_S` (`expires_at`), then closes
-with reason `expired`.
+A dropped socket detaches the session (resumable for `sessions.disconnect_grace_s`):
+the SDK's reconnect, given `?session_id=&resume_token=` by its `on_reconnecting`
+handler (the token is an `info` event, `code: "session.resume_token"`, after
+`session.started` and after each resume), re-attaches it and the events produced while
+away are replayed. Timeline fields (`start_ms` / `end_ms`, `offset_ms`) are
+milliseconds since the session started. A session lasts at most `MAX_SESSION_S`
+(`expires_at`), then closes with reason `expired`.
 """
 
 from __future__ import annotations
@@ -101,7 +110,8 @@ class LiveConfig:
 
     def resource(self, session: Session, started: float) -> dict[str, Any]:
         return {"id": session.id, "expires_at": int(started + MAX_SESSION_S), "model": self.model, "status": "active",
-                "audio": {"format": self.format.ga(), "output": {"voice": self.voice}}, "delegation": self.delegation,
+                "audio": {"format": self.format.ga(), "output": {"voice": self.voice}},
+                "delegation": {k: v for k, v in self.delegation.items() if not k.startswith("_")} if self.delegation else None,
                 "input": self.input, "instructions": self.instructions, "safety_identifier": self.safety_identifier, "store": False,
                 "triggers": []}
 
@@ -120,19 +130,29 @@ def _delegation(raw: Any, param: str) -> dict[str, Any] | None:
     if not isinstance(raw, Mapping):
         raise ClientError(f"'{param}' must be an object or null.", code="invalid_type", param=param)
     kind = raw.get("type")
-    if kind in ("responses", "decisions"):
-        raise ClientError(f"{kind.capitalize()} delegation is not served here; use {{type: 'client'}} (the app handles delegated tasks) "
-                          "or null.", code="unsupported_value", param=f"{param}.type")
-    if kind != "client":
+    if kind == "decisions":
+        raise ClientError("Decisions delegation is not served here; use {type: 'client'} (the app handles delegated tasks), "
+                          "{type: 'responses'} (this server's chat LM) or null.", code="unsupported_value", param=f"{param}.type")
+    if kind not in ("client", "responses"):
         raise ClientError(f"'{param}.type' must be 'client', 'responses' or 'decisions'.", code="invalid_value", param=f"{param}.type")
     delay = raw.get("acknowledgement_delay_ms", 0)
     if not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= 60_000:
         raise ClientError(f"'{param}.acknowledgement_delay_ms' must be an integer from 0 to 60000.", code="invalid_value",
                           param=f"{param}.acknowledgement_delay_ms")
-    extra = set(raw) - {"type", "acknowledgement_delay_ms"}
+    extra = set(raw) - {"type", "acknowledgement_delay_ms", "responses"}
     if extra:
         raise ClientError(f"Unknown parameter '{param}.{sorted(extra)[0]}'.", code="unknown_parameter", param=f"{param}.{sorted(extra)[0]}")
-    return {"type": "client", "acknowledgement_delay_ms": delay}
+    if kind == "client":
+        if "responses" in raw:
+            raise ClientError(f"'{param}.responses' goes with type 'responses'.", code="invalid_value", param=f"{param}.responses")
+        return {"type": "client", "acknowledgement_delay_ms": delay}
+    from protocols.live_responses import parse_config
+
+    cfg = parse_config(raw.get("responses"), f"{param}.responses")
+    echo = {k: cfg[k] for k in ("model", "instructions", "tools", "max_output_tokens", "parallel_tool_calls")}
+    if isinstance(raw["responses"].get("tool_choice"), (str, Mapping)):
+        echo["tool_choice"] = raw["responses"]["tool_choice"]
+    return {"type": "responses", "acknowledgement_delay_ms": delay, "responses": echo, "_config": cfg}
 
 
 def _input_items(raw: Any) -> list[dict[str, Any]]:
@@ -288,15 +308,18 @@ class LiveBase:
                 raise ClientError("Decisions triggers are not served here.", code="unsupported_value", param="session.triggers")
             if "delegation" in body:
                 new = _delegation(body["delegation"], "session.delegation")
-                if (new is None) != (self.cfg.delegation is None):
+                if (new or {}).get("type") != (self.cfg.delegation or {}).get("type"):
                     raise ClientError("The delegation type cannot change after startup.", code="immutable_parameter", param="session.delegation.type")
                 self.cfg.delegation = new
+                self.delegation_updated()
             self.emit("session.updated", cid, session=self.resource())
         elif t == "session.close":
             self.emit("session.closed", cid, reason="close_requested", session=self.resource(), usage=self.usage())
             return False
         elif t == "session.start":
             raise ClientError("The session has started already.", code="session_already_started", param="type")
+        elif t in ("response.item.create", "response.create") and (self.cfg.delegation or {}).get("type") == "responses":
+            await self.backend_event(t, msg, cid)
         elif isinstance(t, str) and t in UNSUPPORTED_EVENTS:
             raise ClientError(f"'{t}' needs {UNSUPPORTED_EVENTS[t]}, which this server does not run.", code="unsupported_event", param="type")
         else:
@@ -309,6 +332,12 @@ class LiveBase:
     async def context(self, kind: str, msg: Mapping[str, Any], cid: str | None) -> None:
         raise NotImplementedError
 
+    def delegation_updated(self) -> None:
+        """The delegation's settings changed (session.update)."""
+
+    async def backend_event(self, t: str, msg: Mapping[str, Any], cid: str | None) -> None:
+        raise ClientError(f"'{t}' needs Responses delegation.", code="unsupported_event", param="type")
+
 
 class LiveSession(LiveBase):
     """The turn-taking engine: the voice pipeline's Realtime conversation."""
@@ -318,6 +347,28 @@ class LiveSession(LiveBase):
         self.conv = conv
         self.delegations: dict[str, str] = {}  # delegation id (the call's id) -> the call item's id
         self.streamed: set[str] = set()  # input items whose transcript went out as deltas
+        self.backend: Any = None  # protocols.live_responses.ResponsesBackend, with Responses delegation
+
+    def delegation_updated(self) -> None:
+        if self.backend is not None and self.cfg.delegation is not None:
+            self.backend.config = self.cfg.delegation["_config"]
+
+    async def backend_event(self, t: str, msg: Mapping[str, Any], cid: str | None) -> None:
+        if t == "response.item.create":
+            self.backend.item_create(msg.get("item"), cid)
+        else:
+            self.backend.create()
+
+    async def delegated_outcome(self, did: str, text: str) -> None:
+        """A Responses delegation's outcome: the talking model's `delegate` call gets it,
+        and it speaks once it is not already speaking."""
+        conv = self.conv
+        conv.add_item(Item(new_id("item"), "", [], type="function_call_output", call_id=did, output=text))
+        for _ in range(600):  # at most 30 s behind the answer that is under way
+            if conv.responses.active is None:
+                await conv.responses.create(None)
+                return
+            await asyncio.sleep(0.05)
 
     def translate(self, ev: SessionEvent) -> str | None:
         t, d = ev.type, ev.data
@@ -351,8 +402,10 @@ class LiveSession(LiveBase):
             task = str(item.get("arguments") or "")
         # the task's text (delegation.created carries metadata only) follows as an info event
         self.emit("info", code="delegation.task", message=task)
-        return self._json("session.delegation.created", {"delegation": {"id": did, "target": "client", "type": "delegation"},
-                                                         "offset_ms": self.now_ms()})
+        delegation: dict[str, Any] = {"id": did, "target": "client", "type": "delegation"}
+        if self.backend is not None:
+            delegation.update(target="responses", response_id=self.backend.start(did, task))
+        return self._json("session.delegation.created", {"delegation": delegation, "offset_ms": self.now_ms()})
 
     async def audio(self, raw: bytes) -> None:
         await self.conv.input.append_bytes(raw)
@@ -365,6 +418,9 @@ class LiveSession(LiveBase):
         conv = self.conv
         start = self.now_ms()
         if did is not None:
+            if self.backend is not None:
+                raise ClientError("Delegation ids are not taken with Responses delegation (this server's chat LM answers the task).",
+                                  code="invalid_value", param="delegation_id")
             if not isinstance(did, str) or did not in self.delegations:
                 raise ClientError(f"No delegation {str(did)[:64]!r} in this session.", code="delegation_not_found", param="delegation_id")
             conv.add_item(Item(new_id("item"), "", [], type="function_call_output", call_id=did, output=content))
@@ -596,12 +652,18 @@ def mount(m: Mount) -> None:
             await sessions.end(session, "failed")
             raise
         ls = session.keep(LiveSession(session, conv, lcfg))
+        if lcfg.delegation is not None and lcfg.delegation["type"] == "responses":
+            from protocols.live_responses import ResponsesBackend
+
+            ls.backend = ResponsesBackend(ls, sessions, pipeline, principal, lcfg.delegation["_config"])
         for it in lcfg.input:
             role = "system" if it["role"] == "developer" else it["role"]
             kind = "output_text" if role == "assistant" else "input_text"
             conv.add_item(Item(new_id("item"), role, [{"type": kind, "text": it["content"][0]["text"]}]))
 
         async def stop() -> None:
+            if ls.backend is not None:
+                await ls.backend.close()
             await conv.shutdown("session_ended")
 
         session.add_finalizer(stop)

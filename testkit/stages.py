@@ -145,10 +145,12 @@ def forced_call(params: Mapping[str, Any]) -> tuple[str, str] | None:
 
     tools, choice = params.get("tools") or [], params.get("tool_choice", "auto")
     if tools and choice == "auto":
-        # under auto the fake calls the first tool when the prompt's latest message asks
-        # it to ("<call>"): a test's stand-in for a model deciding to call
-        last = (params.get("messages") or [{}])[-1]
-        if "<call>" in str(last.get("content", "")) and last.get("role") in ("user", "system"):
+        # under auto the fake calls the first tool when a user or system message asks it
+        # to ("<call>") and no tool result has come since: a test's stand-in for a model
+        # deciding to call
+        messages = list(params.get("messages") or [])
+        asks = [i for i, m in enumerate(messages) if m.get("role") in ("user", "system") and "<call>" in str(m.get("content", ""))]
+        if asks and not any(m.get("role") == "tool" for m in messages[asks[-1] + 1 :]):
             choice = {"type": "function", "function": {"name": tools[0]["function"]["name"]}}
     if not tools or choice in ("auto", "none"):
         return None

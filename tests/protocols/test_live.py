@@ -147,7 +147,7 @@ async def test_a_client_delegation_round_trip(h):
 
 @pytest.mark.parametrize(("event", "code", "param"), [
     ({"type": "decision.create"}, "unsupported_event", "type"),
-    ({"type": "response.create"}, "unsupported_event", "type"),
+    ({"type": "response.create"}, "unsupported_event", "type"),  # (this session delegates to the client)
     ({"type": "session.nope"}, "invalid_value", "type"),
     ({"type": "session.update", "session": {"model": "gpt-live-1.1"}}, "immutable_parameter", "session.model"),
     ({"type": "session.update", "session": {"delegation": {"type": "client"}}}, "immutable_parameter", "session.delegation.type"),
@@ -171,7 +171,9 @@ async def test_bad_events_get_an_error_naming_them_and_the_session_goes_on(h, ev
     ({"model": "gpt-nope"}, "session.model"),
     ({"model": "gpt-live-1", "store": True}, "session.store"),
     ({"model": "gpt-live-1", "delegation": {"type": "decisions", "decisions": {}}}, "session.delegation.type"),
-    ({"model": "gpt-live-1", "delegation": {"type": "responses", "responses": {"model": "gpt-5"}}}, "session.delegation.type"),
+    ({"model": "gpt-live-1", "delegation": {"type": "responses", "responses": {"model": "gpt-5", "tools": [{"type": "web_search"}]}}},
+     "session.delegation.responses.tools[0].type"),
+    ({"model": "gpt-live-1", "delegation": {"type": "responses", "responses": {}}}, "session.delegation.responses.model"),
     ({"model": "gpt-live-1", "audio": {"format": {"type": "audio/pcm", "rate": 44100}}}, "session.audio.format"),
     ({"model": "gpt-live-1", "audio": {"output": {"voice": "nobody"}}}, "session.audio.output.voice"),
     ({"model": "gpt-live-1", "input": [{"role": "tool", "content": []}]}, "session.input[0].role"),
@@ -301,3 +303,47 @@ async def start_moshi(conn) -> Any:
     assert started.session.model == "moshi" and started.session.audio.output.voice is None
     await until(conn, "info")
     return started
+
+
+async def test_a_responses_delegation_runs_on_the_servers_chat_lm_with_a_function_tool(h):
+    """delegation {type: responses}: the talking model delegates; the task runs on this
+    server's chat LM with the session's function tool, streamed as nested Responses
+    events; the app runs the function (response.item.create + response.create), the run
+    ends in text, and the talking model speaks the outcome."""
+    tool = {"type": "function", "name": "book_table", "description": "Book a table.",
+            "parameters": {"type": "object", "properties": {"people": {"type": "integer"}}, "required": ["people"]}}
+    async with live(h) as conn:
+        started = await start(conn, delegation={"type": "responses", "responses": {
+            "model": "omni-rt-voice", "instructions": "You book tables. <call>", "tools": [tool], "max_output_tokens": 8}})
+        assert started.session.delegation.type == "responses" and started.session.delegation.responses.tools[0].name == "book_table"
+        await conn.session.commentary.append(content="The user wants a table for two <call>", delegation_id=None)
+        seen: list = []
+        created = await until(conn, "session.delegation.created", seen, timeout=10)
+        assert created.delegation.target == "responses" and created.delegation.response_id
+        nested: list[dict] = []
+        while not nested or nested[-1]["type"] != "response.completed":
+            ev = await until(conn, "response.event", seen, timeout=10)
+            assert ev.delegation_id == created.delegation.id
+            nested.append(ev.event)
+        kinds = [e["type"] for e in nested]
+        assert kinds[0] == "response.created" and "response.function_call_arguments.delta" in kinds, kinds
+        call = next(e["item"] for e in nested if e["type"] == "response.output_item.done")
+        assert call["type"] == "function_call" and call["name"] == "book_table" and json.loads(call["arguments"])["people"] >= 1
+        assert [e["sequence_number"] for e in nested] == list(range(1, len(nested) + 1))
+        await conn.response.create(event_id="early")  # no output yet: refused
+        assert (await until(conn, "error")).error.code == "missing_tool_output"
+        await conn.send({"type": "response.item.create", "item": {"type": "function_call_output", "call_id": call["call_id"],
+                                                                 "output": "Booked for 8 pm."}})
+        await conn.response.create()
+        after: list = []
+        nested = []
+        while not nested or nested[-1]["type"] not in ("response.completed", "response.incomplete"):  # (the fake runs to its limit)
+            nested.append((await until(conn, "response.event", after, timeout=10)).event)
+        text = next(e["text"] for e in nested if e["type"] == "response.output_text.done")
+        assert text.strip()
+        await until(conn, "session.usage.updated", after, timeout=10)  # the talking model spoke the outcome
+        assert any(e.type == "session.output_audio.delta" for e in after)
+    prompts = h.processor("thinker").seen
+    assert any(m.get("role") == "tool" and m.get("content") == "Booked for 8 pm." for p in prompts for m in p["messages"])
+    spoken = prompts[-1]["messages"]
+    assert any(m.get("role") == "tool" and m.get("content") == text.strip() for m in spoken), spoken
