@@ -68,3 +68,27 @@ async def test_the_sdks_live_client_holds_a_spoken_session(server):
     assert len(pcm) > 2 * 16000 * 0.2, len(pcm)  # at least 0.2 s of 16 kHz PCM16
     assert np.abs(np.frombuffer(pcm, "<i2")).max() > 0
     assert ev.reason == "close_requested"
+
+
+async def test_the_readme_example_speakable_context_is_said(server):
+    """README's Live example: commentary appended after session.start is spoken next."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", websocket_base_url=f"ws://127.0.0.1:{server.port}/v1", api_key=ADMIN_KEY)
+    said, audio = [], 0
+    async with client.live.connect() as conn:
+        await conn.session.start(session={"model": "gpt-live-1", "instructions": "Be brief."})
+        await conn.session.commentary.append(content="Greet the caller.", delegation_id=None)
+        async with asyncio.timeout(60):
+            async for ev in conn:
+                EVENTS.validate_python(ev.model_dump(exclude_unset=True))
+                if ev.type == "error":
+                    raise AssertionError(ev.error)
+                if ev.type == "session.output_transcript.delta":
+                    said.append(ev.delta)
+                if ev.type == "session.output_audio.delta":
+                    audio += len(base64.b64decode(ev.delta))
+                if ev.type == "session.usage.updated":
+                    break
+        await conn.session.close()
+    assert "".join(said).strip() and audio > 0
