@@ -277,6 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads (default 1, as the server)")
     tu.add_argument("--json", help="write results here (JSON)")
 
+    lv = sub.add_parser(
+        "live",
+        help="the Live API beside /v1/realtime and /v1/duplex: end of speech -> first audio (turn-taking), reaction while speaking (full duplex)",
+        description="S Live sessions at once on each engine, and as many on the wire that engine also serves, in one run.",
+    )
+    lv.add_argument("--sessions", "-s", default="1,4,8", help="comma-separated concurrent session levels (default 1,4,8)")
+    lv.add_argument("--wav", help="utterance to speak (16-bit 24 kHz WAV); default: espeak-ng speech")
+    lv.add_argument("--max-output-tokens", type=int, default=24, help="thinker tokens per answer on /v1/realtime (default 24)")
+    lv.add_argument("--seconds", type=float, default=6.0, help="seconds each full-duplex session talks (default 6)")
+    lv.add_argument("--timeout", type=float, default=60.0, help="seconds a turn may take (default 60)")
+    _server_target(lv, "http://host:port", 8700)
+
     return ap
 
 
@@ -284,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"capacity": "capacity", "tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
             "fuzz": "fuzz", "transcriptions": "transcriptions", "migrate": "migrate",
-            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps", "telephony": "telephony", "turns": "turns"}
+            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps", "telephony": "telephony", "turns": "turns", "live": "live"}
 
 
 def main(argv: list[str] | None = None) -> int:
