@@ -110,7 +110,7 @@ class LiveConfig:
 
     def resource(self, session: Session, started: float) -> dict[str, Any]:
         return {"id": session.id, "expires_at": int(started + MAX_SESSION_S), "model": self.model, "status": "active",
-                "audio": {"format": self.format.ga(), "output": {"voice": self.voice}},
+                "audio": {"format": {**self.format.ga(), "rate": self.format.rate}, "output": {"voice": self.voice}},  # Live names G.711's rate too
                 "delegation": {k: v for k, v in self.delegation.items() if not k.startswith("_")} if self.delegation else None,
                 "input": self.input, "instructions": self.instructions, "safety_identifier": self.safety_identifier, "store": False,
                 "triggers": []}

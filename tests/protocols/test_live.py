@@ -347,3 +347,20 @@ async def test_a_responses_delegation_runs_on_the_servers_chat_lm_with_a_functio
     assert any(m.get("role") == "tool" and m.get("content") == "Booked for 8 pm." for p in prompts for m in p["messages"])
     spoken = prompts[-1]["messages"]
     assert any(m.get("role") == "tool" and m.get("content") == text.strip() for m in spoken), spoken
+
+
+async def test_a_g711_session_speaks_mu_law_both_ways(h):
+    """audio/pcmu at 8 kHz (a phone leg): μ-law in, μ-law out (one byte a sample)."""
+    from media.wire_audio import PCMU, OutputEncoder
+
+    enc = OutputEncoder(PCMU, 24000)
+    ulaw = enc.encode("u", quiet(0.2) + tone(0.6) + quiet(1.2)) + enc.finish("u")
+    async with live(h) as conn:
+        started = await start(conn, audio={"format": {"type": "audio/pcmu"}})
+        assert started.session.audio.format.type == "audio/pcmu" and started.session.audio.format.rate == 8000
+        for i in range(0, len(ulaw), 800):
+            await conn.session.input_audio.append(audio=b64(ulaw[i : i + 800]))
+        seen: list = []
+        await until(conn, "session.usage.updated", seen, timeout=10)
+    out = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "session.output_audio.delta")
+    assert out and len(set(out)) > 2  # μ-law bytes, not PCM16 at 24 kHz
