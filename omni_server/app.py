@@ -311,12 +311,40 @@ def create_app(
         # draining: 503, so a load balancer sends new clients elsewhere
         return json_response(body, status=200 if not down and not sessions.draining else 503)
 
+    def stuck_stages() -> list[str]:
+        """Stages down for good in this process: no live replica, and none placed where
+        something restarts it (a Ray actor is restarted by Ray; an in-process engine that
+        died only comes back with the process)."""
+        return [name for name in runtime.unhealthy_stages() if not runtime.pools[name].spec.placement.remote]
+
+    async def livez(request: web.Request) -> web.Response:
+        """Liveness: 200 while this process can serve its open sessions — draining
+        included (a drain is the server moving its sessions; killing it then would cut
+        them). 503 only when a stage is down for good here (a restart is the cure)."""
+        stuck = stuck_stages()
+        body: dict[str, Any] = {"status": "draining" if sessions.draining else "live" if not stuck else "dead"}
+        if stuck:
+            body["dead_stages"] = stuck
+        return json_response(body, status=503 if stuck else 200)
+
+    async def readyz(request: web.Request) -> web.Response:
+        """Readiness: 200 while new sessions are welcome; 503 while draining (until the
+        process exits) or while a stage has no live replica."""
+        down = runtime.unhealthy_stages()
+        status = "draining" if sessions.draining else "unhealthy" if down else "ready"
+        body: dict[str, Any] = {"status": status}
+        if down:
+            body["unhealthy_stages"] = down
+        return json_response(body, status=200 if status == "ready" else 503)
+
     async def metrics_endpoint(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"content-type": CONTENT_TYPE_LATEST})
 
     routes = Routes()
-    routes.add("GET", "/health", health, "server")
-    routes.add("GET", "/healthz", health, "server")
+    routes.add("GET", "/health", health, "server")  # readiness, with the whole state
+    routes.add("GET", "/healthz", livez, "server")  # liveness (the conventional name)
+    routes.add("GET", "/livez", livez, "server")
+    routes.add("GET", "/readyz", readyz, "server")
     routes.add("GET", "/metrics", metrics_endpoint, "server")
     models_api.add_routes(routes, [(m, name) for name, spec in specs.items() for m in spec.models])
     sessions_api.add_routes(routes, sessions, overlay.server.drain_timeout_s)

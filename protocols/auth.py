@@ -32,7 +32,7 @@ ANONYMOUS = "anonymous"
 # /v1/telephony/twilio and /telnyx: the carriers send no headers of ours (Twilio strips
 # query strings too); the call authenticates in its stream's start message
 # (protocols.telephony.twilio)
-OPEN_PATHS = frozenset({"/health", "/healthz", "/v1/telephony/twilio", "/v1/telephony/telnyx"})
+OPEN_PATHS = frozenset({"/health", "/healthz", "/livez", "/readyz", "/v1/telephony/twilio", "/v1/telephony/telnyx"})
 # Pages anyone may load with a plain GET (they hold no data; what they call needs a key).
 OPEN_PAGES = frozenset({"/", "/demo", "/demo/world", "/demo/video", "/dashboard"})
 OPEN_PREFIX = "/static/"

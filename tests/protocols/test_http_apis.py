@@ -348,4 +348,28 @@ async def test_a_dead_engine_is_a_503_with_retry_after_and_health_says_so(h):
     assert (await r.json())["error"]["code"] == "engine_unavailable"
     health = await h.client.get("/health")
     assert health.status == 503 and (await health.json())["unhealthy_stages"] == ["talker"]
+    # the engine died in this process: not ready, and not live (only a restart brings it back)
+    ready, live = await h.client.get("/readyz"), await h.client.get("/livez")
+    assert ready.status == 503 and (await ready.json())["unhealthy_stages"] == ["talker"]
+    assert live.status == 503 and (await live.json())["dead_stages"] == ["talker"]
     assert await idle(h)  # the refused call's one-shot session gave its slot back
+
+
+async def test_probes_a_draining_node_stays_live_and_is_not_ready(h):
+    """Kubernetes' probes: /livez and /healthz (liveness) and /readyz and /health
+    (readiness) need no key; while the node drains it is live (its sessions are moving:
+    a liveness failure would kill them mid-move) and not ready (no new sessions)."""
+    for path, body in (("/livez", {"status": "live"}), ("/healthz", {"status": "live"}), ("/readyz", {"status": "ready"})):
+        r = await h.client.get(path)
+        assert r.status == 200 and await r.json() == body, path
+    r = await h.client.post("/admin/drain", json={"timeout_s": 1}, headers=auth())
+    assert r.status in (200, 202), await r.text()
+    for _ in range(50):
+        if h.sessions.draining:
+            break
+        await asyncio.sleep(0.02)
+    assert (await h.client.get("/livez")).status == 200 and (await (await h.client.get("/livez")).json())["status"] == "draining"
+    assert (await h.client.get("/healthz")).status == 200
+    ready = await h.client.get("/readyz")
+    assert ready.status == 503 and (await ready.json())["status"] == "draining"
+    assert (await h.client.get("/health")).status == 503
