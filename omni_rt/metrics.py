@@ -164,6 +164,57 @@ class _StageCollector:
 STAGES = _StageCollector()
 REGISTRY.register(STAGES)
 
+
+class _SignalsCollector:
+    """What an autoscaler and a router read (the shape of vLLM's
+    `num_requests_waiting` / `num_requests_running`), per pipeline and per session kind,
+    computed at scrape time from every live server in the process:
+
+    - `omni_rt_requests_running{pipeline}`: requests the orchestrator is running;
+    - `omni_rt_requests_waiting{pipeline}`: work items queued in the engines of the
+      pipeline's stages (engines that report a queue; a stage two pipelines share counts
+      in both);
+    - `omni_rt_admission_headroom_sessions{kind}`: how many more sessions of a
+      load-weighed kind admission would take now, one after the other, bounded by the
+      session caps (total and per kind) on this node.
+    """
+
+    def __init__(self) -> None:
+        self.servers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # runtime -> session manager
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        running = GaugeMetricFamily("omni_rt_requests_running", "Requests the orchestrator is running, per pipeline", labels=["pipeline"])
+        waiting = GaugeMetricFamily("omni_rt_requests_waiting", "Work items queued in the engines of a pipeline's stages", labels=["pipeline"])
+        headroom = GaugeMetricFamily("omni_rt_admission_headroom_sessions",
+                                     "More real-time sessions admission would take now (load-aware check and caps)", labels=["kind"])
+        for rt, sessions in list(self.servers.items()):
+            orch = rt.orchestrator
+            if orch is None:
+                continue
+            counts = orch.running_by_pipeline()
+            for name, profile in orch.pipelines.items():
+                running.add_metric([name], counts.get(name, 0))
+                depth = 0
+                for stage in {s.name for s in profile.stages}:
+                    pool = rt.pools.get(stage)
+                    for r in pool.replicas if pool is not None else ():
+                        d = r.engine.queue_depth() if r.engine is not None else None
+                        depth += d or 0
+                waiting.add_metric([name], depth)
+            if sessions is not None:
+                for kind, room in sessions.headroom().items():
+                    headroom.add_metric([kind], room)
+        yield running
+        yield waiting
+        yield headroom
+
+    def describe(self) -> list[Any]:
+        return []
+
+
+SIGNALS = _SignalsCollector()
+REGISTRY.register(SIGNALS)
+
 WEBRTC_FRAME_GAP_SECONDS = Histogram(
     "omni_rt_webrtc_frame_gap_seconds",
     "Time between consecutive outbound 20 ms audio frames of a WebRTC call (pacing)",

@@ -412,6 +412,13 @@ class Orchestrator:
     def running(self) -> list[str]:
         return [rid for rid, s in self._requests.items() if s.status is RequestStatus.RUNNING]
 
+    def running_by_pipeline(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self._requests.values():
+            if s.status is RequestStatus.RUNNING:
+                out[s.pipeline] = out.get(s.pipeline, 0) + 1
+        return out
+
     def engine_load(self) -> dict[str, int]:
         return {name: pool.load() for name, pool in self.pools.items()}
 

@@ -269,6 +269,7 @@ def create_app(
         try:
             await runtime.start()
             metrics.STAGES.runtimes.add(runtime)
+            metrics.SIGNALS.servers[runtime] = sessions
             await start_thread_pool()
             # what a real-time session costs, measured before the first caller (sessions.calibration)
             await calibrate(sessions, specs)
@@ -283,6 +284,7 @@ def create_app(
             await sessions.stop()
             await runtime.stop()
             metrics.STAGES.runtimes.discard(runtime)
+            metrics.SIGNALS.servers.pop(runtime, None)
 
     client_secrets = ClientSecrets()
     srv = overlay.server

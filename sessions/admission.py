@@ -199,6 +199,29 @@ class RealtimeAdmission:
         """Admit one more `kind` session of `pipeline` next to `sessions` established
         real-time ones and `new` ones that have not shown their load yet, or raise
         CapacityLimit. Reads the latest samples only: nothing here touches /proc."""
+        a = self.assess(sessions, new, pipeline)
+        admit, why, own, outside, load, throttled = a["admit"], a["why"], a["own"], a["outside"], a["load"], a["throttled"]
+        self.refusing = not admit
+        self.last = a["record"]
+        self._export(own, outside, load, throttled, [] if admit else why)
+        if not admit:
+            raise CapacityLimit(
+                kind, sessions + new, a["predicted"], self.spec.target_rtf, self.spec.retry_after_s,
+                cpu=a["predicted_cpu"],
+                max_cpu=self.spec.max_cpu_utilisation, outside=outside, throttled=throttled, hole=a["hole"], why=why,
+            )
+
+    def headroom(self, sessions: int, new: int = 0, pipeline: str | None = None, limit: int = 256) -> int:
+        """How many more real-time sessions of `pipeline` the check would admit now, one
+        after the other (each counted as new), up to `limit`: what an autoscaler reads.
+        Decides nothing and records nothing."""
+        k = 0
+        while k < limit and self.assess(sessions, new + k, pipeline)["admit"]:
+            k += 1
+        return k
+
+    def assess(self, sessions: int, new: int = 0, pipeline: str | None = None) -> dict[str, Any]:
+        """The check's figures and decision for one more session, without acting on it."""
         spec = self.spec
         cost = self.cost(pipeline)
         rtf = self.meters.generation.worst()
@@ -237,8 +260,7 @@ class RealtimeAdmission:
         # admitted although the prediction refuses it (one of the first min_sessions): the
         # decision says so, and that this session may not keep real time
         past_target = admit and bool(why)
-        self.refusing = not admit
-        self.last = {
+        record = {
             "sessions": sessions,
             "new_sessions": new,
             "pipeline": pipeline,
@@ -262,13 +284,8 @@ class RealtimeAdmission:
             "why": [] if admit else why,
             "admitted_past_target": why if past_target else [],
         }
-        self._export(own, outside, load, throttled, [] if admit else why)
-        if not admit:
-            raise CapacityLimit(
-                kind, sessions + new, predicted, spec.target_rtf, spec.retry_after_s,
-                cpu=predicted_cpu,
-                max_cpu=spec.max_cpu_utilisation, outside=outside, throttled=throttled, hole=hole, why=why,
-            )
+        return {"admit": admit, "why": why, "own": own, "outside": outside, "load": load, "throttled": throttled,
+                "predicted": predicted, "predicted_cpu": predicted_cpu, "hole": hole, "record": record}
 
     @staticmethod
     def _export(own: float | None, outside: float, load: MachineLoad | None, throttled: float | None, why: list[str]) -> None:

@@ -241,6 +241,25 @@ class SessionManager:
         load); it is weighed again when it resumes."""
         return sum(self._realtime_split())
 
+    def headroom(self) -> dict[str, int]:
+        """Per load-weighed kind: how many more sessions would be admitted now (the
+        load-aware check, one after the other, within the caps on this node)."""
+        spec = self.spec
+        open_by_kind: dict[str, int] = {}
+        for s in self._sessions.values():
+            open_by_kind[s.kind] = open_by_kind.get(s.kind, 0) + 1
+        total_room = max(0, spec.max_total - len(self._sessions))
+        est, new = self._realtime_split()
+        load_room = self.admission.headroom(est, new, limit=total_room) if self.admission.spec.enabled else total_room
+        out = {}
+        for kind in sorted(self.admission.kinds):
+            room = min(load_room, total_room)
+            cap = spec.max_per_kind.get(kind)
+            if cap is not None:
+                room = min(room, max(0, cap - open_by_kind.get(kind, 0)))
+            out[kind] = room
+        return out
+
     def _realtime_split(self) -> tuple[int, int]:
         """(established, new) open real-time sessions: new ones opened less than
         `realtime_admission.new_session_s` ago and have not shown their load yet."""

@@ -373,3 +373,31 @@ async def test_probes_a_draining_node_stays_live_and_is_not_ready(h):
     ready = await h.client.get("/readyz")
     assert ready.status == 503 and (await ready.json())["status"] == "draining"
     assert (await h.client.get("/health")).status == 503
+
+
+def _gauges(text: str) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+async def test_autoscaler_signals_requests_running_waiting_and_admission_headroom():
+    """The gauges an autoscaler or a router reads: requests running and waiting per
+    pipeline, sessions by kind, and the admission headroom by kind (within the caps)."""
+    from testkit.wire import connect
+
+    async with serve(["voice", "tts"], {"sessions": {"max_per_kind": {"realtime": 3}}}) as h:
+        g = _gauges(await (await h.client.get("/metrics")).text())
+        assert g[("omni_rt_requests_running", (("pipeline", "voice"),))] == 0
+        assert ("omni_rt_requests_waiting", (("pipeline", "tts"),)) in g
+        assert g[("omni_rt_admission_headroom_sessions", (("kind", "realtime"),))] == 3  # the kind's cap, nothing open
+        ws = await connect(h, "/v1/realtime?model=gpt-realtime")
+        await ws.until("session.created")
+        await ws.send("conversation.item.create", item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
+        await ws.send("response.create", response={"max_output_tokens": 400})
+        await ws.until("response.created")
+        g = _gauges(await (await h.client.get("/metrics")).text())
+        assert g[("omni_rt_requests_running", (("pipeline", "voice"),))] == 1
+        assert g[("omni_rt_admission_headroom_sessions", (("kind", "realtime"),))] == 2
+        assert g[("omni_rt_sessions_active", (("kind", "realtime"),))] >= 1
+        await ws.ws.close()
