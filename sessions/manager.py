@@ -251,7 +251,7 @@ class SessionManager:
         total_room = max(0, spec.max_total - len(self._sessions))
         est, new = self._realtime_split()
         load_room = self.admission.headroom(est, new, limit=total_room) if self.admission.spec.enabled else total_room
-        out = {}
+        out: dict[str, int] = {}
         for kind in sorted(self.admission.kinds):
             room = min(load_room, total_room)
             cap = spec.max_per_kind.get(kind)
