@@ -415,6 +415,26 @@ class RealtimeAdmissionSpec(_Strict):
     retry_after_s: int = Field(default=5, ge=1, le=3600, description="retry-after sent with a capacity refusal")
 
 
+class RateLimitSpec(_Strict):
+    """One principal's rates (a token bucket each: a minute's worth may be spent at once,
+    refilled evenly over the minute); null: no limit."""
+
+    requests_per_minute: float | None = Field(default=None, gt=0, description="one-shot calls (speech, chat, transcriptions, images, videos)")
+    tokens_per_minute: float | None = Field(default=None, gt=0, description="thinker tokens (prompt + answer) of chat calls and voice answers")
+    audio_seconds_per_minute: float | None = Field(default=None, gt=0, description="caller audio taken by voice sessions")
+
+
+class RateLimitsSpec(_Strict):
+    """Per-principal rate limits (deploy key `sessions.rate_limits`), shared by every node
+    through Redis when the session store is Redis."""
+
+    default: RateLimitSpec = Field(default_factory=RateLimitSpec, description="every principal's rates unless named below")
+    principals: dict[str, RateLimitSpec] = Field(default={}, description="rates of named principals, e.g. {trial: {requests_per_minute: 10}}")
+
+    def of(self, principal: str) -> RateLimitSpec:
+        return self.principals.get(principal, self.default)
+
+
 class SessionsSpec(_Strict):
     """Admission caps, leases and the session store (deploy key `sessions`)."""
 
@@ -434,6 +454,7 @@ class SessionsSpec(_Strict):
         4096, ge=16, le=10_000_000, description="events queued for an attached client that is not reading; over it the session ends (slow_consumer)"
     )
     realtime_admission: RealtimeAdmissionSpec = Field(default_factory=RealtimeAdmissionSpec)
+    rate_limits: RateLimitsSpec = Field(default_factory=RateLimitsSpec)
     store: Literal["memory", "redis"] = Field(default="memory", description="memory: one process; redis: caps shared by nodes")
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="used when store is redis")
     redis_prefix: str = Field(default="omni-rt", pattern=r"^[\w.:-]+$", description="key prefix; nodes sharing caps use the same one")

@@ -227,6 +227,7 @@ class ChatService:
         t0 = time.monotonic()
         session = await self.sessions.open("oneshot", self.pipeline.name, principal=principal)
         try:
+            await self.sessions.rate_limits.check(principal, "tokens")
             params: dict[str, Any] = {"messages": messages, "max_output_tokens": req.max_completion_tokens or req.max_tokens, "seed": req.seed}
             if images:
                 await self._check_images(session, images)
@@ -264,6 +265,7 @@ class ChatService:
             finally:
                 await self.sessions.end(session, "completed")
             usage = self._usage(stream.done.usage if stream.done else None)
+            await self.sessions.rate_limits.charge(principal, "tokens", usage["total_tokens"])
             text = answer.text
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not answer.calls else None, "refusal": None}
             if answer.calls:
@@ -367,8 +369,10 @@ class ChatService:
                     data = pcm16_bytes(p.arrays["pcm"])
                     yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
             yield chunk({}, finish=answer.finish)
+            usage = self._usage(stream.done.usage if stream.done else None)
+            self.sessions.charge_soon(session.principal, "tokens", usage["total_tokens"])
             if include_usage:
-                yield chunk({}, usage=self._usage(stream.done.usage if stream.done else None))
+                yield chunk({}, usage=usage)
             yield sse("[DONE]")
             outcome = "completed"
             metrics.E2E_SECONDS.labels(api="chat").observe(time.monotonic() - t0)

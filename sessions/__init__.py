@@ -4,6 +4,7 @@ leased, fenced and freed by one `SessionManager` (see `sessions.manager`)."""
 from sessions.errors import (
     IllegalTransition,
     InvalidResumeToken,
+    RateLimited,
     SessionElsewhere,
     SessionError,
     SessionGone,
@@ -23,6 +24,7 @@ __all__ = [
     "IllegalTransition",
     "InvalidResumeToken",
     "Limits",
+    "RateLimited",
     "MemoryStore",
     "SIGNALS",
     "Session",

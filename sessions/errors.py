@@ -190,3 +190,18 @@ class StaleFence(SessionError):
 class UnknownPipeline(SessionError):
     code = "unknown_pipeline"
     http_status = 404
+
+
+class RateLimited(SessionLimit):
+    """A principal's rate (sessions.rate_limits) is spent for now: 429 with the seconds
+    until enough has come back."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, principal: str, what: str, per_minute: float, retry_after_s: int) -> None:
+        SessionError.__init__(
+            self,
+            f"Rate limit reached for {principal!r}: {per_minute:g} {what} per minute; retry in {retry_after_s} s.",
+            headers={"retry-after": str(retry_after_s)},
+        )
+        self.retry_after_s = retry_after_s

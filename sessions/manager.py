@@ -39,6 +39,7 @@ from sessions.errors import (
     Draining,
     IllegalTransition,
     InvalidResumeToken,
+    RateLimited,
     SessionElsewhere,
     SessionGone,
     SessionLimit,
@@ -46,6 +47,7 @@ from sessions.errors import (
     StoreUnavailable,
     UnknownPipeline,
 )
+from sessions.ratelimit import RateLimiter
 from sessions.session import Session, SessionState, token_hash_matches
 from sessions.store import Limits, MemoryStore, SessionStore, Slot
 
@@ -107,6 +109,8 @@ class SessionManager:
         # this server's load meters (the orchestrator's: its stages write them), read by admission
         self.meters: LoadMeters = meters if meters is not None else orchestrator.meters if orchestrator is not None else LoadMeters()
         self.admission = RealtimeAdmission(self.spec.realtime_admission, self.meters, clock=clock)
+        self.rate_limits = RateLimiter(self.spec.rate_limits, self.store)
+        self._charges: set[asyncio.Task[None]] = set()
         # weighed sessions admitted and not yet registered (their slot is being acquired):
         # counted as new by the next decision, so concurrent opens cannot over-admit
         self._admitting = 0
@@ -171,6 +175,14 @@ class SessionManager:
             metrics.SESSIONS_REJECTED.labels(kind=kind, reason="draining").inc()
             self._decided(kind, principal, None, "draining", "this node is draining", weighed=False)
             raise Draining(kind, self.spec.retry_after_s)
+        if kind == "oneshot" and self.rate_limits.limited(principal, "requests"):
+            try:
+                await self.rate_limits.take(principal, "requests")
+            except RateLimited as exc:
+                self.stats["rejected"] += 1
+                metrics.SESSIONS_REJECTED.labels(kind=kind, reason="rate_limit").inc()
+                self._decided(kind, principal, None, "rate_limit", exc.message, weighed=False)
+                raise
         t0 = time.perf_counter()
         sid = f"sess_{secrets.token_hex(12)}"
         slot = Slot(sid, kind, principal)
@@ -240,6 +252,15 @@ class SessionManager:
         detached one generates nothing new (what it still runs shows in the measured
         load); it is weighed again when it resumes."""
         return sum(self._realtime_split())
+
+    def charge_soon(self, principal: str, resource: str, amount: float) -> None:
+        """Charge a rate limit from synchronous code (an answer's usage, known at its
+        end): the store is written in a task of its own."""
+        if amount <= 0 or not self.rate_limits.limited(principal, resource):
+            return
+        task = asyncio.get_running_loop().create_task(self.rate_limits.charge(principal, resource, amount))
+        self._charges.add(task)
+        task.add_done_callback(self._charges.discard)
 
     def headroom(self) -> dict[str, int]:
         """Per load-weighed kind: how many more sessions would be admitted now (the

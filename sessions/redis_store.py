@@ -95,6 +95,28 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=user + netloc))
 
 
+# A token bucket shared by every node (rate limits): refilled by the Redis server's own
+# clock (TIME), so nodes' clocks do not matter. KEYS[1] the bucket; ARGV capacity,
+# per-second refill, amount, force (1: take into debt). Returns {taken, tokens left}.
+_TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local cap, rate, amount, force = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(b[1]) or cap
+local at = tonumber(b[2]) or now
+tokens = math.min(cap, tokens + math.max(0, now - at) * rate)
+local taken = 0
+if force == 1 or tokens >= amount then
+  tokens = tokens - amount
+  taken = 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil((cap - math.min(tokens, 0)) / rate) + 60)
+return {taken, tostring(tokens)}
+"""
+
+
 class RedisStore(SessionStore):
     name = "redis"
 
@@ -123,6 +145,7 @@ class RedisStore(SessionStore):
         self._release = self._redis.register_script(_RELEASE)
         self._renew = self._redis.register_script(_RENEW)
         self._counts = self._redis.register_script(_COUNTS)
+        self._take = self._redis.register_script(_TAKE)
         self.last_error: str | None = None
 
     # ---- keys ----------------------------------------------------------------------
@@ -139,6 +162,13 @@ class RedisStore(SessionStore):
     def _unavailable(self, exc: Exception) -> StoreUnavailable:
         self.last_error = f"{type(exc).__name__}: {exc}"
         return StoreUnavailable(f"The session store (Redis at {redact(self.url)}) is unreachable: {exc}")
+
+    async def take(self, key: str, capacity: float, per_s: float, amount: float, force: bool = False) -> tuple[bool, float]:
+        try:
+            taken, tokens = await self._take(keys=[f"{self.prefix}:rate:{key}"], args=[capacity, per_s, amount, 1 if force else 0])
+        except (RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+        return bool(int(taken)), float(tokens)
 
     # ---- lifecycle -----------------------------------------------------------------
     async def connect(self) -> None:

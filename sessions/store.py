@@ -61,6 +61,12 @@ class SessionStore(abc.ABC):
     async def renew(self, slots: list[Slot]) -> int:
         """Extend the leases of slots this node still holds; returns how many had lapsed."""
 
+    async def take(self, key: str, capacity: float, per_s: float, amount: float, force: bool = False) -> tuple[bool, float]:
+        """A token bucket `key` (full at `capacity`, refilled at `per_s`): take `amount`
+        if it holds that much (`force`: take it anyway, into debt). Returns (taken, the
+        tokens left, negative in debt)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no rate-limit buckets")
+
     @abc.abstractmethod
     async def counts(self) -> dict[str, Any]:
         """{"total": n, "kinds": {kind: n}} over every node sharing the store."""
@@ -105,6 +111,7 @@ class MemoryStore(SessionStore):
         self._per_principal: dict[str, int] = {}
         self._directory: dict[str, dict[str, Any]] = {}
         self._moved: dict[str, tuple[float, bytes]] = {}  # session id -> (expires at, monotonic; blob)
+        self._buckets: dict[str, tuple[float, float]] = {}  # rate-limit buckets: key -> (tokens, monotonic time)
 
     async def acquire(self, slot: Slot, limits: Limits, record: Mapping[str, Any] | None = None) -> None:
         total, per_kind, per_principal = limits.caps_for(slot)
@@ -137,6 +144,16 @@ class MemoryStore(SessionStore):
 
     async def renew(self, slots: list[Slot]) -> int:
         return 0  # memory slots have no lease: the process that holds them is this one
+
+    async def take(self, key: str, capacity: float, per_s: float, amount: float, force: bool = False) -> tuple[bool, float]:
+        now = time.monotonic()
+        tokens, at = self._buckets.get(key, (capacity, now))
+        tokens = min(capacity, tokens + (now - at) * per_s)
+        taken = force or tokens >= amount
+        if taken:
+            tokens -= amount
+        self._buckets[key] = (tokens, now)
+        return taken, tokens
 
     async def counts(self) -> dict[str, Any]:
         return {"total": len(self._slots), "kinds": dict(self._per_kind), "principals": dict(self._per_principal)}

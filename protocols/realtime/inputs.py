@@ -29,6 +29,7 @@ from protocols.errors import to_omni
 from protocols.realtime.items import Item, new_id
 from protocols.realtime.models import RATE, TurnDetection
 from protocols.realtime.vad import VoiceActivity
+from sessions.errors import RateLimited
 
 if TYPE_CHECKING:
     from protocols.realtime.conversation import Conversation
@@ -66,6 +67,7 @@ def decode_audio(b64: Any, param: str, fmt: WireFormat) -> np.ndarray:
 class InputAudio:
     def __init__(self, conv: Conversation) -> None:
         self.conv = conv
+        self._rate_told = False  # the caller heard its audio is refused (rate limit) this spell
         self.stream: RequestStream | None = None  # the utterance's request to the front stage
         entry = conv.session.entry_stage()
         self.front: str | None = entry if entry not in (None, "thinker") else None
@@ -241,6 +243,16 @@ class InputAudio:
         """Append float32 mono audio at the model rate (`RATE`)."""
         if not len(pcm):
             return
+        limits, principal = self.conv.sessions.rate_limits, self.conv.session.principal
+        if limits.limited(principal, "audio_seconds"):
+            try:
+                await limits.take(principal, "audio_seconds", len(pcm) / RATE)
+                self._rate_told = False
+            except RateLimited as exc:
+                if self._rate_told:
+                    return  # (said once per spell: the audio is not taken until the rate allows)
+                self._rate_told = True
+                raise ClientError(f"{exc.message} Audio is not taken until then.", code="rate_limit_exceeded") from None
         td = self.conv.cfg.turn_detection
         if td is None:
             self._send(pcm)

@@ -64,6 +64,7 @@ class Responses:
         part0: dict[str, Any] = {"type": "output_audio", "transcript": ""} if audio_out else {"type": "output_text", "text": ""}
         item = Item(new_id("item"), "assistant", [part0], status="in_progress")
         resp = Response(new_id("resp"), item, audio_out, epoch=conv.session.epoch, metadata=o.metadata)
+        await conv.sessions.rate_limits.check(conv.session.principal, "tokens")  # (RateLimited: the client's error event)
         speech = await conv.latest_speech()
         instructions = o.instructions if o.instructions is not None else cfg.instructions
         conv.fit(instructions)  # the oldest turns go before a prompt estimated past the context
@@ -268,6 +269,7 @@ class Responses:
         n_in, n_audio, n_image = usage.get("input_tokens", 0), usage.get("input_audio_tokens", 0), usage.get("input_image_tokens", 0)
         if status == "completed" and n_in:
             conv.learn_tokens(n_in - n_audio - n_image, resp.prompt_chars)
+        conv.sessions.charge_soon(conv.session.principal, "tokens", n_in + usage.get("output_tokens", 0))
         wire_usage = {
             "total_tokens": n_in + usage.get("output_tokens", 0),
             "input_tokens": n_in,
