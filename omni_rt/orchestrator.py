@@ -25,11 +25,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omni_rt import metrics
+from omni_rt import metrics, tracing
 from omni_rt.connectors.base import Connector
 from omni_rt.errors import InternalError, OmniError, OrchestratorError
 from omni_rt.load import LoadMeters
-from omni_rt.payloads import Fence, Handle, Payload
+from omni_rt.payloads import SPEECH_STAGES, Fence, Handle, Payload
 from omni_rt.specs import ChunkingSpec, EdgeSpec, ProfileSpec
 from omni_rt.stage import StageContext, StageInput
 from omni_rt.stage_pool import Replica, StagePool
@@ -98,6 +98,9 @@ class _RequestState:
     usage: dict[str, int] = field(default_factory=dict)
     connectors_used: set[str] = field(default_factory=set)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    span: Any = None  # the request's trace span (omni_rt.tracing)
+    stage_spans: dict[str, Any] = field(default_factory=dict)
+    first_out: set[str] = field(default_factory=set)  # final stages whose first output went out
 
     def current_fence(self) -> Fence | None:
         return self.fence_source() if self.fence_source is not None else None
@@ -136,8 +139,10 @@ class Orchestrator:
         affinity: str | None = None,
         fence_source: Callable[[], Fence] | None = None,
         entry: str | None = None,
+        trace_parent: Any = None,
     ) -> RequestStream:
         """Admit a request. Inputs for the entry stage follow through the stream.
+        `trace_parent`: the span its trace span is a child of (its session's).
 
         `entry` starts the request at a later stage than the profile's entry (a
         text-only chat turn has nothing for the audio encoder: it enters at the
@@ -176,6 +181,8 @@ class Orchestrator:
             finals=finals,
             fence_source=fence_source,
         )
+        state.span = tracing.span(f"request {pipeline}", trace_parent, **{
+            "omni_rt.request.id": rid, "omni_rt.pipeline": pipeline, "omni_rt.entry": entry, "omni_rt.outputs": sorted(finals)})
         self._requests[rid] = state
         self.stats["submitted"] += 1
         for name in profile.order():
@@ -231,6 +238,7 @@ class Orchestrator:
                 inputs.setdefault(e.name, StageInput(e.name, e.mode, e.chunking, self.connectors, state.current_fence))
         ctx = StageContext(state, spec, inputs, self.connectors, state.groups[name], self._on_published(state, name), meters=self.meters)
         state.stage_started[name] = time.monotonic()
+        state.stage_spans[name] = tracing.span(f"stage {name}", state.span, **{"omni_rt.stage": name, "omni_rt.replica": replica.index})
         task = asyncio.get_running_loop().create_task(replica.processor.run(ctx), name=f"{state.request_id}:{name}")
         state.tasks[name] = task
         task.add_done_callback(functools.partial(self._on_stage_done, state, name))
@@ -251,6 +259,11 @@ class Orchestrator:
                 return
             for consumer in group.consumers:
                 if consumer == CLIENT:
+                    if stage not in state.first_out:
+                        state.first_out.add(stage)
+                        if state.span is not None and state.span.is_recording():
+                            what = "first_audio" if stage in SPEECH_STAGES else "first_token" if stage == "thinker" else "first_output"
+                            state.span.add_event(what, {"omni_rt.stage": stage, "omni_rt.seconds": round(time.monotonic() - state.started_at, 4)})
                     state.events.put_nowait(OutputEvent(stage, handle, last))
                 else:
                     assert isinstance(consumer, EdgeSpec)
@@ -277,6 +290,7 @@ class Orchestrator:
         metrics.STAGE_SECONDS.labels(pipeline=state.pipeline, stage=name).observe(
             time.monotonic() - state.stage_started.get(name, state.started_at)
         )
+        tracing.end(state.stage_spans.pop(name, None), None if task.cancelled() else task.exception())
         if state.status is not RequestStatus.RUNNING:
             return
         if task.cancelled():
@@ -363,6 +377,11 @@ class Orchestrator:
             self._cleanup_connectors(state)
         state.events.put_nowait(DoneEvent(status, reason=reason, error=error, usage=dict(state.usage)))
         state.finished.set()
+        if state.span is not None and state.span.is_recording():
+            state.span.set_attribute("omni_rt.request.status", status.value)
+            for k, v in state.usage.items():
+                state.span.set_attribute(f"omni_rt.usage.{k}", v)
+        tracing.end(state.span, error)
 
     async def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Cancel every stage of a request, wait for them to stop, free connector keys."""

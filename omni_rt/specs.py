@@ -254,6 +254,18 @@ class ApiKeySpec(_Strict):
     admin: bool = Field(default=False, description="may list and close every session (/v1/sessions)")
 
 
+class TracingSpec(_Strict):
+    """OpenTelemetry tracing (deploy key `server.tracing`; omni_rt.tracing)."""
+
+    exporter: Literal["otlp", "console", "none"] | None = Field(default=
+        None, description="otlp (OTLP/HTTP), console, or none; unset: the standard OTEL_TRACES_EXPORTER variable decides (off when it is unset)"
+    )
+    endpoint: str | None = Field(default=
+        None, pattern=r"^https?://", description="the OTLP/HTTP traces URL (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, "
+        "else http://localhost:4318/v1/traces)"
+    )
+
+
 class ServerSpec(_Strict):
     ray_address: str | None = Field(default=
         None, description="the Ray cluster stages placed `process`/`ray` run on (several front ends share its stage actors); "
@@ -273,6 +285,7 @@ class ServerSpec(_Strict):
         30.0, ge=0, le=3600, description="on SIGTERM the server drains (sessions move to other nodes) for at most this long, then exits"
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
     webrtc_host_addresses: list[str] | None = Field(default=
         None, description="addresses WebRTC calls offer as host candidates (default: 127.0.0.1 when host is loopback, else every non-loopback address)"
     )

@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import pipelines
-from omni_rt import metrics
+from omni_rt import metrics, tracing
 from omni_rt.runtime import Runtime
 from omni_rt.specs import DeployOverlay, PipelineOverlay, PipelineSpec, ProfileSpec, ServerSpec, SessionsSpec, SpecError, apply_overlay
 from protocols import models as models_api
@@ -266,6 +266,7 @@ def create_app(
 
         torch.set_num_threads(overlay.server.torch_threads)
         await sessions.start()
+        traces = tracing.start(tracing.exporter_of(overlay.server.tracing.exporter), overlay.server.tracing.endpoint)
         try:
             await runtime.start()
             metrics.STAGES.runtimes.add(runtime)
@@ -283,14 +284,22 @@ def create_app(
         finally:
             await sessions.stop()
             await runtime.stop()
+            await asyncio.to_thread(tracing.stop, traces)  # (the last spans are exported off the loop)
             metrics.STAGES.runtimes.discard(runtime)
             metrics.SIGNALS.servers.pop(runtime, None)
+
+    @web.middleware
+    async def trace_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        # a W3C traceparent on the request (a WebSocket's upgrade included) parents the
+        # spans its handler starts (its session's)
+        with tracing.remote_parent(request.headers):
+            return await handler(request)
 
     client_secrets = ClientSecrets()
     srv = overlay.server
     # bodies are read with their route's limit (protocols.http.read_json); aiohttp's own
     # limit (multipart forms) is the largest of them
-    app = web.Application(middlewares=[error_middleware, auth_middleware(keys, client_secrets)], client_max_size=srv.max_upload_bytes)
+    app = web.Application(middlewares=[trace_middleware, error_middleware, auth_middleware(keys, client_secrets)], client_max_size=srv.max_upload_bytes)
     app[LIMITS] = Limits(srv.max_body_bytes, srv.max_upload_bytes, srv.send_timeout_s)
     app[CLIENT_SECRETS] = client_secrets
     app[KEYS] = keys

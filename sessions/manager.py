@@ -29,7 +29,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from omni_rt import metrics
+from omni_rt import metrics, tracing
 from omni_rt.load import LoadMeters
 from omni_rt.specs import SESSION_KINDS, SessionsSpec
 from sessions import handoff, migration
@@ -199,6 +199,8 @@ class SessionManager:
         session._transition(SessionState.ACTIVE, "open")
         self.stats["admitted"] += 1
         self._decided(kind, principal, sid, None, None, load=load)
+        session.span = tracing.span("session", **{"omni_rt.session.id": sid, "omni_rt.session.kind": kind,
+                                                  "omni_rt.pipeline": pipeline, "omni_rt.principal": principal})
         metrics.SESSIONS_ADMITTED.labels(kind=kind).inc()
         metrics.SESSIONS_ACTIVE.labels(kind=kind).inc()
         metrics.ADMISSION_SECONDS.observe(time.perf_counter() - t0)
@@ -453,6 +455,9 @@ class SessionManager:
             self.stats[key] += 1
             metrics.SESSIONS_ACTIVE.labels(kind=s.kind).dec()
             metrics.SESSIONS_ENDED.labels(kind=s.kind, reason=reason).inc()
+            if s.span is not None:
+                s.span.set_attribute("omni_rt.session.end_reason", reason)
+                tracing.end(s.span)
             if reason in ("idle_timeout", "disconnect_grace_expired", "evicted"):
                 metrics.SESSIONS_EVICTED.labels(kind=s.kind, reason=reason).inc()
 

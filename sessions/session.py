@@ -107,6 +107,7 @@ class Session:
         self.created_at = time.time()
         self.opened_at = manager.clock()  # on the manager's clock (leases, load-aware admission)
         self.weighed = False  # load-aware admission counts this session (set when it is admitted)
+        self.span: Any = None  # its trace span (omni_rt.tracing), while tracing is on
         self.last_active = manager.clock()
         self.detached_at: float | None = None
         self.close_reason: str | None = None
@@ -306,6 +307,7 @@ class Session:
             affinity=self.id,
             fence_source=(lambda: self.fence) if fenced else None,
             entry=entry,
+            trace_parent=self.span,
         )
         self._prune()
         self._requests[stream.request_id] = stream
