@@ -102,14 +102,16 @@ def _ensure_provider() -> None:
 
 
 def exporter_of(configured: str | None) -> str | None:
-    """The exporter a server runs: its deploy key, else `OTEL_TRACES_EXPORTER`; None: off."""
-    name = configured if configured is not None else os.environ.get("OTEL_TRACES_EXPORTER")
-    if name is None or name.strip().lower() in ("", "none"):
-        return None
-    name = name.strip().lower()
-    if name not in EXPORTERS:
-        raise ValueError(f"trace exporter {name!r} is not one of {', '.join(EXPORTERS)} (or none)")
-    return name
+    """The exporter a server runs: its deploy key, else `OTEL_TRACES_EXPORTER` (a comma
+    list: the first this server knows; others are named in the log); None: off."""
+    if configured is not None:
+        return None if configured == "none" else configured
+    names = [n.strip().lower() for n in (os.environ.get("OTEL_TRACES_EXPORTER") or "").split(",") if n.strip()]
+    known = [n for n in names if n in EXPORTERS]
+    unknown = [n for n in names if n not in EXPORTERS and n != "none"]
+    if unknown:
+        log.warning("OTEL_TRACES_EXPORTER names %s, which this server does not run (it runs %s)", unknown, ", ".join(EXPORTERS))
+    return known[0] if known else None
 
 
 def start(exporter: str | None, endpoint: str | None = None) -> Any:
@@ -159,7 +161,8 @@ def on() -> bool:
 
 
 def tracer() -> Any:
-    return trace.get_tracer(TRACER_NAME)
+    # this module's provider (another one may be the process's global: ours still exports)
+    return _provider.get_tracer(TRACER_NAME) if _provider is not None else trace.get_tracer(TRACER_NAME)
 
 
 def span(name: str, parent: Any = None, **attributes: Any) -> Any:

@@ -266,8 +266,9 @@ def create_app(
 
         torch.set_num_threads(overlay.server.torch_threads)
         await sessions.start()
-        traces = tracing.start(tracing.exporter_of(overlay.server.tracing.exporter), overlay.server.tracing.endpoint)
+        traces = None
         try:
+            traces = tracing.start(tracing.exporter_of(overlay.server.tracing.exporter), overlay.server.tracing.endpoint)
             await runtime.start()
             metrics.STAGES.runtimes.add(runtime)
             metrics.SIGNALS.servers[runtime] = sessions

@@ -265,7 +265,7 @@ class ChatService:
             finally:
                 await self.sessions.end(session, "completed")
             usage = self._usage(stream.done.usage if stream.done else None)
-            await self.sessions.rate_limits.charge(principal, "tokens", usage["total_tokens"])
+            self.sessions.charge_soon(principal, "tokens", usage["total_tokens"])
             text = answer.text
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not answer.calls else None, "refusal": None}
             if answer.calls:

@@ -155,6 +155,20 @@ def _delegation(raw: Any, param: str) -> dict[str, Any] | None:
     return {"type": "responses", "acknowledgement_delay_ms": delay, "responses": echo, "_config": cfg}
 
 
+def _merged(update: Any, current: dict[str, Any] | None) -> Any:
+    """A session.update's delegation over the current one: omitted settings keep their
+    values (the Responses backend's too)."""
+    if not isinstance(update, Mapping) or current is None or update.get("type") != current.get("type"):
+        return update
+    out = {k: v for k, v in current.items() if not k.startswith("_")}
+    for k, v in update.items():
+        if k == "responses" and isinstance(v, Mapping) and isinstance(out.get("responses"), Mapping):
+            out["responses"] = {**out["responses"], **v}
+        else:
+            out[k] = v
+    return out
+
+
 def _input_items(raw: Any) -> list[dict[str, Any]]:
     if raw is None:
         return []
@@ -168,7 +182,12 @@ def _input_items(raw: Any) -> list[dict[str, Any]]:
         content = it.get("content")
         if not isinstance(content, list) or len(content) != 1 or not isinstance(content[0], Mapping):
             raise ClientError(f"'{p}.content' must hold exactly one text part.", code="invalid_value", param=f"{p}.content")
-        out.append({"type": "message", "role": it["role"], "content": [{"type": content[0].get("type") or "input_text",
+        kind = content[0].get("type")
+        allowed = ("output_text", "text") if it["role"] == "assistant" else ("input_text",)
+        if kind is not None and kind not in allowed:
+            raise ClientError(f"'{p}.content[0].type' must be {' or '.join(allowed)} for a {it['role']} message.", code="invalid_value",
+                              param=f"{p}.content[0].type")
+        out.append({"type": "message", "role": it["role"], "content": [{"type": kind or allowed[0],
                                                                         "text": _text(content[0].get("text"), f"{p}.content[0].text")}]})
     return out
 
@@ -238,6 +257,7 @@ class LiveBase:
         self.t0 = time.monotonic()
         self.muted = False
         self.count = 0
+        self.closed_sent = False  # session.closed went out (the client's close, or expiry)
 
     def now_ms(self) -> int:
         return int((time.monotonic() - self.t0) * 1000)
@@ -260,6 +280,13 @@ class LiveBase:
     def frame(self, ev: SessionEvent) -> str | None:
         if ev.type.startswith(LIVE):
             return self._json(ev.type[len(LIVE):], ev.data)
+        if ev.type in ("session.closed", "session.expired", "session.migrated"):  # the server ended it
+            why = str(ev.data.get("reason") or "")
+            if why in ("close_requested", "client_closed") or self.closed_sent:
+                return None
+            reason = "expired" if ev.type == "session.expired" and why in ("idle_timeout", "disconnect_grace_expired") else "connection_lost"
+            self.closed_sent = True
+            return self._json("session.closed", {"reason": reason, "session": self.resource(), "usage": self.usage()})
         if ev.type == "error":  # the engine's (a refused audio chunk, a failed answer)
             err = dict(ev.data.get("error") or {})
             err = {"type": err.get("type", "invalid_request_error"), "code": err.get("code") or "invalid_request",
@@ -307,13 +334,14 @@ class LiveBase:
             if body.get("triggers"):
                 raise ClientError("Decisions triggers are not served here.", code="unsupported_value", param="session.triggers")
             if "delegation" in body:
-                new = _delegation(body["delegation"], "session.delegation")
+                new = _delegation(_merged(body["delegation"], self.cfg.delegation), "session.delegation")
                 if (new or {}).get("type") != (self.cfg.delegation or {}).get("type"):
                     raise ClientError("The delegation type cannot change after startup.", code="immutable_parameter", param="session.delegation.type")
                 self.cfg.delegation = new
                 self.delegation_updated()
             self.emit("session.updated", cid, session=self.resource())
         elif t == "session.close":
+            self.closed_sent = True
             self.emit("session.closed", cid, reason="close_requested", session=self.resource(), usage=self.usage())
             return False
         elif t == "session.start":
@@ -348,9 +376,21 @@ class LiveSession(LiveBase):
         self.delegations: dict[str, str] = {}  # delegation id (the call's id) -> the call item's id
         self.streamed: set[str] = set()  # input items whose transcript went out as deltas
         self.backend: Any = None  # protocols.live_responses.ResponsesBackend, with Responses delegation
+        self.speak_task: asyncio.Task[None] | None = None  # an answer asked for once the one under way is over
+        produce = conv.emit
+
+        def emit(type: str, fence: Any = None, **data: Any) -> None:
+            # a delegation starts when the talking model's call is made, not when its
+            # event is written to a socket (there may be none: a detached session)
+            produce(type, fence, **data)
+            item = data.get("item") if type == "response.output_item.done" else None
+            if isinstance(item, Mapping) and item.get("type") == "function_call" and item.get("name") == DELEGATE:
+                self._delegated(item)
+
+        conv.emit = emit  # type: ignore[method-assign]
 
     def delegation_updated(self) -> None:
-        if self.backend is not None and self.cfg.delegation is not None:
+        if self.backend is not None and self.cfg.delegation is not None and "_config" in self.cfg.delegation:
             self.backend.config = self.cfg.delegation["_config"]
 
     async def backend_event(self, t: str, msg: Mapping[str, Any], cid: str | None) -> None:
@@ -362,13 +402,28 @@ class LiveSession(LiveBase):
     async def delegated_outcome(self, did: str, text: str) -> None:
         """A Responses delegation's outcome: the talking model's `delegate` call gets it,
         and it speaks once it is not already speaking."""
+        self.conv.add_item(Item(new_id("item"), "", [], type="function_call_output", call_id=did, output=text))
+        self.speak_next()
+
+    def speak_next(self) -> None:
+        """An answer now, or once the one under way is over (one asked answers all that
+        was added meanwhile); a refusal (a rate limit, a stage down) is the client's error."""
+        if self.speak_task is None or self.speak_task.done():
+            self.speak_task = asyncio.get_running_loop().create_task(self._speak())
+
+    async def _speak(self) -> None:
         conv = self.conv
-        conv.add_item(Item(new_id("item"), "", [], type="function_call_output", call_id=did, output=text))
-        for _ in range(600):  # at most 30 s behind the answer that is under way
-            if conv.responses.active is None:
-                await conv.responses.create(None)
+        while conv.responses.active is not None:
+            if not self.session.is_open:
                 return
             await asyncio.sleep(0.05)
+        try:
+            await conv.responses.create(None)
+        except OmniError as exc:
+            if not exc.expose:
+                log.exception("live session %s: an answer could not start", self.session.id)
+            frame = error_frame(exc)
+            self.emit("error", error=frame["error"])
 
     def translate(self, ev: SessionEvent) -> str | None:
         t, d = ev.type, ev.data
@@ -384,28 +439,23 @@ class LiveSession(LiveBase):
         if t == "conversation.item.input_audio_transcription.completed" and d.get("item_id") not in self.streamed and d.get("transcript"):
             now = self.now_ms()  # a batch transcript (Whisper at commit): one delta
             return self._json("session.input_transcript.delta", {"delta": d["transcript"], "start_ms": now, "end_ms": now})
-        if t == "response.output_item.done":
-            item = d.get("item") or {}
-            if item.get("type") == "function_call" and item.get("name") == DELEGATE:
-                return self._delegated(item)
-            return None
         if t == "response.done":
             return self._json("session.usage.updated", {"usage": self.usage()})
         return None  # Realtime's own bookkeeping (items, speech_started, …) has no Live event
 
-    def _delegated(self, item: Mapping[str, Any]) -> str:
+    def _delegated(self, item: Mapping[str, Any]) -> None:
         did = str(item.get("call_id"))
         self.delegations[did] = str(item.get("id"))
         try:
             task = str(json.loads(item.get("arguments") or "{}").get("task", ""))
         except (ValueError, AttributeError):
             task = str(item.get("arguments") or "")
-        # the task's text (delegation.created carries metadata only) follows as an info event
-        self.emit("info", code="delegation.task", message=task)
         delegation: dict[str, Any] = {"id": did, "target": "client", "type": "delegation"}
         if self.backend is not None:
             delegation.update(target="responses", response_id=self.backend.start(did, task))
-        return self._json("session.delegation.created", {"delegation": delegation, "offset_ms": self.now_ms()})
+        self.emit("session.delegation.created", delegation=delegation, offset_ms=self.now_ms())
+        # the task's text (delegation.created carries metadata only) follows as an info event
+        self.emit("info", code="delegation.task", message=task)
 
     async def audio(self, raw: bytes) -> None:
         await self.conv.input.append_bytes(raw)
@@ -428,8 +478,8 @@ class LiveSession(LiveBase):
             label = {"instructions": "", "thinking": "(silent context, not to be read out) ", "commentary": "(tell the user) "}[kind]
             conv.add_item(Item(new_id("item"), "system", [{"type": "input_text", "text": label + content}]))
         self.emit(f"session.{kind}.appended", cid, start_ms=start, end_ms=self.now_ms())
-        if kind == "commentary" and conv.responses.active is None:
-            await conv.responses.create(None)
+        if kind == "commentary":
+            self.speak_next()
 
 
 class LiveModelSession(LiveBase):
@@ -457,6 +507,10 @@ class LiveModelSession(LiveBase):
         return None
 
     async def audio(self, raw: bytes) -> None:
+        limits, principal = self.conv.sessions.rate_limits, self.session.principal
+        if limits.limited(principal, "audio_seconds"):
+            fmt = self.cfg.format
+            await limits.take(principal, "audio_seconds", len(raw) / fmt.bytes_per_sample / fmt.rate)  # (RateLimited: the client's error)
         self.conv.audio_in(raw)
 
     async def context(self, kind: str, msg: Mapping[str, Any], cid: str | None) -> None:
@@ -566,6 +620,7 @@ class LiveRouter:
 
         async def expire() -> None:
             await asyncio.sleep(MAX_SESSION_S)
+            ls.closed_sent = True
             ls.emit("session.closed", reason="expired", session=ls.resource(), usage=ls.usage())
             await asyncio.sleep(0.2)
             await sessions.end(session, "expired")
@@ -584,6 +639,9 @@ class LiveRouter:
         `?session_id=&resume_token=`): what it said while away is replayed."""
         sessions = self.sessions
         try:
+            here = next((x for x in sessions.sessions() if x.id == sid), None)  # (a session moved here is adopted by the resume)
+            if here is not None and (here.kept(LiveSession) or here.kept(LiveModelSession)) is None:
+                raise ClientError(f"Session {sid} is not a Live session.", code="invalid_value", param="session_id")
             session = await sessions.resume(sid, token, principal)
             ls = session.kept(LiveSession) or session.kept(LiveModelSession)
             if ls is None:
@@ -614,14 +672,22 @@ class LiveRouter:
                 ls.emit("error", frame["client_event_id"], error=frame["error"])
                 return True
 
+        taken_over = False
+
         async def on_exit(why: str) -> None:
+            nonlocal taken_over
+            if session.is_open and not session.attached_as(gen):
+                taken_over = True  # a resume took the session to another socket: it is that socket's now
+                return
             if why == "client_left" and session.is_open:
-                if session.attached_as(gen):
-                    await sessions.detach(session.id)  # resumable for the manager's disconnect_grace_s
+                await sessions.detach(session.id)  # resumable for the manager's disconnect_grace_s
                 return
             await sessions.end(session, {"client_closed": "close_requested", "session_ended": "ended"}.get(why, why))
 
         why = await serve_events(sock, session, ls.frame, on_message, on_exit)
+        if taken_over:
+            await sock.close(4000, "resumed on another connection")
+            return sock.ws
         if why == "client_left":
             return sock.ws
         await close_attachment(sock, session, why)
@@ -662,6 +728,9 @@ def mount(m: Mount) -> None:
             conv.add_item(Item(new_id("item"), role, [{"type": kind, "text": it["content"][0]["text"]}]))
 
         async def stop() -> None:
+            if ls.speak_task is not None:
+                ls.speak_task.cancel()
+                await asyncio.gather(ls.speak_task, return_exceptions=True)
             if ls.backend is not None:
                 await ls.backend.close()
             await conv.shutdown("session_ended")

@@ -52,6 +52,8 @@ def parse_config(raw: Any, param: str) -> dict[str, Any]:
     instructions = raw.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise ClientError(f"'{param}.instructions' must be a string.", code="invalid_type", param=f"{param}.instructions")
+    if raw.get("tools") is not None and not isinstance(raw.get("tools"), list):
+        raise ClientError(f"'{param}.tools' must be an array.", code="invalid_type", param=f"{param}.tools")
     for i, t in enumerate(raw.get("tools") or []):
         if not isinstance(t, Mapping) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, Mapping) else t
@@ -82,7 +84,7 @@ class ResponsesBackend:
     def __init__(self, live: LiveSession, sessions: Any, pipeline: Any, principal: str, config: dict[str, Any]) -> None:
         self.live, self.sessions, self.pipeline, self.principal = live, sessions, pipeline, principal
         self.config = config
-        self.waiting: Delegation | None = None  # the delegation whose run ended in calls
+        self.waiting: dict[str, Delegation] = {}  # delegation id -> one whose run ended in calls (in order)
         self.tasks: set[asyncio.Task[None]] = set()
 
     def start(self, did: str, task: str) -> str:
@@ -92,14 +94,14 @@ class ResponsesBackend:
         return self._run(Delegation(did, messages))
 
     def item_create(self, item: Any, cid: str | None) -> None:
-        d = self.waiting
-        if d is None:
+        if not self.waiting:
             raise ClientError("No delegated response is waiting for input.", code="no_pending_response", param="item")
         if not isinstance(item, Mapping):
             raise ClientError("Missing required parameter: 'item'.", code="missing_required_parameter", param="item")
         if item.get("type") == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
-            if call_id not in d.pending:
+            d = next((x for x in self.waiting.values() if isinstance(call_id, str) and call_id in x.pending), None)
+            if d is None:
                 raise ClientError(f"No function call {str(call_id)[:64]!r} is waiting for its output.", code="invalid_value", param="item.call_id")
             if not isinstance(output, str):
                 output = json.dumps(output)
@@ -107,21 +109,29 @@ class ResponsesBackend:
             d.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif item.get("type", "message") == "message" and item.get("role") in ("user", "developer", "system"):
             content = item.get("content")
-            text = content if isinstance(content, str) else " ".join(
-                str(c.get("text", "")) for c in content or [] if isinstance(c, Mapping))
+            if isinstance(content, str):
+                text = content
+            elif isinstance(content, list):
+                text = " ".join(str(c.get("text", "")) for c in content if isinstance(c, Mapping))
+            else:
+                raise ClientError("'item.content' must be a string or an array of parts.", code="invalid_type", param="item.content")
+            d = list(self.waiting.values())[-1]  # the latest delegation that waits
             d.messages.append({"role": "user" if item["role"] == "user" else "system", "content": text})
         else:
             raise ClientError("'item' must be a function_call_output or a user / developer message.", code="invalid_value", param="item.type")
 
-    def create(self) -> str:
-        d = self.waiting
-        if d is None:
+    def create(self) -> list[str]:
+        """Run again every waiting delegation whose calls all have their outputs."""
+        if not self.waiting:
             raise ClientError("No delegated response is waiting for tool results.", code="no_pending_response", param="type")
-        if d.pending:
-            raise ClientError(f"Function call(s) {sorted(d.pending)} have no output yet; send response.item.create first.",
+        ready = [d for d in self.waiting.values() if not d.pending]
+        if not ready:
+            missing = sorted(c for d in self.waiting.values() for c in d.pending)
+            raise ClientError(f"Function call(s) {missing} have no output yet; send response.item.create first.",
                               code="missing_tool_output", param="type")
-        self.waiting = None
-        return self._run(d)
+        for d in ready:
+            del self.waiting[d.id]
+        return [self._run(d) for d in ready]
 
     def _run(self, d: Delegation) -> str:
         rid = new_id("resp")
@@ -164,6 +174,7 @@ class ResponsesBackend:
         output: list[dict[str, Any]] = []
         usage: dict[str, Any] = {}
         try:
+            await self.sessions.rate_limits.check(self.principal, "tokens")
             session = await self.sessions.open("oneshot", self.pipeline.name, principal=self.principal)
             try:
                 stream = session.submit(params, outputs={"thinker"}, entry="thinker")
@@ -195,14 +206,21 @@ class ResponsesBackend:
                 u = dict(stream.done.usage) if stream.done is not None else {}
                 usage = {"input_tokens": int(u.get("input_tokens", 0)), "output_tokens": int(u.get("output_tokens", 0)),
                          "total_tokens": int(u.get("input_tokens", 0)) + int(u.get("output_tokens", 0))}
+                self.sessions.charge_soon(self.principal, "tokens", usage["total_tokens"])
             finally:
                 await self.sessions.end(session, "completed")
         except asyncio.CancelledError:
             raise
-        except OmniError as exc:
-            log.warning("live session %s: delegated task %s failed: %s", self.live.session.id, d.id, exc)
-            send({"type": "response.failed", "response": snapshot("failed", error={"code": exc.code or "server_error", "message": exc.public_message()})})
-            await self.live.delegated_outcome(d.id, f"The task could not be done ({exc.public_message()}).")
+        except Exception as exc:  # noqa: BLE001 - the task failed; the talking model is told, the session goes on
+            oe = exc if isinstance(exc, OmniError) else None
+            if oe is None:
+                log.exception("live session %s: delegated task %s failed", self.live.session.id, d.id)
+            else:
+                log.warning("live session %s: delegated task %s failed: %s", self.live.session.id, d.id, exc)
+            why = oe.public_message() if oe is not None else "internal error"
+            send({"type": "response.failed", "response": snapshot("failed", error={"code": (oe.code if oe else None) or "server_error",
+                                                                                    "message": why})})
+            await self.live.delegated_outcome(d.id, f"The task could not be done ({why}).")
             return
         if message is not None:
             message["status"] = "completed"
@@ -224,6 +242,6 @@ class ResponsesBackend:
             d.messages.append({"role": "assistant", "content": answer.text, "tool_calls": [
                 {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}} for it in items.values()]})
             d.pending = {it["call_id"] for it in items.values()}
-            self.waiting = d
+            self.waiting[d.id] = d
             return
         await self.live.delegated_outcome(d.id, answer.text.strip() or "Done.")

@@ -260,7 +260,13 @@ class SessionManager:
         end): the store is written in a task of its own."""
         if amount <= 0 or not self.rate_limits.limited(principal, resource):
             return
-        task = asyncio.get_running_loop().create_task(self.rate_limits.charge(principal, resource, amount))
+        async def charge() -> None:
+            try:
+                await self.rate_limits.charge(principal, resource, amount)
+            except Exception:  # noqa: BLE001 - a charge that could not be written is logged, never raised into the loop
+                log.exception("rate limit charge for %s (%s) failed", principal, resource)
+
+        task = asyncio.get_running_loop().create_task(charge())
         self._charges.add(task)
         task.add_done_callback(self._charges.discard)
 
@@ -273,7 +279,12 @@ class SessionManager:
             open_by_kind[s.kind] = open_by_kind.get(s.kind, 0) + 1
         total_room = max(0, spec.max_total - len(self._sessions))
         est, new = self._realtime_split()
-        load_room = self.admission.headroom(est, new, limit=total_room) if self.admission.spec.enabled else total_room
+        if self.admission.spec.enabled:
+            # the dearest session the node serves decides (each calibrated pipeline's cost, else the prior)
+            costed: list[str | None] = list(self.admission.costs) or [None]
+            load_room = min(self.admission.headroom(est, new, p, limit=total_room) for p in costed)
+        else:
+            load_room = total_room
         out: dict[str, int] = {}
         for kind in sorted(self.admission.kinds):
             room = min(load_room, total_room)

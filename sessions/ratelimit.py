@@ -15,11 +15,16 @@ fact may take it into debt, which the refill pays back before anything is admitt
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any
 
 from omni_rt.specs import RateLimitSpec, RateLimitsSpec
-from sessions.errors import RateLimited
+from sessions.errors import RateLimited, StoreUnavailable
+
+log = logging.getLogger("sessions.ratelimit")
+WARN_EVERY_S = 30.0
 
 RESOURCES = {"requests": ("requests_per_minute", "requests"), "tokens": ("tokens_per_minute", "tokens"),
              "audio_seconds": ("audio_seconds_per_minute", "seconds of audio")}
@@ -29,6 +34,20 @@ class RateLimiter:
     def __init__(self, spec: RateLimitsSpec, store: Any) -> None:
         self.spec = spec
         self.store = store
+        self._warned = 0.0
+
+    async def _take(self, key: str, capacity: float, per_s: float, amount: float, force: bool = False) -> tuple[bool, float]:
+        """The store's bucket; with the store unreachable, limits fail open (the service
+        goes on; said in the log every WARN_EVERY_S)."""
+        try:
+            taken: tuple[bool, float] = await self.store.take(key, capacity, per_s, amount, force)
+            return taken
+        except StoreUnavailable as exc:
+            now = time.monotonic()
+            if now - self._warned > WARN_EVERY_S:
+                self._warned = now
+                log.warning("rate limits not enforced: %s", exc.message)
+            return True, capacity
 
     def _rate(self, principal: str, resource: str) -> float | None:
         field, _ = RESOURCES[resource]
@@ -44,7 +63,7 @@ class RateLimiter:
         if per_minute is None:
             return
         per_s = per_minute / 60.0
-        taken, left = await self.store.take(f"{principal}:{resource}", per_minute, per_s, amount)
+        taken, left = await self._take(f"{principal}:{resource}", max(per_minute, amount), per_s, amount)
         if not taken:
             raise RateLimited(principal, RESOURCES[resource][1], per_minute, max(1, math.ceil((amount - left) / per_s)))
 
@@ -54,7 +73,7 @@ class RateLimiter:
         if per_minute is None:
             return
         per_s = per_minute / 60.0
-        _, left = await self.store.take(f"{principal}:{resource}", per_minute, per_s, 0.0)
+        _, left = await self._take(f"{principal}:{resource}", per_minute, per_s, 0.0)
         if left <= 0:
             raise RateLimited(principal, RESOURCES[resource][1], per_minute, max(1, math.ceil((1e-9 - left) / per_s)))
 
@@ -63,4 +82,4 @@ class RateLimiter:
         per_minute = self._rate(principal, resource)
         if per_minute is None or amount <= 0:
             return
-        await self.store.take(f"{principal}:{resource}", per_minute, per_minute / 60.0, amount, force=True)
+        await self._take(f"{principal}:{resource}", per_minute, per_minute / 60.0, amount, force=True)

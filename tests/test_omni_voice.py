@@ -299,7 +299,7 @@ def test_the_talker_loads_a_thinker_whose_head_is_tied(tmp_path):
     cfg["thinker_config"]["text_config"]["tie_word_embeddings"] = True
     (d / "config.json").write_text(json.dumps(cfg))
     module = OmniTalkerModule(str(d))
-    assert not hasattr(module.thinker, "visual")
+    assert hasattr(module.thinker, "visual")  # kept: images in the prompt are states the talker reads too
     ids = torch.tensor([[151644, 872, 198, 9707, 151645]])
     out = module.think_prompt(torch.tensor([0]), ids)
     assert out["hidden"].shape == (1, 5, 128) and bool(torch.isfinite(out["hidden"].float()).all())

@@ -364,3 +364,32 @@ async def test_a_g711_session_speaks_mu_law_both_ways(h):
         await until(conn, "session.usage.updated", seen, timeout=10)
     out = b"".join(base64.b64decode(e.delta) for e in seen if e.type == "session.output_audio.delta")
     assert out and len(set(out)) > 2  # μ-law bytes, not PCM16 at 24 kHz
+
+
+async def test_a_resume_while_the_old_socket_is_still_open_takes_the_session_over(h):
+    """The SDK may reconnect before the server has seen the old socket die: the resume
+    takes the session over, the old socket is closed, and the session lives on."""
+    old = await connect(h, "/v1/live/sessions")
+    await old.send("session.start", session={"model": "gpt-live-1"})
+    started = await old.until("session.started")
+    token = (await old.until("info"))["message"]
+    new = await connect(h, f"/v1/live/sessions?session_id={started['session']['id']}&resume_token={token}")
+    resumed = await new.until("info")
+    assert resumed["code"] == "session.resumed"
+    closed = await old.until("connection.closed", timeout=5)
+    assert closed["code"] == 4000
+    await new.send("session.input_audio.mute", event_id="after")
+    muted = await new.until("session.input_audio.muted")
+    assert muted["client_event_id"] == "after"
+    assert h.sessions.sessions() and h.sessions.sessions()[0].is_open
+    await new.ws.close()
+
+
+async def test_a_session_the_server_ends_says_session_closed(h):
+    """An end the client did not ask for (here the server closes it) is Live's
+    session.closed with connection_lost, valid against the SDK's type."""
+    async with live(h) as conn:
+        started = await start(conn)
+        await h.sessions.close(started.session.id)
+        closed = await until(conn, "session.closed")
+        assert closed.reason == "connection_lost" and closed.session.id == started.session.id
