@@ -196,6 +196,27 @@ class LateEmitter(StageProcessor):
         type(self).released.append(session_id)
 
 
+async def admitting(base_url: str, kind: str = "realtime", timeout_s: float = 30.0) -> None:
+    """Wait until the shared server would admit one more `kind` session
+    (`omni_rt_admission_headroom_sessions`, computed from the load it measures now): a
+    test that needs a turn answered does not start while the previous tests' answers
+    still weigh on load-aware admission (it would be refused `capacity`)."""
+    import asyncio
+    import re
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    pattern = re.compile(rf'^omni_rt_admission_headroom_sessions{{kind="{kind}"}} (\S+)$', re.M)
+    async with httpx.AsyncClient(base_url=base_url, headers=ADMIN_HEADERS, timeout=10) as api:
+        while True:
+            m = pattern.search((await api.get("/metrics")).text)
+            if m is None or float(m.group(1)) >= 1 or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.5)
+
+
 def speech_pcm16(text: str, rate: int = 24000) -> bytes:
     """Real speech: espeak-ng to WAV, resampled to `rate` PCM16 (required: no skip)."""
     import shutil
