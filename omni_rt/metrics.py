@@ -136,6 +136,12 @@ ADMISSION_SECONDS = Histogram(
 # ---- stages (read at scrape time) -------------------------------------------------------
 
 
+def _queued(pool: Any) -> int | None:
+    """Work items waiting in a stage pool's engines (None: none of them reports it)."""
+    known = [d for r in pool.replicas if r.engine is not None and (d := r.engine.queue_depth()) is not None]
+    return sum(known) if known else None
+
+
 class _StageCollector:
     """Per-stage in-flight requests and engine queue depth of every live runtime."""
 
@@ -150,10 +156,9 @@ class _StageCollector:
         for rt in list(self.runtimes):
             for name, pool in rt.pools.items():
                 inflight.add_metric([name], sum(r.active for r in pool.replicas))
-                depths = [r.engine.queue_depth() for r in pool.replicas if r.engine is not None]
-                known = [d for d in depths if d is not None]
-                if known:
-                    queued.add_metric([name], sum(known))
+                depth = _queued(pool)
+                if depth is not None:
+                    queued.add_metric([name], depth)
         yield inflight
         yield queued
 
@@ -194,13 +199,8 @@ class _SignalsCollector:
             counts = orch.running_by_pipeline()
             for name, profile in orch.pipelines.items():
                 running.add_metric([name], counts.get(name, 0))
-                depth = 0
-                for stage in {s.name for s in profile.stages}:
-                    pool = rt.pools.get(stage)
-                    for r in pool.replicas if pool is not None else ():
-                        d = r.engine.queue_depth() if r.engine is not None else None
-                        depth += d or 0
-                waiting.add_metric([name], depth)
+                pools = [rt.pools[s] for s in {s.name for s in profile.stages} if s in rt.pools]
+                waiting.add_metric([name], sum(_queued(p) or 0 for p in pools))
             if sessions is not None:
                 for kind, room in sessions.headroom().items():
                     headroom.add_metric([kind], room)

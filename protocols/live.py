@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import json
 import logging
 import secrets
@@ -64,11 +63,12 @@ from omni_rt.errors import ClientError, OmniError
 from protocols.auth import principal_of
 from protocols.errors import error_event
 from protocols.realtime import Config, Conversation, vad_of
+from protocols.realtime.inputs import decode_base64
 from protocols.realtime.items import Item, new_id
 from protocols.realtime.models import PCM24, apply_session_update
 from protocols.registry import Mount
 from protocols.wire_json import load_json
-from protocols.ws import DISCONNECTED, Socket, accept, close_attachment, serve_events
+from protocols.ws import Socket, accept, close_attachment, serve_events
 from sessions import Session, SessionError, SessionEvent, SessionManager
 
 log = logging.getLogger("protocols.live")
@@ -300,10 +300,7 @@ class LiveBase:
 
     def silence(self, audio: str) -> bytes:
         """Base64 audio of the startup format, decoded (muted: as much silence)."""
-        try:
-            raw = base64.b64decode(audio, validate=True)
-        except (binascii.Error, ValueError):
-            raise ClientError("'audio' is not valid base64.", code="invalid_value", param="audio") from None
+        raw = decode_base64(audio, "audio")
         if self.muted:
             enc = self.cfg.format.encoding
             return (b"\xff" if enc == "pcmu" else b"\xd5" if enc == "pcma" else b"\x00") * len(raw)
@@ -522,15 +519,12 @@ async def _await_start(sock: Socket, models: list[str], voices_of: Any) -> tuple
     """The client's `session.start` (the first message): its config, or None when the
     socket closed first. Anything else first is refused with an `error` and the socket
     stays open for the start."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + START_TIMEOUT_S
+    deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
     while True:
         try:
-            data = await asyncio.wait_for(sock.receive(), max(0.01, deadline - loop.time()))
+            data = await sock.receive_by(deadline)
         except asyncio.TimeoutError:
             raise ClientError(f"No 'session.start' within {START_TIMEOUT_S:.0f} s of connecting.", code="session_start_timeout") from None
-        except DISCONNECTED:
-            return None
         if data is None:
             return None
         msg: Any = None

@@ -81,6 +81,15 @@ class Socket:
             return None
         return self._data(receive.result())
 
+    async def receive_by(self, deadline: float) -> str | bytes | None:
+        """The next message before the loop's clock reaches `deadline` (a handshake's
+        first messages): None when the client left; asyncio.TimeoutError past it."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(self.receive(), max(0.01, deadline - loop.time()))
+        except DISCONNECTED:
+            return None
+
     def _data(self, msg: Any) -> str | bytes | None:
         if msg.type is WSMsgType.CLOSE:
             self.client_close_code = self.ws.close_code

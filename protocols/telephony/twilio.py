@@ -65,7 +65,7 @@ from protocols.realtime import Config, Conversation, EventOutput, Response, vad_
 from protocols.realtime.models import apply_session_update
 from protocols.registry import Mount
 from protocols.wire_json import load_json
-from protocols.ws import DISCONNECTED, Socket, accept, serve_events
+from protocols.ws import Socket, accept, serve_events
 from sessions import SessionError, SessionEvent
 
 log = logging.getLogger("protocols.telephony.twilio")
@@ -369,15 +369,12 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
 async def _await_start(sock: Socket, d: Dialect) -> tuple[dict[str, Any] | None, WireFormat]:
     """The provider's `connected`, then `start`: the start message, checked, and the
     call's audio format; None when the stream closed first."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + START_TIMEOUT_S
+    deadline = asyncio.get_running_loop().time() + START_TIMEOUT_S
     while True:
         try:
-            data = await asyncio.wait_for(sock.receive(), max(0.01, deadline - loop.time()))
+            data = await sock.receive_by(deadline)
         except asyncio.TimeoutError:
             raise StreamError(f"no 'start' message within {START_TIMEOUT_S:.0f} s") from None
-        except DISCONNECTED:
-            return None, PCMU
         if data is None:
             return None, PCMU
         msg = _message(data)
