@@ -1,4 +1,4 @@
-"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image,world,video-edit,fuzz} ...``."""
+"""CLI: ``python -m latency_bench {tts,connectors,sessions,realtime,duplex,text-overhead,openpi,image,world,video-edit,fuzz,shapes,...} ...``."""
 
 from __future__ import annotations
 
@@ -289,6 +289,25 @@ def build_parser() -> argparse.ArgumentParser:
     lv.add_argument("--timeout", type=float, default=60.0, help="seconds a turn may take (default 60)")
     _server_target(lv, "http://host:port", 8700)
 
+    sh = sub.add_parser(
+        "shapes",
+        help="every torch/diffusers stage at its public checkpoint's shapes (random weights, in process): step time, batch limits, memory",
+        description="Moshi 7B + Mimi, π0, the Qwen2.5-Omni-7B and Qwen3-Omni talkers and codecs, Wan 2.1 1.3B, SkyReels-V2-DF 1.3B "
+        "(live video) and the Flux DiT, each built from its configuration with random weights and stepped by the engine the server runs "
+        "it in at batch sizes 1..N. --shapes tiny: the tiny checkpoints' configurations (seconds, on a CPU).",
+    )
+    sh.add_argument("--shapes", choices=("tiny", "real"), default="tiny", help="the tiny checkpoints' shapes (default) or the public checkpoints'")
+    sh.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when there is one)")
+    sh.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                    help="the stages' dtype (default auto: bfloat16 on a GPU, float32 on a CPU; the codecs stay float32 as the server runs them)")
+    sh.add_argument("--families", help="comma-separated subset of moshi,pi0,omni,omni3,wan,skyreels,flux (default: all)")
+    sh.add_argument("--batches", help="comma-separated batch sizes for every family (default: per family and shapes)")
+    sh.add_argument("--repeat", type=int, default=5, help="timed steps per level, after one warm-up; medians are reported (default 5)")
+    sh.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time budget; levels past a family's share are skipped (default 420)")
+    sh.add_argument("--layers", type=int, help="cut every layer stack to this many (widths kept) and use the tiny sizes: the real shapes' "
+                    "code paths on a small machine, not their timings")
+    sh.add_argument("--json", help="write results here (JSON)")
+
     return ap
 
 
@@ -296,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS = {"capacity": "capacity", "tts": "tts", "connectors": "connectors", "text-overhead": "text_overhead", "duplex": "duplex", "realtime": "realtime",
             "video-edit": "video_edit", "world": "world", "image": "image", "openpi": "openpi", "sessions": "sessions",
             "fuzz": "fuzz", "transcriptions": "transcriptions", "migrate": "migrate",
-            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps", "telephony": "telephony", "turns": "turns", "live": "live"}
+            "step-cache": "step_cache", "diffusion-steps": "diffusion_steps", "telephony": "telephony", "turns": "turns", "live": "live", "shapes": "shapes"}
 
 
 def main(argv: list[str] | None = None) -> int:

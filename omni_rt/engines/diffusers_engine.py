@@ -128,7 +128,10 @@ class DiffusersEngine(Engine):
         max_sequence_length: int = 128,
         cache: Mapping[str, Any] | None = None,
         prompt_cache: int = 32,
+        pipeline: Any = None,
     ) -> None:
+        """`pipeline`: a diffusers pipeline built in process (the shapes bench's random
+        weights) instead of the one in `model_dir`."""
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if prompt_cache < 0:
@@ -147,6 +150,7 @@ class DiffusersEngine(Engine):
         self.cache = _cache_config(cache)
         self._cached_batch: tuple[tuple[int, bool], ...] | None = None
         self.pipe: Any = None
+        self._built = pipeline
         self.family: Family | None = None
         self.prompt_cache = prompt_cache
         self._prompts: OrderedDict[str, tuple[torch.Tensor, ...]] = OrderedDict()  # only the engine thread touches it
@@ -171,6 +175,8 @@ class DiffusersEngine(Engine):
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
+        if self._built is not None:
+            return self._place(self._built)
         try:
             cls_name = diffusers.DiffusionPipeline.load_config(self.model_dir, local_files_only=True)["_class_name"]
         except Exception as exc:  # noqa: BLE001 - reported with the directory's name
@@ -181,6 +187,20 @@ class DiffusersEngine(Engine):
         # float32 modules kept, as from_pretrained keeps them); the rest float32
         dtypes = {name: self.dtype for name in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")}  # SD3: T5-XXL is the third
         pipe = getattr(diffusers, cls_name).from_pretrained(self.model_dir, local_files_only=True, dtype={**dtypes, "default": torch.float32})
+        return self._place(pipe)
+
+    def _place(self, pipe: Any) -> Any:
+        if type(pipe).__name__ not in SUPPORTED:
+            raise EngineError(f"pipeline class {type(pipe).__name__} is not supported by the step engine; supported: {', '.join(SUPPORTED)}")
+        if pipe is self._built:  # built in process: the dtypes from_pretrained gives (each model's float32 modules kept)
+            for name in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
+                part = getattr(pipe, name, None)
+                if part is None:
+                    continue
+                keep = getattr(part, "_keep_in_fp32_modules", None) or []
+                for key, t in [*part.named_parameters(), *part.named_buffers()]:
+                    if t.is_floating_point():
+                        t.data = t.data.to(torch.float32 if any(k in key.split(".") for k in keep) else self.dtype)
         pipe.set_progress_bar_config(disable=True)
         pipe.to(self.device)
         if self.cache is not None:

@@ -434,17 +434,13 @@ class ForcingFamily(WanFamily):
         latents = torch.stack(windows).to(tf.dtype)
         timestep = torch.stack(steps).to(self.device)
         embeds = self.text(rows, 0, tf.dtype)
-        fps = [0 if j.fps == 16 else 1 for j, _ in rows]
+        # the rows share one frame-rate class (the batch key holds it): diffusers' SkyReels-V2
+        # transformer adds its fps embedding (checkpoints with `inject_sample_info`) to every
+        # row from one entry in diffusion-forcing mode, and fails to broadcast one per row
+        fps = [0 if batch[0].fps == 16 else 1]
         with torch.inference_mode():
-            if tf.config.get("inject_sample_info") and len(rows) > 1:
-                # diffusers' SkyReels-V2 transformer adds its fps embedding for one row
-                # only in diffusion-forcing mode (its broadcast fails for a batch): such
-                # a checkpoint runs the batch's rows one forward each
-                v = torch.cat([tf(hidden_states=latents[i : i + 1], timestep=timestep[i : i + 1], encoder_hidden_states=embeds[i : i + 1],
-                                  enable_diffusion_forcing=True, fps=fps[i : i + 1], return_dict=False)[0] for i in range(len(rows))]).float()
-            else:
-                v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, enable_diffusion_forcing=True, fps=fps,
-                       return_dict=False)[0].float()
+            v = tf(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds, enable_diffusion_forcing=True, fps=fps,
+                   return_dict=False)[0].float()
         for j, vi in zip(batch, self.guided(batch, v), strict=True):
             s, e = j.state["intervals"][j.step]
             t, update = j.state["matrix"][j.step], j.state["update"][j.step]

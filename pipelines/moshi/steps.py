@@ -101,6 +101,15 @@ class SlotCache:
         self.held[rows] = -1
         self.next[rows] = 0
 
+    def age(self, rows: torch.Tensor, positions: int) -> None:
+        """Make each row's ring hold the last `positions` positions (its entries keep the
+        keys and values they hold): a conversation that far along, whose steps attend
+        over the whole window (the shapes bench times steady-state steps so)."""
+        idx = torch.arange(self.capacity, device=self.device)
+        last = positions - 1 - (positions - 1 - idx) % self.capacity  # the latest position each entry holds
+        self.held[rows] = torch.where(last >= 0, last, torch.full_like(last, -1))
+        self.next[rows] = positions
+
     def begin(self, rows: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         pos = self.next[rows][:, None] + torch.arange(tokens, device=self.device)  # [B, T]
         idx = pos % self.capacity
@@ -249,6 +258,15 @@ class MoshiSteps(torch.nn.Module):
             c.reset(rows)
         for r, seed in zip(rows.tolist(), seeds.tolist(), strict=True):
             self.gens[r].manual_seed(int(seed))
+
+    def age(self, rows: torch.Tensor, frames: int) -> None:
+        """Take the rows' conversations to `frames` frames along (their attention windows
+        full once `frames` covers them; the state's values are left as they are): what
+        the shapes bench does to time a long conversation's step without running it."""
+        self.lm_cache.age(rows, frames)
+        for c in (self.enc_cache, self.dec_cache):
+            c.age(rows, 2 * frames)  # Mimi's transformers run at 25 Hz
+        self.frames[rows] = frames
 
     # ---- the pieces of one step ------------------------------------------------------------
     @staticmethod

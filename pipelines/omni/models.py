@@ -122,22 +122,28 @@ class OmniTalkerModule(torch.nn.Module):
     SLOTS = 16
     MAX_LEN = 4096
 
-    def __init__(self, model_dir: str, slots: int = SLOTS, max_len: int = MAX_LEN) -> None:
+    def __init__(self, model_dir: str | None, slots: int = SLOTS, max_len: int = MAX_LEN, *, config: Any = None, thinker: bool = True) -> None:
+        """The checkpoint `model_dir`'s parts; with `model_dir` None, random weights of
+        `config`'s shapes (the shapes bench), the thinker left out unless `thinker`
+        (decode steps never use it)."""
         super().__init__()
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
             Qwen2_5OmniTalkerForConditionalGeneration,
             Qwen2_5OmniThinkerForConditionalGeneration,
         )
 
-        cfg = omni_config(model_dir)
-        self.thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
+        cfg = omni_config(model_dir) if model_dir is not None else config
+        self.thinker: Any = None
+        if model_dir is not None or thinker:
+            self.thinker = Qwen2_5OmniThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
+            # states out: no logits (the LM head, stored or tied to the embeddings, would
+            # only spend a vocabulary-wide matmul a token); the vision tower stays (images
+            # in the prompt are states the talker reads)
+            self.thinker.lm_head = torch.nn.Identity()
         self.talker = Qwen2_5OmniTalkerForConditionalGeneration._from_config(cfg.talker_config, dtype=config_dtype(cfg, "talker_config"))
-        # states out: no logits (the LM head, stored or tied to the embeddings, would
-        # only spend a vocabulary-wide matmul a token); the vision tower stays (images
-        # in the prompt are states the talker reads)
-        self.thinker.lm_head = torch.nn.Identity()
-        load_part(self.thinker, model_dir, "thinker.", keep=lambda k: not k.startswith("lm_head."))
-        load_part(self.talker, model_dir, "talker.")
+        if model_dir is not None:
+            load_part(self.thinker, model_dir, "thinker.", keep=lambda k: not k.startswith("lm_head."))
+            load_part(self.talker, model_dir, "talker.")
         self.audio_token = int(cfg.thinker_config.audio_token_index)
         self.image_token = int(cfg.thinker_config.image_token_index)
         tc = cfg.talker_config
@@ -188,7 +194,7 @@ class OmniTalkerModule(torch.nn.Module):
             cache, length, delta = self._thinker[s]
             row = ids[i : i + 1]
             n = row.shape[1]
-            pos = (torch.arange(length, length + n) + delta).view(1, 1, n).expand(3, 1, n)
+            pos = (torch.arange(length, length + n, device=row.device) + delta).view(1, 1, n).expand(3, 1, n)
             out = self.thinker(input_ids=row, position_ids=pos, past_key_values=cache, use_cache=True, output_hidden_states=True)
             embeds.append(out.hidden_states[0][0])
             hidden.append(out.hidden_states[-1][0])
@@ -223,8 +229,8 @@ class OmniTalkerModule(torch.nn.Module):
             pos, delta = t.get_rope_index(row, grid, None, mask, False, al, None)
             x = embeds[i : i + 1].to(dtype_of(t), copy=True)
             codec = t.get_input_embeddings()
-            x[:, -1] += codec(torch.tensor([t.codec_bos_token]))
-            x[:, -2] += codec(torch.tensor([t.codec_pad_token]))
+            x[:, -1] += codec(torch.tensor([t.codec_bos_token], device=x.device))
+            x[:, -2] += codec(torch.tensor([t.codec_pad_token], device=x.device))
             cache = DynamicCache(config=t.config)
             out = t.model(inputs_embeds=t.thinker_to_talker_proj(x), attention_mask=mask, position_ids=pos,
                           past_key_values=cache, use_cache=True)
@@ -250,7 +256,8 @@ class OmniTalkerModule(torch.nn.Module):
         kv = self.kv[slots, :, :, :, :span]  # [B, L, 2, H, T, D]
         cache = DynamicCache(ddp_cache_data=[(kv[:, li, 0], kv[:, li, 1]) for li in range(kv.shape[1])], config=t.config)
         b = slots.shape[0]
-        mask = torch.cat([(torch.arange(span)[None, :] < lens[:, None]).long(), torch.ones(b, 1, dtype=torch.long)], 1)
+        mask = torch.cat([(torch.arange(span, device=lens.device)[None, :] < lens[:, None]).long(),
+                          torch.ones(b, 1, dtype=torch.long, device=lens.device)], 1)
         x = t.get_input_embeddings()(code.long().view(b, 1)) + reply.view(b, 1, -1).to(dtype_of(t))
         pos = (lens + self.deltas[slots]).view(1, b, 1).expand(3, b, 1)
         out = t.model(inputs_embeds=t.thinker_to_talker_proj(x), attention_mask=mask, position_ids=pos,
@@ -272,13 +279,16 @@ class Token2WavModule(torch.nn.Module):
     """The checkpoint's token2wav (float32, as the reference runs it; an overlay's dtype
     casts it)."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str | None, *, config: Any = None) -> None:
+        """The checkpoint `model_dir`'s token2wav; with `model_dir` None, random weights of
+        `config`'s shapes (the shapes bench)."""
         super().__init__()
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
-        cfg = omni_config(model_dir)
+        cfg = omni_config(model_dir) if model_dir is not None else config
         self.model = Qwen2_5OmniToken2WavModel._from_config(cfg.token2wav_config)
-        load_part(self.model, model_dir, "token2wav.")
+        if model_dir is not None:
+            load_part(self.model, model_dir, "token2wav.")
         self.model.float()
         self.repeats = int(cfg.token2wav_config.dit_config.repeats)  # mel frames a code
 
@@ -304,7 +314,7 @@ class Token2WavModule(torch.nn.Module):
             return guided + (guided - null) * g
 
         n = int(steps.reshape(-1)[0])
-        t = torch.linspace(0, 1, n, dtype=cvec.dtype)
+        t = torch.linspace(0, 1, n, dtype=cvec.dtype, device=cvec.device)
         s = float(sway.reshape(-1)[0])
         t = t + s * (torch.cos(torch.pi / 2 * t) - 1 + t)
         return RungeKutta4ODESolver(function=ode, initial_value=noise.to(dt)).integrate(t)[-1].permute(0, 2, 1)

@@ -62,33 +62,40 @@ class Omni3TalkerModule(torch.nn.Module):
     MAX_LEN = 4096
     PREDICTOR_TOP_K, PREDICTOR_TOP_P = 50, 0.8
 
-    def __init__(self, model_dir: str, slots: int = SLOTS, max_len: int = MAX_LEN) -> None:
+    def __init__(self, model_dir: str | None, slots: int = SLOTS, max_len: int = MAX_LEN, *, config: Any = None, thinker: bool = True) -> None:
+        """The checkpoint `model_dir`'s parts; with `model_dir` None, random weights of
+        `config`'s shapes (the shapes bench), the thinker left out unless `thinker`
+        (frames never use it)."""
         super().__init__()
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
             Qwen3OmniMoeTalkerForConditionalGeneration,
             Qwen3OmniMoeThinkerForConditionalGeneration,
         )
 
-        cfg = omni3_config(model_dir)
+        cfg = omni3_config(model_dir) if model_dir is not None else config
         tc = cfg.talker_config
         self.accept = int(tc.accept_hidden_layer)
-        thinker = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
-        n_layers = len(thinker.model.layers)
-        if not 0 < self.accept <= n_layers:
-            raise StageError(f"{model_dir}: talker accept_hidden_layer {self.accept} is not one of the thinker's {n_layers} layers")
-        thinker.model.layers = thinker.model.layers[: self.accept]
-        del thinker.lm_head  # states out: no logits (the vision tower stays: images are states the talker reads)
-        kept = tuple(f"model.layers.{i}." for i in range(self.accept))
+        self.thinker: Any = None
+        if model_dir is not None or thinker:
+            th = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(cfg.thinker_config, dtype=config_dtype(cfg, "thinker_config"))
+            n_layers = len(th.model.layers)
+            if not 0 < self.accept <= n_layers:
+                raise StageError(f"{model_dir}: talker accept_hidden_layer {self.accept} is not one of the thinker's {n_layers} layers")
+            th.model.layers = th.model.layers[: self.accept]
+            del th.lm_head  # states out: no logits (the vision tower stays: images are states the talker reads)
+            kept = tuple(f"model.layers.{i}." for i in range(self.accept))
 
-        def needed(k: str) -> bool:
-            if k.startswith("model.layers."):
-                return k.startswith(kept)
-            return not k.startswith("lm_head.")
+            def needed(k: str) -> bool:
+                if k.startswith("model.layers."):
+                    return k.startswith(kept)
+                return not k.startswith("lm_head.")
 
-        load_part(thinker, model_dir, "thinker.", keep=needed)
-        self.thinker = thinker
+            if model_dir is not None:
+                load_part(th, model_dir, "thinker.", keep=needed)
+            self.thinker = th
         self.talker = Qwen3OmniMoeTalkerForConditionalGeneration._from_config(tc, dtype=config_dtype(cfg, "talker_config"))
-        load_part(self.talker, model_dir, "talker.")
+        if model_dir is not None:
+            load_part(self.talker, model_dir, "talker.")
         self.audio_token = int(cfg.thinker_config.audio_token_id)
         self.image_token = int(cfg.thinker_config.image_token_id)
         self.mm_tokens = [int(cfg.thinker_config.audio_token_id), int(cfg.thinker_config.image_token_id), int(cfg.thinker_config.video_token_id)]
@@ -101,7 +108,15 @@ class Omni3TalkerModule(torch.nn.Module):
         self.register_buffer("lengths", torch.zeros(slots, dtype=torch.long), persistent=False)
         self.register_buffer("deltas", torch.zeros(slots, dtype=torch.long), persistent=False)
         self.register_buffer("last", torch.zeros(slots, text.hidden_size, dtype=dt), persistent=False)
-        self.gens = [torch.Generator() for _ in range(slots)]
+        self.gens = [torch.Generator() for _ in range(slots)]  # on the module's device (`_apply`), seeded by `prefill`
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Omni3TalkerModule:
+        """`Module.to(device)` (the torch engine's placement) moves the sessions'
+        generators too (sampling draws on the device the logits are on)."""
+        super()._apply(fn, recurse)
+        if hasattr(self, "gens") and self.gens and self.gens[0].device != self.kv.device:
+            self.gens = [torch.Generator(self.kv.device) for _ in self.gens]
+        return self
 
     # ---- the thinker's side ----
 
@@ -119,7 +134,7 @@ class Omni3TalkerModule(torch.nn.Module):
         `pixel_values` [b, patches, dim] / `image_grid_thw` [b, images, 3]: the prompt's
         images as the thinker's processor prepared them."""
         rows = self.text_rows(ids)
-        mm = torch.isin(ids, torch.tensor(self.mm_tokens))
+        mm = torch.isin(ids, torch.tensor(self.mm_tokens, device=ids.device))
         if (features is None and pixel_values is None) or not bool(mm.any()):
             return rows
         th = self.thinker
@@ -144,7 +159,7 @@ class Omni3TalkerModule(torch.nn.Module):
                 visual = {"visual_pos_masks": at, "deepstack_visual_embeds": [torch.cat(f).to(x.dtype) for f in img.deepstack_features]}
             mask = torch.ones_like(row)
             pos, _ = th.get_rope_index(row, grid, None, mask, False, fm.sum(-1) if fm is not None else None, None)
-            pos = torch.cat([torch.arange(row.shape[1]).view(1, 1, -1), pos])  # text positions + M-RoPE's three
+            pos = torch.cat([torch.arange(row.shape[1], device=pos.device).view(1, 1, -1), pos])  # text positions + M-RoPE's three
             hook = th.model.layers[self.accept - 1].register_forward_hook(catch)
             try:
                 res = th.model(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=False, **visual)
@@ -184,7 +199,7 @@ class Omni3TalkerModule(torch.nn.Module):
                 al = audio_lengths[i : i + 1] if audio_lengths is not None else None
                 pos, delta = t.get_rope_index(row, image_grid_thw[i] if image_grid_thw is not None else None, None, mask, False, al, None)
             else:
-                pos, delta = torch.arange(n).view(1, 1, n).expand(3, 1, n), torch.zeros(1, 1, dtype=torch.long)
+                pos, delta = torch.arange(n, device=row.device).view(1, 1, n).expand(3, 1, n), torch.zeros(1, 1, dtype=torch.long)
             cache = DynamicCache(config=t.config.text_config)
             out = t.model(inputs_embeds=embeds[i : i + 1].to(dtype_of(t)), attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
             for li, layer in enumerate(cache.layers):
@@ -224,7 +239,8 @@ class Omni3TalkerModule(torch.nn.Module):
         span = int(lens.max())
         kv = self.kv[slots, :, :, :, :span]
         tcache = DynamicCache(ddp_cache_data=[(kv[:, li, 0], kv[:, li, 1]) for li in range(kv.shape[1])], config=t.config.text_config)
-        mask = torch.cat([(torch.arange(span)[None, :] < lens[:, None]).long(), torch.ones(b, 1, dtype=torch.long)], 1)
+        mask = torch.cat([(torch.arange(span, device=lens.device)[None, :] < lens[:, None]).long(),
+                          torch.ones(b, 1, dtype=torch.long, device=lens.device)], 1)
         inp = torch.cat(embeds, 1).sum(1, keepdim=True) + text.view(b, 1, -1).to(self.last.dtype)
         pos = (lens + self.deltas[slots]).view(1, b, 1).expand(3, b, 1)
         out = t.model(inputs_embeds=inp, attention_mask=mask, position_ids=pos, past_key_values=tcache, use_cache=True)
@@ -245,13 +261,16 @@ class Omni3TalkerModule(torch.nn.Module):
 class Omni3Code2WavModule(torch.nn.Module):
     """The checkpoint's code2wav (float32): codes [B, frames, groups] -> [B, samples]."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str | None, *, config: Any = None) -> None:
+        """The checkpoint `model_dir`'s code2wav; with `model_dir` None, random weights of
+        `config`'s shapes (the shapes bench)."""
         super().__init__()
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-        cfg = omni3_config(model_dir)
+        cfg = omni3_config(model_dir) if model_dir is not None else config
         self.model = Qwen3OmniMoeCode2Wav._from_config(cfg.code2wav_config)
-        load_part(self.model, model_dir, "code2wav.")
+        if model_dir is not None:
+            load_part(self.model, model_dir, "code2wav.")
         self.model.float()
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
