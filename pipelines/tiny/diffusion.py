@@ -126,8 +126,8 @@ def _fill_forcing(out: Path) -> None:
     """A SkyReelsV2DiffusionForcingPipeline directory (SkyReels-V2 DF layout; loads with
     `SkyReelsV2DiffusionForcingPipeline.from_pretrained`): the tiny Wan's text encoder
     and VAE sizes, a SkyReels-V2 transformer (2 layers, 2 heads x 12; without the fps
-    embedding, `inject_sample_info`, which diffusers can add to one row only) and UniPC
-    with flow sigmas (shift 8)."""
+    embedding, `inject_sample_info`: the shapes bench runs the 1.3B checkpoint's, which
+    has it) and UniPC with flow sigmas (shift 8)."""
     _fill_wan(out, transformer="SkyReelsV2Transformer3DModel", pipeline="SkyReelsV2DiffusionForcingPipeline", seed=SEED + 9, shift=8.0)
 
 
