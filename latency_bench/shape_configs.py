@@ -40,7 +40,7 @@ from typing import Any
 
 # ---- kmhf/hf-moshiko -------------------------------------------------------------------
 
-MIMI = {
+MIMI: dict[str, Any] = {
     "model_type": "mimi", "sampling_rate": 24000, "frame_rate": 12.5, "audio_channels": 1, "hidden_size": 512, "num_filters": 64,
     "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3, "residual_kernel_size": 3,
     "dilation_growth_rate": 2, "use_causal_conv": True, "pad_mode": "constant", "compress": 2, "trim_right_ratio": 1.0,
@@ -49,7 +49,7 @@ MIMI = {
     "num_key_value_heads": 8, "head_dim": 64, "hidden_act": "gelu", "max_position_embeddings": 8000, "norm_eps": 1e-5, "rope_theta": 10000.0,
     "sliding_window": 250, "layer_scale_initial_scale": 0.01, "attention_bias": False,
 }
-MOSHI = {
+MOSHI: dict[str, Any] = {
     "architectures": ["MoshiForConditionalGeneration"], "model_type": "moshi", "torch_dtype": "bfloat16",
     "vocab_size": 32000, "audio_vocab_size": 2048, "num_codebooks": 8, "hidden_size": 4096, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "ffn_dim": 22528, "hidden_act": "silu",
@@ -64,10 +64,10 @@ MOSHI = {
 
 # ---- lerobot/pi0_base (transformers' PI0) ----------------------------------------------------
 
-_GEMMA = {"model_type": "gemma", "vocab_size": 257152, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
+_GEMMA: dict[str, Any] = {"model_type": "gemma", "vocab_size": 257152, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256,
           "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
           "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
-PI0 = {
+PI0: dict[str, Any] = {
     "model_type": "pi0", "chunk_size": 50, "max_state_dim": 32, "max_action_dim": 32, "num_inference_steps": 10,
     "vlm_config": {
         "model_type": "paligemma", "image_token_index": 257152, "vocab_size": 257152, "projection_dim": 2048, "hidden_size": 2048,
@@ -81,9 +81,9 @@ PI0 = {
 
 # ---- Qwen/Qwen2.5-Omni-7B -------------------------------------------------------------------
 
-_OMNI_IDS = {"audio_token_index": 151646, "image_token_index": 151655, "video_token_index": 151656, "audio_start_token_id": 151647,
+_OMNI_IDS: dict[str, Any] = {"audio_token_index": 151646, "image_token_index": 151655, "video_token_index": 151656, "audio_start_token_id": 151647,
              "audio_end_token_id": 151648, "vision_start_token_id": 151652, "vision_end_token_id": 151653}
-OMNI = {
+OMNI: dict[str, Any] = {
     "architectures": ["Qwen2_5OmniModel"], "model_type": "qwen2_5_omni", "torch_dtype": "bfloat16", "enable_audio_output": True,
     "talker_config": {
         "model_type": "qwen2_5_omni_talker", "torch_dtype": "bfloat16", "vocab_size": 8448, "embedding_size": 3584, "hidden_size": 896,
@@ -114,8 +114,8 @@ OMNI_SPEAKER_MEL_FRAMES = 400  # spk_dict.pt's ref_mel: (1, 400, 80)
 
 # ---- Qwen/Qwen3-Omni-30B-A3B-Instruct ------------------------------------------------------------
 
-_ROPE3 = {"mrope_section": [24, 20, 20], "interleaved": True, "mrope_interleaved": True, "rope_type": "default", "type": "default"}
-OMNI3 = {
+_ROPE3: dict[str, Any] = {"mrope_section": [24, 20, 20], "interleaved": True, "mrope_interleaved": True, "rope_type": "default", "type": "default"}
+OMNI3: dict[str, Any] = {
     "architectures": ["Qwen3OmniMoeForConditionalGeneration"], "model_type": "qwen3_omni_moe", "dtype": "bfloat16",
     "talker_config": {
         "model_type": "qwen3_omni_moe_talker", "accept_hidden_layer": 24, "num_code_groups": 16, "thinker_hidden_size": 2048,
@@ -147,22 +147,22 @@ OMNI3 = {
 
 # ---- the diffusers families: {pipeline, transformer class and config, scheduler class and config} ----
 
-_WAN_1_3B = {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
+_WAN_1_3B: dict[str, Any] = {"patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
              "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads",
              "eps": 1e-6, "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": 1024}
-_UNIPC = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "num_train_timesteps": 1000, "solver_order": 2,
+_UNIPC: dict[str, Any] = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "num_train_timesteps": 1000, "solver_order": 2,
           "solver_type": "bh2", "lower_order_final": True, "predict_x0": True}
 # Wan 2.1's VAE (both video checkpoints ship it; its latents' mean / std are AutoencoderKLWan's defaults)
-_WAN_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [], "temperal_downsample": [False, True, True],
+_WAN_VAE: dict[str, Any] = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [], "temperal_downsample": [False, True, True],
             "dropout": 0.0}
-WAN = {"pipeline": "WanPipeline", "transformer": "WanTransformer3DModel", "transformer_config": _WAN_1_3B,
+WAN: dict[str, Any] = {"pipeline": "WanPipeline", "transformer": "WanTransformer3DModel", "transformer_config": _WAN_1_3B,
        "scheduler": "UniPCMultistepScheduler", "scheduler_config": {**_UNIPC, "flow_shift": 3.0},
        "vae": "AutoencoderKLWan", "vae_config": _WAN_VAE}
-SKYREELS = {"pipeline": "SkyReelsV2DiffusionForcingPipeline", "transformer": "SkyReelsV2Transformer3DModel",
+SKYREELS: dict[str, Any] = {"pipeline": "SkyReelsV2DiffusionForcingPipeline", "transformer": "SkyReelsV2Transformer3DModel",
             "transformer_config": {**_WAN_1_3B, "inject_sample_info": True, "num_frame_per_block": 1},
             "scheduler": "UniPCMultistepScheduler", "scheduler_config": {**_UNIPC, "flow_shift": 8.0},
             "vae": "AutoencoderKLWan", "vae_config": _WAN_VAE}
-FLUX = {"pipeline": "FluxPipeline", "transformer": "FluxTransformer2DModel",
+FLUX: dict[str, Any] = {"pipeline": "FluxPipeline", "transformer": "FluxTransformer2DModel",
         "transformer_config": {"patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
                                "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
                                "axes_dims_rope": [16, 56, 56]},
