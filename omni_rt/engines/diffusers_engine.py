@@ -389,10 +389,10 @@ class DiffusersEngine(Engine):
         """Text conditioning, starting noise and the schedule of new jobs."""
         fam = self.family
         assert fam is not None
-        encoded = self._encode([j.prompt for j in jobs] + [j.negative_prompt or "" for j in jobs if j.guidance_scale > 1.0])
+        encoded = self._encode([j.prompt for j in jobs] + [j.negative_prompt or "" for j in jobs if fam.uses_cfg(j)])
         for j in jobs:
             j.cond = encoded[j.prompt]
-            j.uncond = encoded[j.negative_prompt or ""] if j.guidance_scale > 1.0 else None
+            j.uncond = encoded[j.negative_prompt or ""] if fam.uses_cfg(j) else None
             fam.prepare(j)
 
     def _encode(self, prompts: list[str]) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -13,8 +13,9 @@ its own pipeline's `__call__`, using that pipeline's components and helpers:
 - `decode(jobs)`: latents to uint8 pixels, `[H, W, 3]` (image families) or
   `[frames, H, W, 3]` (video families).
 
-Families: `FluxPipeline` (images; flow-matching Euler on packed latents, optional true
-CFG, extra conditioning tokens for the world model), `StableDiffusion3Pipeline`
+Families: `FluxPipeline` (images; flow-matching Euler on packed latents, true CFG
+unless the model is guidance-distilled — FLUX.1-dev takes the scale as its guidance
+embedding — extra conditioning tokens for the world model), `StableDiffusion3Pipeline`
 (images: SD3's three text encoders, CFG with a negative prompt), `WanPipeline` (Wan
 2.1-style text-to-video: UMT5 text, 3-D latents, the scheduler of the directory — UniPC with
 flow sigmas in the published checkpoints — one scheduler copy per request because
@@ -81,6 +82,10 @@ class Family:
 
     def encode(self, prompts: list[str]) -> list[tuple[torch.Tensor, ...]]:
         raise NotImplementedError
+
+    def uses_cfg(self, job: DiffusionJob) -> bool:
+        """Whether the job runs classifier-free guidance (an unconditional row beside its own)."""
+        return job.guidance_scale > 1.0
 
     def prepare(self, job: DiffusionJob) -> None:
         raise NotImplementedError
@@ -160,6 +165,12 @@ def _uint8(pixels: Any) -> np.ndarray:
 
 
 class FluxFamily(Family):
+    def uses_cfg(self, job: DiffusionJob) -> bool:
+        # a guidance-distilled Flux (FLUX.1-dev: `guidance_embeds`) takes the scale as its
+        # guidance embedding, as FluxPipeline's `guidance_scale` does: one row, no negative
+        # prompt (true CFG is the pipeline's separate `true_cfg_scale`)
+        return not self.pipe.transformer.config.guidance_embeds and super().uses_cfg(job)
+
     @property
     def tokenizer(self) -> Any:
         return self.pipe.tokenizer_2  # T5's (CLIP's is capped at 77)
