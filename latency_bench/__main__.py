@@ -306,7 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time budget; levels past a family's share are skipped (default 420)")
     sh.add_argument("--layers", type=int, help="cut every layer stack to this many (widths kept) and use the tiny sizes: the real shapes' "
                     "code paths on a small machine, not their timings")
-    sh.add_argument("--json", help="write results here (JSON)")
+    sh.add_argument("--isolate", action="store_true",
+                    help="each family in its own process (a GPU fault or a hang ends only that family; each pays its own start-up)")
+    sh.add_argument("--json", help="write results here (JSON; rewritten as each family ends)")
 
     return ap
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import statistics
 import time
@@ -46,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from latency_bench import finish, machine_info, utc_now
+from latency_bench import finish, machine_info, utc_now, write_json
 from latency_bench import shape_configs as sc
 
 SCHEMA = "omni-rt.latency_bench.shapes/1"
@@ -104,12 +105,13 @@ def _reset_peak(device: Any) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _peak_gib(device: Any) -> float | None:
+def _peak_gib(device: Any, reserved: bool = False) -> float | None:
+    """The level's peak GPU memory: allocated by tensors, or held by the allocator (`reserved`: what runs out)."""
     import torch
 
     if device.type != "cuda":
         return None
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return round((torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)) / 2**30, 2)
 
 
 def _free(device: Any) -> None:
@@ -143,17 +145,20 @@ def _weights_gib(module: Any) -> float:
 
 
 def _largest(levels: dict[str, dict[str, Any]], ok: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    """The largest measured batch that `ok` accepts, and whether a larger one was measured and failed
-    (else the limit is at least that: the levels ran out, the budget or the memory did)."""
-    best, refused = 0, False
+    """The largest measured batch that `ok` accepts, and what bounds it: `time` (a larger one was
+    measured and missed the budget), `memory` (a larger one ran out of it), or None (the levels,
+    or the run's time, ran out first: the limit is at least that)."""
+    best, bound = 0, None
     for n, r in levels.items():
+        if "oom" in r:
+            bound = bound or "memory"
         if "skipped" in r or "oom" in r or "error" in r:
             continue
         if ok(r):
             best = max(best, int(n))
         else:
-            refused = True
-    return {"batch": best, "bounded": refused}
+            bound = "time"
+    return {"batch": best, "bounded_by": bound}
 
 
 class Run:
@@ -186,13 +191,16 @@ class Run:
         import torch
 
         out: dict[str, dict[str, Any]] = {}
+        last: tuple[int, float] | None = None  # the last level's batch and seconds: the next one's forecast
         for i, n in enumerate(levels):
-            if self.out_of_time():
+            forecast = last[1] * n / last[0] if last else 0.0
+            if self.out_of_time() or time.monotonic() + forecast > self.family_deadline:
                 for m in levels[i:]:
-                    out[str(m)] = {"skipped": "time budget"}
+                    out[str(m)] = {"skipped": "time budget" + (f" (the next level would take ~{forecast:.0f} s)" if forecast else "")}
                 break
             _free(self.device)
             _reset_peak(self.device)
+            t = time.monotonic()
             try:
                 r = await one(n)
             except Exception as exc:  # noqa: BLE001 - out of memory ends the family's levels; anything else is reported
@@ -204,8 +212,9 @@ class Run:
                     out[str(m)] = {"skipped": "out of memory at a smaller batch" if oom else "an error at a smaller batch"}
                 _free(self.device)
                 break
-            r["peak_memory_gib"] = _peak_gib(self.device)
+            r["peak_memory_gib"], r["peak_reserved_gib"] = _peak_gib(self.device), _peak_gib(self.device, reserved=True)
             out[str(n)] = r
+            last = (n, time.monotonic() - t)
         return out
 
     def torch_engine(self, module: Any, name: str, realtime: bool, max_batch: int, as_built: bool = False) -> Any:
@@ -594,6 +603,20 @@ async def _diffusers_engine(run: Run, family: str, max_rows: int) -> tuple[Any, 
     return engine, info
 
 
+def _decode_one(engine: Any, jobs: list[Any], device: Any) -> dict[str, Any]:
+    """The jobs' decode, timed; running out of memory there is reported beside the step's figures."""
+    import torch
+
+    t = time.perf_counter()
+    try:
+        engine._decode(jobs)
+        _sync(device)
+    except torch.OutOfMemoryError as exc:
+        _free(device)
+        return {"decode_oom": str(exc).splitlines()[0][:200]}
+    return {"decode_ms": round((time.perf_counter() - t) * 1000, 1)}
+
+
 def _stage_args(run: Run, family: str) -> dict[str, Any]:
     """The stage's processor_args as the server is configured to run it (see STAGE_ARGS)."""
     import yaml
@@ -647,10 +670,10 @@ async def bench_wan(run: Run) -> dict[str, Any]:
             engine._step(jobs)
 
         ms = await _median_ms(step, run.device, run.repeat)
-        t = time.perf_counter()
-        engine._decode(jobs)
-        _sync(run.device)
-        return {"step_ms": ms, "decode_ms": round((time.perf_counter() - t) * 1000, 1), "clips_steps_per_s": round(n * 1000 / ms, 3)}
+        out: dict[str, Any] = {"step_ms": ms, "clips_steps_per_s": round(n * 1000 / ms, 3)}
+        if n == levels[0]:  # the VAE decodes a clip at a time (a clip's own cost, cold: once a run)
+            out.update(_decode_one(engine, jobs[:1], run.device))
+        return out
 
     try:
         result = await run.over(levels, one)
@@ -727,10 +750,9 @@ async def bench_flux(run: Run) -> dict[str, Any]:
             engine._step(jobs)
 
         ms = await _median_ms(step, run.device, run.repeat)
-        t = time.perf_counter()
-        engine._decode(jobs)
-        _sync(run.device)
-        return {"step_ms": ms, "image_steps_per_s": round(n * 1000 / ms, 3), "decode_ms": round((time.perf_counter() - t) * 1000, 1)}
+        if n == levels[0]:
+            _decode_one(engine, jobs[:1], run.device)  # warm (the first decode loads its kernels)
+        return {"step_ms": ms, "image_steps_per_s": round(n * 1000 / ms, 3), **_decode_one(engine, jobs, run.device)}
 
     try:
         result = await run.over(levels, one)
@@ -761,8 +783,16 @@ def versions(device: Any) -> dict[str, Any]:
     return out
 
 
+MIN_FAMILY_S = 15.0  # a family is not started with less of the budget left
+CHILD_GRACE_S = 90.0  # an isolated family's process: its share of the budget, plus imports, the GPU's start and its build
+
+
 async def run_shapes(shapes: str, device: str, dtype: str, families: list[str], repeat: int, budget_s: float,
-                     batches: list[int] | None = None, layers: int | None = None) -> dict[str, Any]:
+                     batches: list[int] | None = None, layers: int | None = None, isolate: bool = False,
+                     progress: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Each family in turn (`isolate`: each in its own process, so that a GPU fault or a hang ends
+    only that family), each given an equal share of what is left of `budget_s`; `progress(family,
+    result so far)` after each."""
     import torch
 
     dev = torch.device(device)
@@ -776,28 +806,66 @@ async def run_shapes(shapes: str, device: str, dtype: str, families: list[str], 
         models = build_tiny(models_dir(DeployOverlay()))
     run = Run(shapes, dev, dt, repeat, budget_s, batches, models, layers)
     out: dict[str, Any] = {}
+    vers: dict[str, Any] = {} if isolate else versions(dev)  # (isolated: the children's; the parent leaves the GPU alone)
+
+    def result() -> dict[str, Any]:
+        return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "versions": vers,
+                "config": {"shapes": shapes, "device": device, "dtype": dtype, "families": families, "repeat": repeat, "budget_s": budget_s,
+                           "batches": batches or {f: LEVELS[shapes][f] for f in families}, "sizes": run.sizes, "layers": layers,
+                           "isolated": isolate,
+                           "timings": "the checkpoints' shapes" if not layers else f"stacks cut to {layers} layers: code paths only, not the checkpoints' timings"},
+                "elapsed_s": round(time.monotonic() - run.started, 1), "families": out}
+
     for i, fam in enumerate(families):
-        # each family's share: what is left of the budget over the families left
         left = run.started + budget_s - time.monotonic()
-        run.family_deadline = time.monotonic() + max(0.0, left) / (len(families) - i)
-        if left <= 0:
-            out[fam] = {"skipped": "time budget"}
-            continue
+        share = max(0.0, left) / (len(families) - i)  # what is left of the budget over the families left
+        run.family_deadline = time.monotonic() + share
         t = time.perf_counter()
-        try:
-            out[fam] = {"checkpoint": sc.CHECKPOINTS[fam] if shapes == "real" else f"tiny:{sc.TINY[fam]}", **await BENCHES[fam](run)}
-        except Exception as exc:  # noqa: BLE001 - one family's failure is reported; the others still run
-            oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-            if not oom:
-                log.exception("shapes: %s failed", fam)
-            out[fam] = {"oom" if oom else "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+        if left < MIN_FAMILY_S:
+            out[fam] = {"skipped": "time budget"}
+        elif isolate:
+            child = await _in_child(fam, share, shapes, device, dtype, repeat, batches, layers)
+            out[fam] = child.get("families", {}).get(fam) or {"error": child.get("error", "no result")}
+            vers = vers or child.get("versions") or {}
+        else:
+            try:
+                out[fam] = {"checkpoint": sc.CHECKPOINTS[fam] if shapes == "real" else f"tiny:{sc.TINY[fam]}", **await BENCHES[fam](run)}
+            except Exception as exc:  # noqa: BLE001 - one family's failure is reported; the others still run
+                oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+                if not oom:
+                    log.exception("shapes: %s failed", fam)
+                out[fam] = {"oom" if oom else "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+            _free(dev)
         out[fam]["seconds"] = round(time.perf_counter() - t, 1)
-        _free(dev)
-    return {"schema": SCHEMA, "created": utc_now(), "machine": machine_info(), "versions": versions(dev),
-            "config": {"shapes": shapes, "device": device, "dtype": dtype, "families": families, "repeat": repeat, "budget_s": budget_s,
-                       "batches": batches or {f: LEVELS[shapes][f] for f in families}, "sizes": run.sizes, "layers": layers,
-                       "timings": "the checkpoints' shapes" if not layers else f"stacks cut to {layers} layers: code paths only, not the checkpoints' timings"},
-            "elapsed_s": round(time.monotonic() - run.started, 1), "families": out}
+        if progress is not None:
+            progress(fam, result())
+    return result()
+
+
+async def _in_child(fam: str, share: float, shapes: str, device: str, dtype: str, repeat: int, batches: list[int] | None,
+                    layers: int | None) -> dict[str, Any]:
+    """One family in a process of its own (its output goes to this one's), killed past its share and a grace."""
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "family.json"
+        cmd = [sys.executable, "-m", "latency_bench", "shapes", "--shapes", shapes, "--device", device, "--dtype", dtype, "--families", fam,
+               "--repeat", str(repeat), "--budget-s", f"{share:.1f}", "--json", str(path)]
+        cmd += ["--batches", ",".join(map(str, batches))] if batches else []
+        cmd += ["--layers", str(layers)] if layers else []
+        proc = await asyncio.create_subprocess_exec(*cmd)
+        limit = share + CHILD_GRACE_S
+        try:
+            rc = await asyncio.wait_for(proc.wait(), limit)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            return {"error": f"killed: still running {limit:.0f} s after it started (its share {share:.0f} s + {CHILD_GRACE_S:.0f} s)"}
+        if not path.is_file():
+            return {"error": f"its process ended with status {rc} and no result"}
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
 
 
 def _cell(x: dict[str, Any], key: str) -> Any:
@@ -864,12 +932,17 @@ def main_shapes(args: Any) -> int:
     if args.layers is not None and args.layers < 1:
         print("error: --layers must be >= 1")
         return 2
-    result = asyncio.run(run_shapes(args.shapes, device, dtype, families, args.repeat, float(args.budget_s), batches, args.layers))
+    print(f"shapes={args.shapes} device={device} dtype={dtype} families={','.join(families)} budget {args.budget_s:g} s", flush=True)
+
+    def progress(fam: str, so_far: dict[str, Any]) -> None:  # a line, and the JSON so far, as each family ends
+        print(_line(fam, so_far["families"][fam]), flush=True)
+        write_json(args.json, so_far)
+
+    result = asyncio.run(run_shapes(args.shapes, device, dtype, families, args.repeat, float(args.budget_s), batches, args.layers,
+                                    isolate=bool(args.isolate), progress=progress))
     v = result["versions"]
-    print(f"shapes={args.shapes} device={device} ({(v.get('gpu') or {}).get('name', 'cpu')}) dtype={dtype} torch {v['torch']} "
-          f"transformers {v['transformers']} diffusers {v['diffusers']}; {result['elapsed_s']} s")
-    for fam, r in result["families"].items():
-        print(_line(fam, r))
+    print(f"{(v.get('gpu') or {}).get('name', 'cpu')}: torch {v.get('torch')} transformers {v.get('transformers')} "
+          f"diffusers {v.get('diffusers')}; {result['elapsed_s']} s")
     finish(args.json, result)
     failed = errors(result)
     for e in failed:

@@ -9,7 +9,7 @@
 #   scripts/shapes-wheels.sh            # -> .whl/*.whl
 # then, on the GPU machine, from the repo root:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
-#   python3 -m latency_bench shapes --shapes real --device cuda --dtype bfloat16 --budget-s 420 --json shapes.json
+#   python3 -m latency_bench shapes --shapes real --device cuda --dtype bfloat16 --isolate --budget-s 360 --json shapes.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -254,3 +254,44 @@ def test_the_real_configurations_run_through_every_stage_cut_to_one_layer(tmp_pa
     assert (sky["steps"], sky["history_latent_frames"], sky["guidance_scale"], sky["video_fps"]) == (30, 5, 6.0, 24)  # the example overlay
     assert sky["levels"]["1"]["rows_per_forward"] == 2  # guided: a conditional and an unconditional row
     assert fams["wan"]["guidance_scale"] == 5.0
+
+
+def test_levels_stop_at_the_budget_forecast_and_at_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A level whose forecast (the last level's time scaled by the batch) would pass the family's
+    share is skipped; running out of memory ends the levels; the summary names what bounds it."""
+    import asyncio
+
+    from latency_bench import shapes
+
+    now = [0.0]
+    monkeypatch.setattr(shapes.time, "monotonic", lambda: now[0])
+    run = shapes.Run("tiny", torch.device("cpu"), torch.float32, 1, budget_s=100.0, batches=None, models=None)
+    run.family_deadline = 100.0
+
+    async def one(n: int) -> dict[str, Any]:
+        now[0] += 10.0 * n  # a level's seconds grow with its batch
+        if n == 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"ms": 10.0 * n}
+
+    out = asyncio.run(run.over([1, 2, 4, 8], one))
+    assert [k for k, v in out.items() if "ms" in v] == ["1", "2", "4"]  # 10 + 20 + 40 s; 8 would take ~80 s more
+    assert "the next level would take ~80 s" in out["8"]["skipped"]
+    assert shapes._largest(out, lambda r: r["ms"] <= 20) == {"batch": 2, "bounded_by": "time"}
+    assert shapes._largest(out, lambda r: True) == {"batch": 4, "bounded_by": None}
+
+    now[0], run.family_deadline = 0.0, 1e9
+    out = asyncio.run(run.over([8, 16, 32], one))
+    assert "oom" in out["16"] and out["32"] == {"skipped": "out of memory at a smaller batch"}
+    assert shapes._largest(out, lambda r: True) == {"batch": 8, "bounded_by": "memory"}
+
+
+@pytest.mark.integration  # a family in a process of its own
+def test_an_isolated_family_reports_from_its_own_process(models_dir: Path, tmp_path: Path) -> None:
+    from latency_bench.__main__ import main
+
+    out = tmp_path / "shapes.json"
+    assert main(["shapes", "--shapes", "tiny", "--families", "flux", "--batches", "1", "--repeat", "1", "--isolate", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["isolated"] is True and result["versions"]["torch"]
+    assert result["families"]["flux"]["levels"]["1"]["step_ms"] > 0
