@@ -232,6 +232,13 @@ async def _gather(engine: Any, items: list[Any], op: str | None) -> list[Any]:
     return list(await asyncio.gather(*(engine.run(it, op=op) for it in items)))
 
 
+async def _engine_steps(engine: Any, call: Callable[[], Awaitable[Any]]) -> int:
+    """The engine steps one call took (1: every row in one batched step)."""
+    before = engine.steps
+    await call()
+    return int(engine.steps - before)
+
+
 # ---- Moshi ---------------------------------------------------------------------------------------------------
 
 
@@ -276,7 +283,7 @@ async def bench_moshi(run: Run) -> dict[str, Any]:
         steps.age(torch.arange(n, device=run.device), window)
         full = await _median_ms(lambda: _gather(engine, items(), "step"), run.device, run.repeat, warm=1)
         return {"first_step_ms": first, "step_ms": start, "step_ms_full_window": full, "rtf": round(full / MOSHI_FRAME_MS, 3),
-                "late": full > MOSHI_FRAME_MS}
+                "late": full > MOSHI_FRAME_MS, "engine_steps_per_frame": await _engine_steps(engine, lambda: _gather(engine, items(), "step"))}
 
     try:
         result = await run.over(levels, one)
@@ -427,7 +434,8 @@ async def _omni_talker(run: Run, cfg: Any) -> dict[str, Any]:
                                      "reply": rng.standard_normal(e, np.float32) * 0.02} for s in range(n)], "talk_step")
 
         ms = await _median_ms(step, run.device, run.repeat)
-        return {"step_ms": ms, "rtf": round(ms / 1000 / code_s, 3), "codes_per_s": round(n * 1000 / ms, 1)}
+        return {"step_ms": ms, "rtf": round(ms / 1000 / code_s, 3), "codes_per_s": round(n * 1000 / ms, 1),
+                "engine_steps_per_step": await _engine_steps(engine, step)}
 
     try:
         levels_out = await run.over(levels, one)
@@ -521,7 +529,8 @@ async def _omni3_talker(run: Run, cfg: Any) -> dict[str, Any]:
                                      "text": rng.standard_normal(h, np.float32) * 0.02, "greedy": np.asarray(False)} for s in range(n)], "frame")
 
         ms = await _median_ms(step, run.device, run.repeat)
-        return {"step_ms": ms, "rtf": round(ms / 1000 / frame_s, 3), "frames_per_s": round(n * 1000 / ms, 1)}
+        return {"step_ms": ms, "rtf": round(ms / 1000 / frame_s, 3), "frames_per_s": round(n * 1000 / ms, 1),
+                "engine_steps_per_step": await _engine_steps(engine, step)}
 
     try:
         levels_out = await run.over(levels, one)
