@@ -224,3 +224,31 @@ def test_the_text_stream_reads_as_kyutais_servers_render_it(tmp_path: Path) -> N
     assert out.endswith("how are you today?"), out
     fresh = text.stream()
     assert "".join(fresh(t) for t in words) == "hello there, how are you today?"
+
+
+def test_sampling_filters_each_row_by_its_own_settings() -> None:
+    """The rows' temperatures and top-k are applied together, each row by its own: greedy rows
+    take the argmax, a top-k row draws only among its k best, a row without a filter may
+    draw anything; each from its slot's generator (the same seed, the same draws)."""
+    from pipelines.moshi.steps import MoshiSteps
+
+    class Bare(MoshiSteps):
+        def __init__(self) -> None:  # only the generators `_sample` reads
+            torch.nn.Module.__init__(self)
+            self.gens = [torch.Generator().manual_seed(i) for i in range(4)]
+
+    logits = torch.randn(4, 50)
+    rows = [3, 0, 2, 1]
+
+    def draw(seed_offset: int = 0) -> list[torch.Tensor]:
+        s = Bare()
+        for i, g in enumerate(s.gens):
+            g.manual_seed(i + seed_offset)
+        return [s._sample(logits, rows, torch.tensor([0.0, 1.0, 1.0, 2.0]), torch.tensor([5, 3, 50, 0])) for _ in range(200)]
+
+    a = torch.stack(draw())
+    assert (a[:, 0] == logits[0].argmax()).all()  # greedy
+    assert set(a[:, 1].tolist()) <= set(torch.topk(logits[1], 3).indices.tolist()) and len(set(a[:, 1].tolist())) > 1
+    assert len(set(a[:, 2].tolist())) > 10 and len(set(a[:, 3].tolist())) > 10  # k = vocab and k = 0: no filter
+    assert torch.equal(a, torch.stack(draw()))  # seeded
+    assert not torch.equal(a, torch.stack(draw(seed_offset=7)))

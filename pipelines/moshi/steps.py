@@ -302,17 +302,29 @@ class MoshiSteps(torch.nn.Module):
         return wav[:, 0, -FRAME:]
 
     def _sample(self, logits: torch.Tensor, rows: list[int], temperature: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+        """One token per row: argmax where the row's temperature is 0, else top-k sampling at
+        its temperature from its slot's generator. The rows' temperatures and top-k filters
+        are applied together (one host read of the settings a call, not one a row: on a GPU
+        each would wait for the step so far); each sampled row then draws from its own
+        generator."""
         out = logits.argmax(-1)
-        for i, r in enumerate(rows):
-            t = float(temperature[i])
-            if t <= 0:
-                continue
-            x = logits[i].float() / t
-            k = int(top_k[i])
-            if 0 < k < x.shape[-1]:
-                kth = torch.topk(x, k).values[-1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            out[i] = torch.multinomial(torch.softmax(x, -1), 1, generator=self.gens[r])[0]
+        temps, ks = temperature.tolist(), top_k.tolist()
+        pick = [i for i, t in enumerate(temps) if t > 0]
+        if not pick:
+            return out
+        vocab = logits.shape[-1]
+        idx = torch.tensor(pick, device=logits.device)
+        x = logits[idx].float() / torch.tensor([temps[i] for i in pick], dtype=torch.float32, device=logits.device)[:, None]
+        k = [int(ks[i]) if 0 < int(ks[i]) < vocab else vocab for i in pick]
+        if min(k) < vocab:
+            kk = torch.tensor(k, device=x.device)[:, None]
+            top = torch.topk(x, max(v for v in k if v < vocab)).values  # [n, the largest filter], descending
+            kth = top.gather(1, kk.clamp(max=top.shape[1]) - 1)
+            kth = torch.where(kk < vocab, kth, torch.full_like(kth, float("-inf")))  # rows without a filter keep every token
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, -1)
+        drawn = torch.cat([torch.multinomial(probs[j], 1, generator=self.gens[rows[i]]) for j, i in enumerate(pick)])
+        out[idx] = drawn
         return out
 
     def lm(self, rows: torch.Tensor, user: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
