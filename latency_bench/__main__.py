@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--families", help="comma-separated subset of moshi,pi0,omni,omni3,wan,skyreels,flux (default: all)")
     sh.add_argument("--batches", help="comma-separated batch sizes for every family (default: per family and shapes)")
     sh.add_argument("--repeat", type=int, default=5, help="timed steps per level, after one warm-up; medians are reported (default 5)")
-    sh.add_argument("--budget-s", type=float, default=420.0, help="the whole run's time budget; levels past a family's share are skipped (default 420)")
+    sh.add_argument("--budget-s", type=float, default=360.0,
+                    help="the whole run's time budget; a family's levels past its share are skipped (default 360: with start-up, within 8 minutes)")
     sh.add_argument("--layers", type=int, help="cut every layer stack to this many (widths kept) and use the tiny sizes: the real shapes' "
                     "code paths on a small machine, not their timings")
     sh.add_argument("--isolate", action="store_true",

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from omni_rt.dtypes import dtype_of
 from omni_rt.engines.base import Engine, StepEngine
 from omni_rt.payloads import Payload, PayloadKind
 from omni_rt.specs import StageSpec
@@ -60,7 +61,7 @@ class SttSteps(torch.nn.Module):
         return cls(model)
 
     def _decode(self, state: dict[str, Any], text_token: int, codes: Any) -> int:
-        ids = torch.tensor([[[text_token, *codes]]], dtype=torch.long)
+        ids = torch.tensor([[[text_token, *codes]]], dtype=torch.long, device=self.model.device)  # (on the model's device: a GPU's too)
         out = self.model(input_ids=ids, past_key_values=state["kv"], use_cache=True)
         state["kv"] = out.past_key_values
         return int(out.logits[0, -1].argmax())
@@ -79,7 +80,7 @@ class SttSteps(torch.nn.Module):
                     first = self._decode(state, self.bos, [self.audio_bos] * self.codebooks)
                     state["last"] = first
                 state = self.slots[key]
-                enc = self.model.codec_model.encode(pcm[i].reshape(1, 1, -1).float(), encoder_past_key_values=state["enc"],
+                enc = self.model.codec_model.encode(pcm[i].reshape(1, 1, -1).to(dtype_of(self.model.codec_model)), encoder_past_key_values=state["enc"],
                                                     padding_cache=state["pad"], use_streaming=True, return_dict=True)
                 state["enc"], state["pad"] = enc.encoder_past_key_values, enc.padding_cache
                 codes = [int(c) for c in enc.audio_codes[0, : self.codebooks, 0]]
