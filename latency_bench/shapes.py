@@ -161,6 +161,17 @@ def _largest(levels: dict[str, dict[str, Any]], ok: Callable[[dict[str, Any]], b
     return {"batch": best, "bounded_by": bound}
 
 
+def _failure(exc: BaseException, where: str) -> dict[str, str]:
+    """`{"oom": ...}` when `exc` is running out of GPU memory (the engine reports it wrapped), else
+    `{"error": ...}` (logged with its traceback)."""
+    import torch
+
+    oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+    if not oom:
+        log.error("shapes: %s failed", where, exc_info=exc)
+    return {"oom" if oom else "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+
+
 class Run:
     """One bench run: the device, dtype, levels, the clock each family's share of the budget is read from."""
 
@@ -188,7 +199,6 @@ class Run:
     async def over(self, levels: list[int], one: Callable[[int], Awaitable[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
         """`one(n)` at each level, in order, with the peak memory of each; past the family's
         share of the budget the rest are skipped, and after running out of memory too."""
-        import torch
 
         out: dict[str, dict[str, Any]] = {}
         last: tuple[int, float] | None = None  # the last level's batch and seconds: the next one's forecast
@@ -204,10 +214,8 @@ class Run:
             try:
                 r = await one(n)
             except Exception as exc:  # noqa: BLE001 - out of memory ends the family's levels; anything else is reported
-                oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-                out[str(n)] = {"oom" if oom else "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
-                if not oom:
-                    log.exception("shapes: level %d failed", n)
+                out[str(n)] = _failure(exc, f"level {n}")
+                oom = "oom" in out[str(n)]
                 for m in levels[i + 1 :]:
                     out[str(m)] = {"skipped": "out of memory at a smaller batch" if oom else "an error at a smaller batch"}
                 _free(self.device)
@@ -404,8 +412,36 @@ async def bench_omni(run: Run) -> dict[str, Any]:
     talker = await _omni_talker(run, cfg)
     _free(run.device)  # the talker's memory is back before the codec is built
     codec = await _omni_token2wav(run, cfg)
-    return {**talker, **codec, "summary": {"talker_sessions_realtime": _largest(talker["talker"], lambda r: r["rtf"] <= 1.0),
-                                           "token2wav_rtf": {n: r.get("rtf") for n, r in codec["token2wav"]["levels"].items()}}}
+    return _talker_and_codec(talker, codec, "token2wav")
+
+
+def _talker_max_len(run: Run) -> int:
+    """Positions a talker slot needs: the prompt, then a level's steps (a warm-up, the timed ones, the batching check)."""
+    return int(run.sizes["talker_prompt"]) + 4 * run.repeat + 16
+
+
+async def _talker_levels(run: Run, levels: list[int], talker: Any, prefill: tuple[str, Callable[[int], dict[str, np.ndarray]]],
+                         step: tuple[str, Callable[[int], dict[str, np.ndarray]]], period_s: float, rate: str) -> dict[str, dict[str, Any]]:
+    """A talker's levels: N answers' prompts in (op and item of slot s: `prefill`), then one step of all N
+    timed (`step`), against the `period_s` of audio each step makes (`rate`: the figure's name a second)."""
+    engine = run.torch_engine(talker, "omni_talker", realtime=True, max_batch=max(levels))
+    await engine.start()
+
+    async def one(n: int) -> dict[str, Any]:
+        talker.lengths.zero_()
+        await _gather(engine, [prefill[1](s) for s in range(n)], prefill[0])
+
+        def once() -> Awaitable[Any]:
+            return _gather(engine, [step[1](s) for s in range(n)], step[0])
+
+        ms = await _median_ms(once, run.device, run.repeat)
+        return {"step_ms": ms, "rtf": round(ms / 1000 / period_s, 3), rate: round(n * 1000 / ms, 1),
+                "engine_steps_per_step": await _engine_steps(engine, once)}
+
+    try:
+        return await run.over(levels, one)
+    finally:
+        await engine.stop()
 
 
 async def _omni_talker(run: Run, cfg: Any) -> dict[str, Any]:
@@ -416,33 +452,26 @@ async def _omni_talker(run: Run, cfg: Any) -> dict[str, Any]:
     prompt = int(run.sizes["talker_prompt"])
     t0 = time.perf_counter()
     with _building(run.device, run.dtype):
-        talker = OmniTalkerModule(None, slots=max(levels), max_len=prompt + 4 * run.repeat + 16, config=cfg, thinker=False)
+        talker = OmniTalkerModule(None, slots=max(levels), max_len=_talker_max_len(run), config=cfg, thinker=False)
     build_s = time.perf_counter() - t0
-    engine = run.torch_engine(talker, "omni_talker", realtime=True, max_batch=max(levels))
-    await engine.start()
     e, vocab, plain = int(tc.embedding_size), int(tc.vocab_size), _plain_id(tc)
     rng = np.random.default_rng(0)
     code_s = _omni_code_s(cfg)
-
-    async def one(n: int) -> dict[str, Any]:
-        talker.lengths.zero_()
-        await _gather(engine, [{"slot": np.asarray(s, np.int64), "embeds": rng.standard_normal((prompt, e), np.float32) * 0.02,
-                                "text_ids": np.full(prompt, plain, np.int64)} for s in range(n)], "talk_prefill")
-
-        def step() -> Awaitable[Any]:
-            return _gather(engine, [{"slot": np.asarray(s, np.int64), "code": np.asarray(rng.integers(vocab), np.int64),
-                                     "reply": rng.standard_normal(e, np.float32) * 0.02} for s in range(n)], "talk_step")
-
-        ms = await _median_ms(step, run.device, run.repeat)
-        return {"step_ms": ms, "rtf": round(ms / 1000 / code_s, 3), "codes_per_s": round(n * 1000 / ms, 1),
-                "engine_steps_per_step": await _engine_steps(engine, step)}
-
-    try:
-        levels_out = await run.over(levels, one)
-    finally:
-        await engine.stop()
+    levels_out = await _talker_levels(
+        run, levels, talker,
+        ("talk_prefill", lambda s: {"slot": np.asarray(s, np.int64), "embeds": rng.standard_normal((prompt, e), np.float32) * 0.02,
+                                    "text_ids": np.full(prompt, plain, np.int64)}),
+        ("talk_step", lambda s: {"slot": np.asarray(s, np.int64), "code": np.asarray(rng.integers(vocab), np.int64),
+                                 "reply": rng.standard_normal(e, np.float32) * 0.02}),
+        code_s, "codes_per_s")
     return {"parameters": _params(talker.talker), "weights_gib": _weights_gib(talker.talker), "build_s": round(build_s, 1),
             "talker_prompt_positions": prompt, "code_ms": round(code_s * 1000, 3), "talker": levels_out}
+
+
+def _talker_and_codec(talker: dict[str, Any], codec: dict[str, Any], name: str) -> dict[str, Any]:
+    """A voice family's result: its talker's and its codec's, and the summary of both."""
+    return {**talker, **codec, "summary": {"talker_sessions_realtime": _largest(talker["talker"], lambda r: r["rtf"] <= 1.0),
+                                           f"{name}_rtf": {n: r.get("rtf") for n, r in codec[name]["levels"].items()}}}
 
 
 def _omni_code_s(cfg: Any) -> float:
@@ -493,8 +522,7 @@ async def bench_omni3(run: Run) -> dict[str, Any]:
     talker = await _omni3_talker(run, cfg)
     _free(run.device)
     codec = await _omni3_code2wav(run, cfg)
-    return {**talker, **codec, "summary": {"talker_sessions_realtime": _largest(talker["talker"], lambda r: r["rtf"] <= 1.0),
-                                           "code2wav_rtf": {n: r.get("rtf") for n, r in codec["code2wav"]["levels"].items()}}}
+    return _talker_and_codec(talker, codec, "code2wav")
 
 
 def _omni3_frame_s(cfg: Any) -> float:
@@ -510,32 +538,19 @@ async def _omni3_talker(run: Run, cfg: Any) -> dict[str, Any]:
     prompt = int(run.sizes["talker_prompt"])
     t0 = time.perf_counter()
     with _building(run.device, run.dtype):
-        talker = Omni3TalkerModule(None, slots=max(levels), max_len=prompt + 4 * run.repeat + 16, config=cfg, thinker=False)
+        talker = Omni3TalkerModule(None, slots=max(levels), max_len=_talker_max_len(run), config=cfg, thinker=False)
         _init_moe(talker.talker, float(tc.text_config.initializer_range))
     build_s = time.perf_counter() - t0
-    engine = run.torch_engine(talker, "omni_talker", realtime=True, max_batch=max(levels))
-    await engine.start()
     h, vocab = int(tc.text_config.hidden_size), int(tc.code_predictor_config.vocab_size)
     rng = np.random.default_rng(0)
     frame_s = _omni3_frame_s(cfg)
-
-    async def one(n: int) -> dict[str, Any]:
-        talker.lengths.zero_()
-        await _gather(engine, [{"slot": np.asarray(s, np.int64), "embeds": rng.standard_normal((prompt, h), np.float32) * 0.02,
-                                "talker_ids": np.zeros(prompt, np.int64), "seed": np.asarray(s, np.int64)} for s in range(n)], "prefill")
-
-        def step() -> Awaitable[Any]:
-            return _gather(engine, [{"slot": np.asarray(s, np.int64), "code": np.asarray(rng.integers(vocab), np.int64),
-                                     "text": rng.standard_normal(h, np.float32) * 0.02, "greedy": np.asarray(False)} for s in range(n)], "frame")
-
-        ms = await _median_ms(step, run.device, run.repeat)
-        return {"step_ms": ms, "rtf": round(ms / 1000 / frame_s, 3), "frames_per_s": round(n * 1000 / ms, 1),
-                "engine_steps_per_step": await _engine_steps(engine, step)}
-
-    try:
-        levels_out = await run.over(levels, one)
-    finally:
-        await engine.stop()
+    levels_out = await _talker_levels(
+        run, levels, talker,
+        ("prefill", lambda s: {"slot": np.asarray(s, np.int64), "embeds": rng.standard_normal((prompt, h), np.float32) * 0.02,
+                               "talker_ids": np.zeros(prompt, np.int64), "seed": np.asarray(s, np.int64)}),
+        ("frame", lambda s: {"slot": np.asarray(s, np.int64), "code": np.asarray(rng.integers(vocab), np.int64),
+                             "text": rng.standard_normal(h, np.float32) * 0.02, "greedy": np.asarray(False)}),
+        frame_s, "frames_per_s")
     return {"parameters": _params(talker.talker), "code_predictor_parameters": _params(talker.talker.code_predictor),
             "weights_gib": _weights_gib(talker.talker), "build_s": round(build_s, 1), "talker_prompt_positions": prompt,
             "frame_ms": round(frame_s * 1000, 3), "code_groups": int(tc.num_code_groups), "talker": levels_out}
@@ -840,10 +855,7 @@ async def run_shapes(shapes: str, device: str, dtype: str, families: list[str], 
             try:
                 out[fam] = {"checkpoint": sc.CHECKPOINTS[fam] if shapes == "real" else f"tiny:{sc.TINY[fam]}", **await BENCHES[fam](run)}
             except Exception as exc:  # noqa: BLE001 - one family's failure is reported; the others still run
-                oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-                if not oom:
-                    log.exception("shapes: %s failed", fam)
-                out[fam] = {"oom" if oom else "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"}
+                out[fam] = _failure(exc, fam)
             _free(dev)
         out[fam]["seconds"] = round(time.perf_counter() - t, 1)
         if progress is not None:

@@ -73,6 +73,13 @@ def _cache_config(cache: Mapping[str, Any] | None) -> Any:
     return FirstBlockCacheConfig(threshold=float(args.get("threshold", 0.05)))
 
 SUPPORTED = tuple(FAMILIES)
+# the pipeline parts that compute in the engine's dtype (SD3: T5-XXL is the third text encoder); the rest float32
+ENGINE_DTYPE_PARTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def _supported(cls_name: str) -> None:
+    if cls_name not in SUPPORTED:
+        raise EngineError(f"pipeline class {cls_name} is not supported by the step engine; supported: {', '.join(SUPPORTED)}")
 
 
 @dataclass(eq=False)  # jobs are compared by identity (their fields hold tensors)
@@ -176,24 +183,10 @@ class DiffusersEngine(Engine):
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         if self._built is not None:
-            return self._place(self._built)
-        try:
-            cls_name = diffusers.DiffusionPipeline.load_config(self.model_dir, local_files_only=True)["_class_name"]
-        except Exception as exc:  # noqa: BLE001 - reported with the directory's name
-            raise EngineError(f"{self.model_dir} is not a diffusers pipeline directory: {exc}") from None
-        if cls_name not in SUPPORTED:
-            raise EngineError(f"pipeline class {cls_name} is not supported by the step engine; supported: {', '.join(SUPPORTED)}")
-        # the transformer and text encoders in the engine's dtype (each model's own
-        # float32 modules kept, as from_pretrained keeps them); the rest float32
-        dtypes = {name: self.dtype for name in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3")}  # SD3: T5-XXL is the third
-        pipe = getattr(diffusers, cls_name).from_pretrained(self.model_dir, local_files_only=True, dtype={**dtypes, "default": torch.float32})
-        return self._place(pipe)
-
-    def _place(self, pipe: Any) -> Any:
-        if type(pipe).__name__ not in SUPPORTED:
-            raise EngineError(f"pipeline class {type(pipe).__name__} is not supported by the step engine; supported: {', '.join(SUPPORTED)}")
-        if pipe is self._built:  # built in process: the dtypes from_pretrained gives (each model's float32 modules kept)
-            for name in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            pipe = self._built
+            _supported(type(pipe).__name__)
+            # built in process: the dtypes from_pretrained gives below (each model's float32 modules kept)
+            for name in ENGINE_DTYPE_PARTS:
                 part = getattr(pipe, name, None)
                 if part is None:
                     continue
@@ -201,6 +194,19 @@ class DiffusersEngine(Engine):
                 for key, t in [*part.named_parameters(), *part.named_buffers()]:
                     if t.is_floating_point():
                         t.data = t.data.to(torch.float32 if any(k in key.split(".") for k in keep) else self.dtype)
+            return self._place(pipe)
+        try:
+            cls_name = diffusers.DiffusionPipeline.load_config(self.model_dir, local_files_only=True)["_class_name"]
+        except Exception as exc:  # noqa: BLE001 - reported with the directory's name
+            raise EngineError(f"{self.model_dir} is not a diffusers pipeline directory: {exc}") from None
+        _supported(cls_name)
+        # the transformer and text encoders in the engine's dtype (each model's own
+        # float32 modules kept, as from_pretrained keeps them); the rest float32
+        dtypes = {name: self.dtype for name in ENGINE_DTYPE_PARTS}
+        pipe = getattr(diffusers, cls_name).from_pretrained(self.model_dir, local_files_only=True, dtype={**dtypes, "default": torch.float32})
+        return self._place(pipe)
+
+    def _place(self, pipe: Any) -> Any:
         pipe.set_progress_bar_config(disable=True)
         pipe.to(self.device)
         if self.cache is not None:
